@@ -1,0 +1,44 @@
+# `make serve` and `make test` do all set-up on a fresh machine.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+MODEL_DIR ?= .models/tiny
+HOST ?= 127.0.0.1
+PORT ?= 8000
+REPLICAS ?= 2
+
+.PHONY: install serve test test-gpu tiny-model generate clean
+
+$(STAMP): pyproject.toml Makefile scripts/install_tools.sh
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# CPU machines get the CPU build of torch; machines with a CUDA driver get the default build.
+	if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q torch; \
+	else $(BIN)/pip install -q torch==2.13.0 || $(BIN)/pip install -q torch --index-url https://download.pytorch.org/whl/cpu; fi
+	$(BIN)/pip install -q -e '.[test]'
+	bash scripts/install_tools.sh $(VENV)
+	touch $(STAMP)
+
+install: $(STAMP)
+
+$(MODEL_DIR)/config.json: $(STAMP)
+	$(BIN)/hybrid-serve make-tiny-model $(MODEL_DIR)
+
+tiny-model: $(MODEL_DIR)/config.json
+
+serve: install tiny-model
+	$(BIN)/hybrid-serve serve --model-path $(MODEL_DIR) --host $(HOST) --port $(PORT) --replicas $(REPLICAS) \
+		--reasoning-parser nemotron_3 --tool-call-parser qwen3_coder
+
+generate: install tiny-model
+	$(BIN)/hybrid-serve generate --model-path $(MODEL_DIR) --prompt "Hello" --max-tokens 16
+
+test: install
+	$(BIN)/python -m pytest -q -x --durations=15 tests
+
+test-gpu: install
+	$(BIN)/python -m pytest -q -m gpu tests
+
+clean:
+	rm -rf $(VENV) .models

@@ -1,0 +1,31 @@
+"""`hybrid-serve` entry point: one subcommand per concern, each defined next to its code."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> "module:function" taking (argparse subparsers) and registering itself
+_SUBCOMMANDS = (
+    "service.engine.model.tiny:add_cli",          # make-tiny-model
+    "service.engine.generate_cli:add_cli",        # generate
+    "service.deployments.serve_cli:add_cli",      # serve
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybrid-serve", description="NemotronH hybrid inference service")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for spec in _SUBCOMMANDS:
+        module, func = spec.split(":")
+        getattr(importlib.import_module(module), func)(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

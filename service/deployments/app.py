@@ -1,0 +1,74 @@
+"""`build_app(args)`: the Ray Serve application (DESIGN §5) — an OpenAI ingress deployment in front of
+N engine replicas, routed by the prefix-aware `RequestRouter` (or Serve's default router).
+
+Used by `hybrid-serve serve`, by tests (`serve.run(build_app({...}))`) and by the Helm chart's
+`serveConfigV2` (`import_path: service.deployments.app:build_app`, `args:` = `AppArgs`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from service.deployments.args import AppArgs
+from service.deployments.engine_deployment import EngineDeployment
+from service.deployments.ingress import OpenAIIngress
+
+ROUTER_CLASS_PATH = "service.deployments.router.PrefixAwareRouter"
+ROUTING_STATS_PERIOD_S = 2.0          # how often replicas report their cached prefixes to the router
+ROUTING_REPORT_GRACE_S = 3 * ROUTING_STATS_PERIOD_S + 5.0  # dispatches younger than this outlive a report
+ENGINE_GRACEFUL_SHUTDOWN_S = 60.0     # drain: how long Serve waits for in-flight requests on shutdown
+QUEUED_REQUESTS_PER_REPLICA = 4       # handle-side queue bound (x max_ongoing_requests x replicas) -> 503
+
+
+def request_router_config(args: AppArgs) -> RequestRouterConfig:
+    """Router choice and knobs for the engine deployment."""
+    if args.router.kind == "default":
+        return RequestRouterConfig(request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
+    kwargs = {"w_prefix": args.router.w_prefix, "w_load": args.router.w_load,
+              "max_load_imbalance": args.router.max_load_imbalance,
+              "index_capacity_blocks": args.router.index_capacity_blocks,
+              "report_grace_s": ROUTING_REPORT_GRACE_S,
+              "default_block_size_tokens": args.page_size}
+    return RequestRouterConfig(request_router_class=ROUTER_CLASS_PATH, request_router_kwargs=kwargs,
+                               request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
+
+
+def engine_deployment_options(args: AppArgs) -> dict[str, Any]:
+    """`serve.deployment` options: replicas or autoscaling, resources, routing, drain."""
+    gpus = args.gpus_per_replica
+    options: dict[str, Any] = {
+        "name": "engine",
+        "max_ongoing_requests": args.max_ongoing_requests,
+        "max_queued_requests": QUEUED_REQUESTS_PER_REPLICA * args.max_ongoing_requests
+        * (args.max_replicas or args.replicas),
+        "request_router_config": request_router_config(args),
+        "graceful_shutdown_timeout_s": ENGINE_GRACEFUL_SHUTDOWN_S,
+        "graceful_shutdown_wait_loop_s": 1.0,
+        "health_check_period_s": 5.0,
+        "health_check_timeout_s": 30.0,
+    }
+    if args.min_replicas is not None or args.max_replicas is not None:
+        lo = args.min_replicas or 1
+        options["autoscaling_config"] = {"min_replicas": lo, "max_replicas": args.max_replicas or max(lo, args.replicas),
+                                         "initial_replicas": max(lo, args.replicas),
+                                         "target_ongoing_requests": args.target_ongoing_requests}
+    else:
+        options["num_replicas"] = args.replicas
+    if gpus > 1:   # TP x EP workers: one bundle per GPU, packed on one node; the replica actor takes the first
+        options["placement_group_bundles"] = [{"CPU": args.cpus_per_replica, "GPU": 1}] + [{"GPU": 1}] * (gpus - 1)
+        options["placement_group_strategy"] = "STRICT_PACK"
+        options["ray_actor_options"] = {"num_cpus": args.cpus_per_replica, "num_gpus": 1}
+    else:
+        options["ray_actor_options"] = {"num_cpus": args.cpus_per_replica, "num_gpus": gpus}
+    return options
+
+
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """Validate `args` with `AppArgs` and bind the ingress to the engine deployment."""
+    app_args = AppArgs.model_validate(args)
+    args_dict = app_args.model_dump(mode="json")
+    engine = serve.deployment(EngineDeployment).options(**engine_deployment_options(app_args)).bind(args_dict)
+    ingress = OpenAIIngress.options(name="openai", ray_actor_options={"num_cpus": 0.1}).bind(engine, args_dict)
+    return ingress

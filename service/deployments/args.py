@@ -1,0 +1,65 @@
+"""The one argument model of the Ray Serve app. The CLI builds it from flags, the Helm chart
+renders it into `serveConfigV2.applications[].args`; both validate against this class."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class RouterArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["prefix_aware", "default"] = "prefix_aware"
+    w_prefix: float = Field(1.0, ge=0)             # weight of matched/total prefix fraction
+    w_load: float = Field(0.5, ge=0)               # weight of normalised queue length
+    max_load_imbalance: int = Field(8, ge=1)       # per-request gate: skip affinity if target has this many more in flight
+    index_capacity_blocks: int = Field(200_000, ge=1)  # approximate index size per replica (blocks)
+
+
+class CanaryArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = True
+    interval_s: float = Field(300.0, gt=0)         # seconds between canary runs on each replica
+    audit_sample_rate: float = Field(0.01, ge=0, le=1)  # fraction of real prefix hits recomputed cold
+
+
+class AppArgs(BaseModel):
+    """Arguments of `service.deployments.app:build_app`."""
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model_path: str
+    served_model_name: str | None = None           # default: basename of model_path
+    replicas: int = Field(1, ge=1)                 # engine replicas (fixed count unless autoscaling set)
+    min_replicas: int | None = Field(None, ge=1)   # autoscaling lower bound
+    max_replicas: int | None = Field(None, ge=1)   # autoscaling upper bound
+    target_ongoing_requests: float = Field(32.0, gt=0)
+    tp: int = Field(1, ge=1)                       # tensor-parallel GPUs per replica
+    ep: int = Field(1, ge=1)                       # expert-parallel GPUs per replica
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    kernel_backend: Literal["torch", "triton"] = "torch"
+    page_size: int = Field(16, ge=1)
+    mamba_cache_strategy: Literal["off", "no_buffer", "extra_buffer"] = "extra_buffer"
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_model_len: int | None = Field(None, ge=1)
+    max_mamba_snapshots: int | None = Field(None, ge=1)
+    num_kv_pages: int | None = Field(None, ge=1)
+    reasoning_parser: Literal["nemotron_3"] | None = None
+    tool_call_parser: Literal["qwen3_coder"] | None = None
+    router: RouterArgs = Field(default_factory=RouterArgs)
+    canary: CanaryArgs = Field(default_factory=CanaryArgs)
+    cpus_per_replica: float = Field(1.0, gt=0)
+    max_ongoing_requests: int = Field(256, ge=1)   # per engine replica; beyond it requests get 503
+    route_prefix: str = "/"
+
+    @model_validator(mode="after")
+    def _check(self) -> "AppArgs":
+        if self.mamba_cache_strategy == "no_buffer" and self.page_size != 1:
+            raise ValueError("mamba_cache_strategy=no_buffer needs page_size=1")
+        if self.min_replicas is not None and self.max_replicas is not None and self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must be <= max_replicas")
+        return self
+
+    @property
+    def gpus_per_replica(self) -> int:
+        return self.tp * self.ep if self.device != "cpu" else 0

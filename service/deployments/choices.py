@@ -1,0 +1,170 @@
+"""Turning engine `GenerateChunk`s into OpenAI choices (full and streamed) for one request choice.
+
+One `ChoiceState` per choice accumulates token ids, text and logprobs, and — for chat — runs the
+reasoning and tool-call parsers, streaming (`delta_*`) or once at the end (`final_*`). The ingress
+owns the HTTP side; this module only builds `service.openai.protocol` objects.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from service.deployments.engine_deployment import GenerateChunk
+from service.engine.tokenizer import Tokenizer
+from service.openai import reasoning
+from service.openai.protocol import (
+    ChatCompletionChoice, ChatCompletionLogprobs, ChatCompletionStreamChoice, ChatMessageOut, ChatTokenLogprob,
+    CompletionChoice, CompletionLogprobs, CompletionStreamChoice, DeltaMessage,
+)
+from service.openai.tool_parser import ToolCallStreamParser, parse_tool_calls
+
+
+@dataclass(frozen=True)
+class ChoiceOptions:
+    """How one choice's output is post-processed."""
+    index: int                                  # choice index in the response
+    num_top_logprobs: int                       # top alternatives per token to report (0: none)
+    want_logprobs: bool                         # report logprobs at all
+    starts_in_reasoning: bool | None = None     # chat with a reasoning parser: prompt ended inside <think>
+    tools: list[dict[str, Any]] | None = None   # chat with the tool-call parser on: the request's tools
+
+
+def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def _top_pairs(tokenizer: Tokenizer, top: dict[int, float], k: int) -> list[tuple[str, float]]:
+    ranked = sorted(top.items(), key=lambda kv: kv[1], reverse=True)[:k]
+    return [(_token_text(tokenizer, t), lp) for t, lp in ranked]
+
+
+def chat_logprobs(tokenizer: Tokenizer, chunk_ids: tuple[int, ...], logprobs: tuple[float, ...] | None,
+                  top: tuple[dict[int, float], ...] | None, k: int) -> list[ChatTokenLogprob]:
+    """Chat-style logprob entries for consecutive generated tokens."""
+    if logprobs is None:
+        return []
+    return [ChatTokenLogprob.make(_token_text(tokenizer, t), lp,
+                                  _top_pairs(tokenizer, top[i], k) if top is not None and k > 0 else [])
+            for i, (t, lp) in enumerate(zip(chunk_ids, logprobs))]
+
+
+def completion_logprobs(tokenizer: Tokenizer, ids: tuple[int, ...], logprobs: tuple[float, ...] | None,
+                        top: tuple[dict[int, float], ...] | None, k: int, text_offset: int) -> CompletionLogprobs:
+    """Legacy parallel-list logprobs; `text_offset` is where the first token starts in the choice's text."""
+    out = CompletionLogprobs()
+    offset = text_offset
+    for i, (t, lp) in enumerate(zip(ids, logprobs or ())):
+        token = _token_text(tokenizer, t)
+        out.tokens.append(token)
+        out.token_logprobs.append(lp)
+        out.top_logprobs.append(dict(_top_pairs(tokenizer, top[i], k)) if top is not None and k > 0 else {})
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out
+
+
+@dataclass
+class ChoiceState:
+    """Everything produced so far for one choice, plus its streaming parsers."""
+    options: ChoiceOptions
+    tokenizer: Tokenizer
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprob_entries: list[ChatTokenLogprob] = field(default_factory=list)
+    completion_lp: CompletionLogprobs = field(default_factory=CompletionLogprobs)
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    sent_role: bool = False
+    saw_tool_call: bool = False
+    _reasoning: reasoning.ReasoningStreamParser | None = None
+    _tools: ToolCallStreamParser | None = None
+
+    def __post_init__(self) -> None:
+        if self.options.starts_in_reasoning is not None:
+            self._reasoning = reasoning.ReasoningStreamParser(self.options.starts_in_reasoning)
+        if self.options.tools:
+            self._tools = ToolCallStreamParser(self.options.tools)
+
+    def add(self, chunk: GenerateChunk) -> None:
+        """Accumulate one engine chunk (call before any `delta_*`)."""
+        self.token_ids.extend(chunk.token_ids)
+        self.text += chunk.text
+        self.num_cached_tokens = chunk.num_cached_tokens
+        if chunk.finish_reason is not None:
+            self.finish_reason = chunk.finish_reason
+
+    # ---- chat ----
+    def _chat_finish_reason(self) -> str:
+        if self.saw_tool_call:
+            return "tool_calls"
+        return "length" if self.finish_reason == "length" else "stop"
+
+    def final_chat(self) -> ChatCompletionChoice:
+        reasoning_text, content = None, self.text or None
+        if self.options.starts_in_reasoning is not None:
+            reasoning_text, content = reasoning.parse(self.text, self.options.starts_in_reasoning)
+        tool_calls = None
+        if self.options.tools and content:
+            content, calls = parse_tool_calls(content, self.options.tools)
+            tool_calls = calls or None
+            self.saw_tool_call = bool(calls)
+        lp = ChatCompletionLogprobs(content=self.logprob_entries) if self.options.want_logprobs else None
+        message = ChatMessageOut(content=content, reasoning_content=reasoning_text, tool_calls=tool_calls)
+        return ChatCompletionChoice(index=self.options.index, message=message, logprobs=lp,
+                                    finish_reason=self._chat_finish_reason())
+
+    def collect_logprobs(self, chunk: GenerateChunk) -> list[ChatTokenLogprob]:
+        entries = chat_logprobs(self.tokenizer, chunk.token_ids, chunk.logprobs, chunk.top_logprobs,
+                                self.options.num_top_logprobs) if self.options.want_logprobs else []
+        self.logprob_entries.extend(entries)
+        return entries
+
+    def delta_chat(self, chunk: GenerateChunk) -> ChatCompletionStreamChoice | None:
+        """The stream choice for one chunk (after `add`), or None when there is nothing to send yet."""
+        entries = self.collect_logprobs(chunk)
+        reasoning_delta, content_delta = "", chunk.text
+        if self._reasoning is not None:
+            reasoning_delta, content_delta = self._reasoning.feed(chunk.text)
+            if chunk.finish_reason is not None:
+                r_tail, c_tail = self._reasoning.finish()
+                reasoning_delta, content_delta = reasoning_delta + r_tail, content_delta + c_tail
+        tool_deltas = []
+        if self._tools is not None:
+            content_delta, tool_deltas = self._tools.feed(content_delta)
+            if chunk.finish_reason is not None:
+                c_tail, t_tail = self._tools.finish()
+                content_delta, tool_deltas = content_delta + c_tail, tool_deltas + t_tail
+            self.saw_tool_call = self.saw_tool_call or bool(tool_deltas)
+        delta = DeltaMessage(role=None if self.sent_role else "assistant", content=content_delta or None,
+                             reasoning_content=reasoning_delta or None, tool_calls=tool_deltas or None)
+        finish = self._chat_finish_reason() if chunk.finish_reason is not None else None
+        if not (content_delta or reasoning_delta or tool_deltas or entries or finish or not self.sent_role):
+            return None
+        self.sent_role = True
+        return ChatCompletionStreamChoice(index=self.options.index, delta=delta, finish_reason=finish,
+                                          logprobs=ChatCompletionLogprobs(content=entries) if entries else None)
+
+    # ---- completions ----
+    def _completion_lp(self, chunk: GenerateChunk, text_offset: int) -> CompletionLogprobs | None:
+        if not self.options.want_logprobs:
+            return None
+        return completion_logprobs(self.tokenizer, chunk.token_ids, chunk.logprobs, chunk.top_logprobs,
+                                   self.options.num_top_logprobs, text_offset)
+
+    def add_completion(self, chunk: GenerateChunk) -> CompletionStreamChoice | None:
+        """Accumulate and return the stream choice for one chunk (None when nothing new)."""
+        offset = len(self.text)
+        self.add(chunk)
+        lp = self._completion_lp(chunk, offset)
+        if lp is not None:
+            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                getattr(self.completion_lp, name).extend(getattr(lp, name))
+        finish = ("length" if self.finish_reason == "length" else "stop") if chunk.finish_reason else None
+        if not (chunk.text or chunk.token_ids or finish):
+            return None
+        return CompletionStreamChoice(index=self.options.index, text=chunk.text, logprobs=lp, finish_reason=finish)
+
+    def final_completion(self) -> CompletionChoice:
+        return CompletionChoice(index=self.options.index, text=self.text,
+                                logprobs=self.completion_lp if self.options.want_logprobs else None,
+                                finish_reason="length" if self.finish_reason == "length" else "stop")

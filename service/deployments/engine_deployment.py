@@ -1,0 +1,168 @@
+"""The engine deployment: one Ray Serve replica wrapping one `AsyncEngine` (DESIGN §5).
+
+The ingress calls `generate(prompt_token_ids, sampling_params, request_id)` through a streaming
+DeploymentHandle; the prefix-aware router reads `prompt_token_ids` (the first argument) to route.
+Each streamed item is a `GenerateChunk` holding only what is new since the previous one. Bad
+prompts come back as one chunk with `error` set (never an exception that would look like a replica
+failure). Cancelling the call (client disconnect) aborts the request in the engine.
+
+Serve hooks: `record_replica_metadata` publishes the snapshot grid (the router's block size),
+`record_routing_stats` the prefix hashes the cache can resume from (the router's index
+correction), `check_health` fails when the engine cannot report, `__del__` drains and shuts the
+engine down after Serve has waited for in-flight requests.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from service.deployments.args import AppArgs
+from service.deployments.metrics import EngineMetrics
+from service.engine import AsyncEngine, EngineConfig, SamplingParams
+
+logger = logging.getLogger("ray.serve")
+
+STATS_INTERVAL_S = 1.0            # how often engine.stats() is exported to the metrics
+ROUTING_REPORT_MAX_BLOCKS = 4096  # cached prefix hashes sent per routing-stats report
+
+
+@dataclass(frozen=True)
+class GenerateChunk:
+    """What one request produced since the previous chunk (engine replica -> ingress)."""
+    request_id: str
+    token_ids: tuple[int, ...]                          # newly generated token ids
+    text: str                                           # newly detokenised text (stop strings removed)
+    logprobs: tuple[float, ...] | None                  # chosen-token logprob per new id, if asked
+    top_logprobs: tuple[dict[int, float], ...] | None   # per new id: token id -> logprob, if asked
+    finish_reason: str | None                           # None while running; "stop" | "length" | "abort"
+    num_prompt_tokens: int                              # prompt length in tokens
+    num_cached_tokens: int                              # prompt tokens served from the prefix cache
+    error: str | None = None                            # set (alone) when the engine refused the request
+
+
+def engine_config_from_args(args: AppArgs) -> EngineConfig:
+    """The engine's configuration for one replica of this app."""
+    device = args.device
+    if device == "auto":
+        import torch  # noqa: PLC0415  (only the replica process decides its device)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return EngineConfig(
+        model_path=args.model_path, device=device, dtype=args.dtype, page_size=args.page_size,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, kernel_backend=args.kernel_backend,
+        mamba_cache_strategy=args.mamba_cache_strategy, max_mamba_snapshots=args.max_mamba_snapshots,
+        num_kv_pages=args.num_kv_pages, tp=args.tp, ep=args.ep)
+
+
+def _delta_chunk(out: Any, sent_tokens: int, sent_text: str, num_prompt_tokens: int) -> GenerateChunk:
+    """The part of a cumulative RequestOutput beyond what was already sent."""
+    new_text = out.text[len(sent_text):] if out.text.startswith(sent_text) else ""
+    return GenerateChunk(
+        request_id=out.request_id,
+        token_ids=tuple(out.token_ids[sent_tokens:]),
+        text=new_text,
+        logprobs=tuple(out.logprobs[sent_tokens:]) if out.logprobs is not None else None,
+        top_logprobs=tuple(out.top_logprobs[sent_tokens:]) if out.top_logprobs is not None else None,
+        finish_reason=out.finish_reason,
+        num_prompt_tokens=num_prompt_tokens,
+        num_cached_tokens=out.num_cached_tokens)
+
+
+class EngineDeployment:
+    """Serve deployment class; `app.build_app` wraps it with `serve.deployment` options."""
+
+    def __init__(self, app_args: dict[str, Any]):
+        self._args = AppArgs.model_validate(app_args)
+        self._engine = AsyncEngine(engine_config_from_args(self._args))
+        self._metrics = EngineMetrics()
+        self._report_seq = 0
+        self._stats_task: asyncio.Task | None = None
+        stats = self._engine.stats()
+        self._grid_tokens = int(stats["snapshot_grid_tokens"])
+        self._max_model_len = int(stats["max_model_len"])
+        self._ensure_stats_loop()
+
+    # ---- requests ----
+    async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[GenerateChunk]:
+        """Stream the request's progress as `GenerateChunk`s; the last has `finish_reason` set."""
+        self._ensure_stats_loop()
+        request_id = request_id or uuid.uuid4().hex
+        start = last = time.perf_counter()
+        ttft: float | None = None
+        gaps: list[float] = []
+        sent_tokens, sent_text, finished = 0, "", False
+        try:
+            async for out in self._engine.generate(list(prompt_token_ids), sampling_params, request_id=request_id):
+                chunk = _delta_chunk(out, sent_tokens, sent_text, len(prompt_token_ids))
+                now = time.perf_counter()
+                if chunk.token_ids:
+                    if ttft is None:
+                        ttft = now - start
+                    else:
+                        gaps.extend([(now - last) / len(chunk.token_ids)] * len(chunk.token_ids))
+                    last = now
+                sent_tokens, sent_text = len(out.token_ids), sent_text + chunk.text
+                finished = out.finish_reason is not None
+                yield chunk
+        except ValueError as exc:   # refused before any output: empty or too-long prompt, bad ids
+            finished = True
+            yield GenerateChunk(request_id, (), "", None, None, None, len(prompt_token_ids), 0, error=str(exc))
+        finally:
+            if not finished:        # cancelled (client went away) or failed mid-stream
+                await asyncio.shield(self._engine.abort(request_id))
+            self._metrics.observe_request(ttft, gaps, time.perf_counter() - start)
+
+    async def info(self) -> dict[str, Any]:
+        """Static facts the ingress needs (max_model_len, snapshot grid)."""
+        return {"max_model_len": self._max_model_len, "snapshot_grid_tokens": self._grid_tokens}
+
+    async def stats(self) -> dict[str, Any]:
+        """The engine's counters and gauges right now (tests and operators)."""
+        return dict(self._engine.stats())
+
+    # ---- Serve hooks ----
+    async def record_replica_metadata(self) -> dict[str, Any]:
+        return {"snapshot_grid_tokens": self._grid_tokens, "max_model_len": self._max_model_len}
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        self._ensure_stats_loop()
+        self._report_seq += 1
+        stats = self._engine.stats()
+        return {"report_seq": self._report_seq,
+                "cached_prefix_hashes": list(self._engine.cached_prefix_hashes(ROUTING_REPORT_MAX_BLOCKS)),
+                "num_requests_running": stats["num_requests_running"],
+                "num_requests_waiting": stats["num_requests_waiting"],
+                "kv_cache_usage_ratio": stats["kv_cache_usage_ratio"]}
+
+    async def check_health(self) -> None:
+        self._ensure_stats_loop()
+        self._engine.stats()   # raises if the engine's step loop has died
+
+    async def __del__(self) -> None:
+        if self._stats_task is not None:
+            self._stats_task.cancel()
+        await self._engine.shutdown()
+
+    # ---- metrics export ----
+    def _ensure_stats_loop(self) -> None:
+        """Start the periodic stats export on the replica's event loop (once, from any async hook)."""
+        if self._stats_task is not None and not self._stats_task.done():
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:   # constructed outside the event loop: the first async hook starts it
+            return
+        self._stats_task = loop.create_task(self._export_stats_forever())
+
+    async def _export_stats_forever(self) -> None:
+        while True:
+            try:
+                self._metrics.update_from_stats(self._engine.stats())
+            except Exception:   # a failed export must not stop future ones; health checks see real failures
+                logger.exception("exporting engine stats failed")
+            await asyncio.sleep(STATS_INTERVAL_S)

@@ -1,0 +1,63 @@
+"""The registry of every Prometheus metric the service exports (DESIGN §6).
+
+Pure data: the deployments create the live metrics from it, the Helm chart's dashboard and alert
+tests check their queries against it. Names are the Prometheus names as scraped (counters end in
+`_total`; Ray's metrics agent exports them under exactly these names)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    name: str                                   # Prometheus name as scraped
+    kind: Literal["counter", "gauge", "histogram"]
+    help: str
+    labels: tuple[str, ...] = ()                # besides the per-replica labels Ray adds
+    source: Literal["engine", "router", "canary", "ingress"] = "engine"
+
+
+_P = "hybrid_serve_"
+ENGINE_METRICS: tuple[MetricDef, ...] = (
+    MetricDef(_P + "prefix_cache_queried_tokens_total", "counter", "Prompt tokens looked up in the prefix cache"),
+    MetricDef(_P + "prefix_cache_hit_tokens_total", "counter", "Prompt tokens served from the prefix cache"),
+    MetricDef(_P + "mamba_snapshot_hits_total", "counter", "Prefix hits that resumed from a mamba snapshot"),
+    MetricDef(_P + "mamba_snapshot_misses_total", "counter",
+              "Lookups where KV matched deeper than the deepest mamba snapshot"),
+    MetricDef(_P + "cache_evictions_total", "counter", "Prefix-cache evictions", ("kind",)),
+    MetricDef(_P + "kv_cache_usage_ratio", "gauge", "Fraction of KV pages in use"),
+    MetricDef(_P + "mamba_cache_usage_ratio", "gauge", "Fraction of mamba state slots in use"),
+    MetricDef(_P + "num_requests_running", "gauge", "Requests in the running batch"),
+    MetricDef(_P + "num_requests_waiting", "gauge", "Requests waiting for admission"),
+    MetricDef(_P + "time_to_first_token_seconds", "histogram", "Time to first token"),
+    MetricDef(_P + "inter_token_latency_seconds", "histogram", "Time between consecutive output tokens"),
+    MetricDef(_P + "e2e_request_latency_seconds", "histogram", "End-to-end request latency"),
+    MetricDef(_P + "prompt_tokens_total", "counter", "Prompt tokens processed"),
+    MetricDef(_P + "generation_tokens_total", "counter", "Tokens generated"),
+)
+ROUTER_METRICS: tuple[MetricDef, ...] = (
+    MetricDef(_P + "router_decisions_total", "counter", "Routing decisions by reason", ("reason",), "router"),
+    MetricDef(_P + "router_predicted_hit_ratio", "histogram",
+              "Predicted prefix-hit fraction of the chosen replica", (), "router"),
+)
+CANARY_METRICS: tuple[MetricDef, ...] = (
+    MetricDef(_P + "canary_checks_total", "counter", "Accuracy canary checks run", ("kind",), "canary"),
+    MetricDef(_P + "canary_mismatches_total", "counter",
+              "Canary checks where cached and cold results differ", ("kind",), "canary"),
+    MetricDef(_P + "canary_max_state_rel_error", "gauge",
+              "Largest relative state error of the last canary run", (), "canary"),
+    MetricDef(_P + "canary_token_agreement_ratio", "gauge",
+              "Fraction of greedy tokens equal between cached and cold runs", (), "canary"),
+)
+ALL_METRICS: tuple[MetricDef, ...] = ENGINE_METRICS + ROUTER_METRICS + CANARY_METRICS
+
+
+def metric_names() -> frozenset[str]:
+    """Every name a scrape can contain (histograms add _bucket/_sum/_count)."""
+    names: set[str] = set()
+    for m in ALL_METRICS:
+        names.add(m.name)
+        if m.kind == "histogram":
+            names.update({m.name + "_bucket", m.name + "_sum", m.name + "_count"})
+    return frozenset(names)

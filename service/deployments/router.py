@@ -1,0 +1,137 @@
+"""Prefix-aware Ray Serve `RequestRouter` for the engine deployment (DESIGN §5).
+
+Runs inside whichever process holds the engine's DeploymentHandle (the OpenAI ingress). For a
+`generate(prompt_token_ids, ...)` call it hashes the prompt's blocks (block = the engine's snapshot
+grid, published by each replica's `record_replica_metadata`), scores the candidates with
+`prefix_index.decide` and returns them one per rank, best first. All state is router-local and
+updated without remote calls: the index and the in-flight count at dispatch (`on_request_routed`),
+the count again at completion, the index from the replicas' periodic routing stats
+(`cached_prefix_hashes`, applied when Serve broadcasts new replica info).
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Any, List, Optional
+
+from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
+
+from service.deployments.metrics import RouterMetrics
+from service.deployments.prefix_index import Decision, ReplicaPrefixIndex, ReplicaView, RouterPolicy, decide
+from service.engine.cache.block_hash import chained_block_hashes
+
+logger = logging.getLogger("ray.serve")
+
+GENERATE_METHOD = "generate"          # the engine deployment method whose first argument is the prompt's token ids
+_MAX_REMEMBERED_REQUESTS = 65_536     # bound on per-request state kept between choose and dispatch/completion
+
+
+def prompt_token_ids(pending_request: Optional[PendingRequest]) -> list[int] | None:
+    """The prompt's token ids of a `generate` call, or None for any other call."""
+    if pending_request is None or pending_request.metadata.call_method != GENERATE_METHOD:
+        return None
+    ids = pending_request.kwargs.get("prompt_token_ids")
+    if ids is None and pending_request.args:
+        ids = pending_request.args[0]
+    return list(ids) if isinstance(ids, (list, tuple)) else None
+
+
+class PrefixAwareRouter(RequestRouter):
+    """`request_router_kwargs` are `RouterPolicy` fields plus `default_block_size_tokens` (used until a
+    replica publishes its snapshot grid)."""
+
+    def initialize_state(self, default_block_size_tokens: int = 64, **policy_kwargs: Any) -> None:
+        self._policy = RouterPolicy(**policy_kwargs)
+        self._default_block_size_tokens = int(default_block_size_tokens)
+        self._indexes: dict[ReplicaID, ReplicaPrefixIndex] = {}
+        self._in_flight: dict[ReplicaID, int] = {}
+        self._dispatched_total: dict[ReplicaID, int] = {}
+        self._report_seq: dict[ReplicaID, Any] = {}
+        # internal request id -> (block hashes, decision) between choose_replicas and on_request_routed
+        self._decisions: OrderedDict[str, tuple[list[int], Decision]] = OrderedDict()
+        # internal request id -> replica it was dispatched to, until on_request_completed
+        self._routed: OrderedDict[str, ReplicaID] = OrderedDict()
+        self._metrics = RouterMetrics()
+
+    # ---- replica set and reports ----
+    def _index(self, replica_id: ReplicaID) -> ReplicaPrefixIndex:
+        index = self._indexes.get(replica_id)
+        if index is None:
+            index = self._indexes[replica_id] = ReplicaPrefixIndex(self._policy.index_capacity_blocks)
+        return index
+
+    def update_replicas(self, replicas: List[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        live = {r.replica_id for r in replicas}
+        for gone in [k for k in self._indexes if k not in live]:
+            self._forget(gone)
+        for r in replicas:
+            stats = r.routing_stats or {}
+            seq = stats.get("report_seq")
+            if seq is None or self._report_seq.get(r.replica_id) == seq:
+                continue
+            self._report_seq[r.replica_id] = seq
+            self._index(r.replica_id).apply_report(stats.get("cached_prefix_hashes", ()), self._policy.report_grace_s)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._forget(replica_id)
+
+    def _forget(self, replica_id: ReplicaID) -> None:
+        for table in (self._indexes, self._in_flight, self._dispatched_total, self._report_seq):
+            table.pop(replica_id, None)
+
+    def _block_size_tokens(self, replicas: List[RunningReplica]) -> int:
+        for r in replicas:
+            grid = r.replica_metadata.get("snapshot_grid_tokens")
+            if grid:
+                return int(grid)
+        return self._default_block_size_tokens
+
+    # ---- routing ----
+    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
+                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        ids = prompt_token_ids(pending_request)
+        hashes = chained_block_hashes(ids, self._block_size_tokens(candidate_replicas)) if ids else []
+        views = [ReplicaView(replica_key=r.replica_id,
+                             matched_blocks=self._index(r.replica_id).match_blocks(hashes),
+                             in_flight=self._in_flight.get(r.replica_id, 0),
+                             dispatched_total=self._dispatched_total.get(r.replica_id, 0),
+                             indexed_blocks=len(self._index(r.replica_id)))
+                 for r in candidate_replicas]
+        decision = decide(views, len(hashes), self._policy, has_prompt=ids is not None)
+        if pending_request is not None:
+            self._remember(self._decisions, pending_request.metadata.internal_request_id, (hashes, decision))
+            # after every rank was tried once, let Serve back off instead of spinning
+            pending_request.routing_context.should_backoff = True
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        return [[by_id[k]] for k in decision.ranking]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
+        request_id = pending_request.metadata.internal_request_id
+        hashes, decision = self._decisions.pop(request_id, ([], None))
+        self._in_flight[replica_id] = self._in_flight.get(replica_id, 0) + 1
+        self._dispatched_total[replica_id] = self._dispatched_total.get(replica_id, 0) + 1
+        self._remember(self._routed, request_id, replica_id)
+        index = self._index(replica_id)
+        if decision is not None and decision.ranking[0] == replica_id:
+            self._metrics.record_decision(decision.reason, decision.predicted_hit_ratio)
+        elif decision is not None:
+            self._metrics.record_decision("fallback", index.match_blocks(hashes) / len(hashes) if hashes else 0.0)
+        if hashes:
+            index.insert(hashes)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        routed_to = self._routed.pop(internal_request_id, None)
+        self._decisions.pop(internal_request_id, None)
+        if routed_to is not None and self._in_flight.get(routed_to, 0) > 0:
+            self._in_flight[routed_to] -= 1
+
+    @staticmethod
+    def _remember(table: OrderedDict, key: str, value: Any) -> None:
+        table[key] = value
+        table.move_to_end(key)
+        while len(table) > _MAX_REMEMBERED_REQUESTS:
+            table.popitem(last=False)

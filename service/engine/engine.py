@@ -1,0 +1,168 @@
+"""The synchronous engine: `step()` = schedule -> run -> update."""
+from __future__ import annotations
+
+import itertools
+import os
+import uuid
+from typing import Sequence
+
+from service.engine.cache.block_hash import chained_block_hashes
+from service.engine.cache.manager import CacheManager
+from service.engine.config import EngineConfig, ModelConfig
+from service.engine.output import OutputProcessor
+from service.engine.request import FinishReason, Request, RequestOutput, SamplingParams
+from service.engine.runner.model_runner import ModelRunner
+from service.engine.runner.sampler import SamplerOutput
+from service.engine.scheduler.scheduler import Scheduler, SchedulerOutput
+from service.engine.tokenizer import Tokenizer
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, model=None):
+        config.validate()
+        self.config = config
+        self.model_config = ModelConfig.from_model_path(config.model_path)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        has_tok = os.path.exists(os.path.join(config.model_path, "tokenizer.json"))
+        self.tokenizer = Tokenizer.from_model_path(config.model_path) if has_tok else None
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len, model)
+        self.cache = CacheManager(self.runner.pools, config.mamba_cache_strategy, config.page_size,
+                                  self.model_config.chunk_size, config.mamba_track_interval)
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
+        eos = self.tokenizer.eos_token_ids if self.tokenizer else self.model_config.eos_token_id
+        self.output = OutputProcessor(self.tokenizer, tuple(eos), self.max_model_len)
+        self.requests: dict[str, Request] = {}   # request_id -> unfinished request
+        self._order = itertools.count()
+        self.num_prompt_tokens = 0               # prompt tokens of admitted requests
+        self.num_generation_tokens = 0           # tokens sampled
+
+    # ---------- requests ----------
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        ids = self._prompt_ids(prompt)
+        rid = request_id or uuid.uuid4().hex
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        req = Request(rid, ids, params, next(self._order))
+        self.output.add_request(req)
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        self.num_prompt_tokens += len(ids)
+        return rid
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt is text but the model folder has no tokenizer.json; pass token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                             f"(prompt plus at least one generated token must fit)")
+        bad = next((t for t in ids if not 0 <= t < self.model_config.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt contains token id {bad}, outside the vocabulary [0, "
+                             f"{self.model_config.vocab_size})")
+        return ids
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        req.finish_reason = FinishReason.ABORT
+        self.scheduler.finish(req)
+        return self._retire(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---------- the step ----------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        sampled = self.runner.execute(sched)
+        outputs = self._update(sched, sampled)
+        if self.config.debug_integrity:
+            self.check_integrity()
+        return outputs
+
+    def _update(self, sched: SchedulerOutput, sampled: SamplerOutput) -> list[RequestOutput]:
+        outputs, row = [], 0
+        for s in sched.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            if s.snapshots:
+                self.cache.publish(req, s.snapshots)
+            if not s.sample:
+                continue
+            lp = sampled.logprobs[row] if sampled.logprobs else None
+            top = sampled.top_logprobs[row] if sampled.top_logprobs else None
+            self.output.append(req, sampled.token_ids[row], lp, top)
+            self.num_generation_tokens += 1
+            row += 1
+            if req.finish_reason is not None:
+                self.scheduler.finish(req)
+                self.requests.pop(req.request_id, None)
+                outputs.append(self._retire(req))
+            else:
+                outputs.append(self.output.make_output(req))
+        return outputs
+
+    def _retire(self, req: Request) -> RequestOutput:
+        out = self.output.make_output(req)
+        self.output.release(req.request_id)
+        self.runner.release(req.request_id)
+        return out
+
+    # ---------- convenience ----------
+    def generate(self, prompts: Sequence[str | Sequence[int]] | str,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids) and self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def stats(self) -> dict[str, float]:
+        c, pools = self.cache.counters, self.runner.pools
+        tree = self.cache.tree
+        return {
+            "prefix_cache_queried_tokens": c.queried_tokens, "prefix_cache_hit_tokens": c.hit_tokens,
+            "mamba_snapshot_hits": c.snapshot_hits, "mamba_snapshot_misses": c.snapshot_misses,
+            "cache_evictions_kv": tree.num_evicted_pages if tree else 0,
+            "cache_evictions_mamba": tree.num_evicted_snapshots if tree else 0,
+            "kv_cache_usage_ratio": pools.kv_usage(), "mamba_cache_usage_ratio": pools.mamba_usage(),
+            "num_requests_running": len(self.scheduler.running), "num_requests_waiting": len(self.scheduler.waiting),
+            "prompt_tokens": self.num_prompt_tokens, "generation_tokens": self.num_generation_tokens,
+            "snapshot_grid_tokens": self.cache.grid, "max_model_len": self.max_model_len,
+            "num_kv_pages_free": pools.pages.num_free, "num_live_slots_free": pools.live.num_free,
+            "num_snapshot_slots_free": pools.snapshots.num_free,
+        }
+
+    def cached_prefix_hashes(self, max_blocks: int = 100_000) -> list[int]:
+        """Chained block hashes (block = snapshot grid) of every prefix the cache can resume from."""
+        tree = self.cache.tree
+        if tree is None:
+            return []
+        out: set[int] = set()
+        for node, _depth in tree.snapshot_prefix_lengths():
+            out.update(chained_block_hashes(tree.path_tokens(node), self.cache.grid))
+            if len(out) >= max_blocks:
+                break
+        return list(out)[:max_blocks]
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity()
+        for req in self.scheduler.running:
+            assert req.live_slot is not None and req.live_slot in self.runner.pools.live.in_use
+            assert len(req.page_ids) * self.config.page_size >= req.num_computed_tokens

@@ -1,0 +1,57 @@
+"""NemotronH MoE routing and expert computation. Pure torch reference.
+
+Routing: fp32 logits `h @ W.T`, `s = sigmoid`, pick top-k of `s + bias` (group-limited when
+n_group > 1: keep the topk_group groups with the largest sum of their top-2), weights = s at the
+picked experts, renormalised if norm_topk_prob, times routed_scaling_factor.
+Experts: non-gated ReLU² MLPs `down(relu(up(x))**2)`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def moe_route_ref(h: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
+                  n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [T, d], gate_weight [E, d] -> (topk_weights [T, k] fp32, topk_ids [T, k] int64)."""
+    logits = F.linear(h.float(), gate_weight.float())
+    scores = logits.sigmoid()
+    choice = scores + correction_bias.float()
+    E = choice.shape[1]
+    if n_group > 1:
+        grouped = choice.view(-1, n_group, E // n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)                     # [T, n_group]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(topk_group, dim=-1).indices, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(E // n_group, dim=1), float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x).square()
+
+
+def moe_experts_ref(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor) -> torch.Tensor:
+    """x [T, d_in], up [E, I, d_in], down [E, d_in, I], topk [T, k] -> sum_k w * expert(x) [T, d_in].
+    Accumulates in fp32 like transformers (weights fp32), returns x's dtype."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    flat_ids = topk_ids.flatten()
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=up.shape[0]).tolist()
+    tok = order // topk_ids.shape[1]
+    w = topk_weights.flatten()[order]
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        t = tok[start:start + n]
+        hidden = F.linear(relu2(F.linear(x[t], up[e])), down[e])
+        out.index_add_(0, t, hidden.float() * w[start:start + n, None])
+        start += n
+    return out.to(x.dtype)

@@ -1,0 +1,22 @@
+"""RMSNorm and gated group RMSNorm (mamba output norm). Pure torch reference, fp32 math."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., d] -> weight * x / rms(x), computed in fp32, returned in x's dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * xf).to(x.dtype)
+
+
+def gated_group_rms_norm_ref(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,
+                             eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """y, z [T, Di]: (y * silu(z)) normalised over groups of group_size channels, times weight."""
+    h = y.float() * F.silu(z.float())
+    T, Di = h.shape
+    g = h.view(T, Di // group_size, group_size)
+    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * g.view(T, Di)).to(out_dtype)

@@ -1,0 +1,71 @@
+"""Mamba-2 mixer on slot-indexed conv/SSM state pools (DESIGN §2, §3)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from service.engine.config import ModelConfig
+from service.engine.kernels import Kernels
+from service.engine.kernels.ssd import dt_softplus_clamp, final_chunk_indices
+from service.engine.layers.meta import MambaMeta
+
+
+class Mamba2Mixer(nn.Module):
+    """Parameter names follow the HF checkpoint (`backbone.layers.{i}.mixer.*`)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.num_heads, self.head_dim = cfg.mamba_num_heads, cfg.mamba_head_dim
+        self.di, self.conv_dim = cfg.mamba_intermediate, cfg.conv_dim
+        self.gn = cfg.n_groups * cfg.ssm_state_size
+        self.in_proj = nn.Linear(cfg.hidden_size, cfg.in_proj_dim, bias=cfg.use_bias)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, cfg.conv_kernel, groups=self.conv_dim,
+                                bias=cfg.use_conv_bias)
+        self.dt_bias = nn.Parameter(torch.zeros(self.num_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_heads))
+        self.D = nn.Parameter(torch.ones(self.num_heads))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(self.di))
+        self.out_proj = nn.Linear(self.di, cfg.hidden_size, bias=cfg.use_bias)
+
+    def forward(self, h: torch.Tensor, meta: MambaMeta, conv_pool: torch.Tensor, ssm_pool: torch.Tensor,
+                k: Kernels) -> torch.Tensor:
+        """h [T, hidden]; conv_pool [S, conv_dim, K-1]; ssm_pool [S, H, P, N] fp32 (updated in place)."""
+        T = h.shape[0]
+        z, xbc, dt = self.in_proj(h).split([self.di, self.conv_dim, self.num_heads], dim=-1)
+        weight = self.conv1d.weight[:, 0, :]                                     # [D, K]
+        A = -torch.exp(self.A_log.float())
+        dt = dt_softplus_clamp(dt, self.dt_bias, self.cfg.dt_clamp)              # [T, H] fp32
+        snaps = meta.snapshots
+        if meta.decode_only:
+            xbc, new_conv = k.conv_update(xbc, weight, self.conv1d.bias, conv_pool[meta.slot_ids])
+            x, B, C = self._split(xbc, T)
+            y, new_ssm = k.selective_state_update(ssm_pool[meta.slot_ids], x, dt, A, B, C, self.D)
+            conv_pool[meta.slot_ids] = new_conv
+            ssm_pool[meta.slot_ids] = new_ssm
+            if not snaps.empty:
+                conv_pool[snaps.dest_slots] = new_conv[snaps.req_idx]
+                ssm_pool[snaps.dest_slots] = new_ssm[snaps.req_idx]
+        else:
+            init_conv = conv_pool[meta.slot_ids]
+            query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+            all_reqs = torch.arange(init_conv.shape[0], device=h.device)
+            if not snaps.empty:
+                conv_pool[snaps.dest_slots] = k.conv_windows(xbc, init_conv, meta.query_start_loc,
+                                                             snaps.req_idx, snaps.num_new_tokens)
+            conv_pool[meta.slot_ids] = k.conv_windows(xbc, init_conv, meta.query_start_loc, all_reqs, query_lens)
+            xbc = k.conv_varlen(xbc, weight, self.conv1d.bias, init_conv, meta.query_start_loc, meta.token_req)
+            x, B, C = self._split(xbc, T)
+            y, chunk_states = k.ssd_varlen(x, dt, A, B, C, self.D, ssm_pool[meta.slot_ids], meta.layout)
+            ssm_pool[meta.slot_ids] = chunk_states[final_chunk_indices(meta.layout)]
+            if not snaps.empty:
+                ssm_pool[snaps.dest_slots] = chunk_states[snaps.chunk_idx]
+        y = k.gated_rms_norm(y.reshape(T, self.di), z, self.norm.weight, self.di // self.cfg.n_groups,
+                             self.cfg.layer_norm_epsilon, h.dtype)
+        return self.out_proj(y)
+
+    def _split(self, xbc: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x, B, C = xbc.split([self.di, self.gn, self.gn], dim=-1)
+        G, N = self.cfg.n_groups, self.cfg.ssm_state_size
+        return x.reshape(T, self.num_heads, self.head_dim), B.reshape(T, G, N), C.reshape(T, G, N)

@@ -1,0 +1,40 @@
+"""Per-step metadata the layers read (built once per step by the runner, shared by all layers)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from service.engine.kernels.ssd import ChunkLayout
+
+
+@dataclass(frozen=True)
+class AttentionMeta:
+    kv_slot_mapping: torch.Tensor   # [T] int64: flat KV slot (page_id * page_size + offset) of each new token
+    page_table: torch.Tensor        # [B, max_pages] int64: page ids of each request (padded with 0)
+    query_start_loc: tuple[int, ...]  # B+1 host ints: flat offset of request i's first new token
+    prefix_lens: tuple[int, ...]    # B host ints: tokens already in the KV cache (p_i)
+    page_size: int                  # tokens per page
+
+
+@dataclass(frozen=True)
+class SnapshotPlan:
+    """States to copy into snapshot slots during this forward (DESIGN §3)."""
+    req_idx: torch.Tensor           # [n] int64: batch index of the request
+    num_new_tokens: torch.Tensor    # [n] int64: r = s - p_i, tokens of this extend before the snapshot point
+    chunk_idx: torch.Tensor         # [n] int64: chunk whose end state is the snapshot (prefill path)
+    dest_slots: torch.Tensor        # [n] int64: mamba pool slot receiving conv + ssm state
+
+    @property
+    def empty(self) -> bool:
+        return self.dest_slots.numel() == 0
+
+
+@dataclass(frozen=True)
+class MambaMeta:
+    slot_ids: torch.Tensor          # [B] int64: live mamba slot of each request
+    query_start_loc: torch.Tensor   # [B+1] int64 (device)
+    token_req: torch.Tensor         # [T] int64: request index of each token
+    decode_only: bool               # every request has exactly one new token: recurrence path
+    layout: ChunkLayout | None      # chunk layout for the SSD path (None when decode_only)
+    snapshots: SnapshotPlan         # snapshot copies to make in every mamba layer

@@ -1,0 +1,94 @@
+"""Load HF safetensors checkpoints (single file or sharded with an index) by the checkpoint's own names.
+
+Accepted name forms: `backbone.*` (NVIDIA's) or `model.*` (transformers' in-memory), per-expert
+`mixer.experts.{j}.up_proj.weight` or stacked `mixer.experts.up_proj`. `mtp.*` tensors (MTP heads)
+are skipped for now. Missing or unexpected tensors raise one `ValueError` that lists them."""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+_EXPERT = re.compile(r"^(backbone\.layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
+
+
+def checkpoint_files(model_path: str) -> list[str]:
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_path, s) for s in shards]
+    single = os.path.join(model_path, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    raise ValueError(f"no model.safetensors or model.safetensors.index.json in {model_path!r}")
+
+
+def _canonical(name: str) -> str:
+    if name.startswith("model."):
+        return "backbone." + name[len("model."):]
+    return name
+
+
+def load_weights(model: nn.Module, model_path: str, tie_word_embeddings: bool = False) -> None:
+    """Copies every checkpoint tensor into `model` (casting to the parameter's dtype/device)."""
+    params = dict(model.named_parameters())
+    expected: set[str] = set()
+    for name, p in params.items():
+        if name.endswith("experts.up_proj") or name.endswith("experts.down_proj"):
+            expected.update(f"{name[:-len('.up_proj')] if name.endswith('up_proj') else name[:-len('.down_proj')]}"
+                            f".{j}.{name.rsplit('.', 1)[1]}.weight" for j in range(p.shape[0]))
+        else:
+            expected.add(name)
+    if tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for path in checkpoint_files(model_path):
+        with safe_open(path, framework="pt") as f:
+            for raw in f.keys():
+                name = _canonical(raw)
+                if name.startswith("mtp."):
+                    continue
+                target, index = _resolve(name, params)
+                if target is None:
+                    unexpected.append(raw)
+                    continue
+                _copy(target, index, f.get_tensor(raw), raw)
+                loaded.update(_loaded_names(name, index, target))
+    missing = sorted(expected - loaded)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {model_path!r} does not match the model: "
+                         f"missing tensors {missing[:50]}{' ...' if len(missing) > 50 else ''}; "
+                         f"unexpected tensors {sorted(unexpected)[:50]}")
+    if tie_word_embeddings:
+        model.lm_head.weight = model.backbone.embeddings.weight
+
+
+def _resolve(name: str, params: dict[str, nn.Parameter]) -> tuple[nn.Parameter | None, int | None]:
+    m = _EXPERT.match(name)
+    if m:
+        return params.get(f"{m.group(1)}.{m.group(3)}"), int(m.group(2))
+    if name.endswith(".gate.e_score_correction_bias") or name in params:
+        return params.get(name), None
+    return None, None
+
+
+def _loaded_names(name: str, index: int | None, target: nn.Parameter) -> list[str]:
+    if index is not None:
+        return [name]
+    if name.endswith("experts.up_proj") or name.endswith("experts.down_proj"):  # stacked form
+        base, proj = name.rsplit(".", 1)
+        return [f"{base}.{j}.{proj}.weight" for j in range(target.shape[0])]
+    return [name]
+
+
+def _copy(target: nn.Parameter, index: int | None, tensor: torch.Tensor, raw: str) -> None:
+    dst = target.data if index is None else target.data[index]
+    if tuple(dst.shape) != tuple(tensor.shape):
+        raise ValueError(f"tensor {raw!r} has shape {tuple(tensor.shape)}, the model expects {tuple(dst.shape)}")
+    dst.copy_(tensor.to(dtype=dst.dtype))

@@ -1,0 +1,82 @@
+"""ForwardBatch: the flat tensors of one step, built from the SchedulerOutput without per-token loops."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from service.engine.kernels.ssd import build_chunk_layout, snapshot_chunk_indices
+from service.engine.layers.meta import AttentionMeta, MambaMeta, SnapshotPlan
+from service.engine.scheduler.scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    input_ids: torch.Tensor        # [T] int64 token ids of all scheduled tokens, request-major
+    attn: AttentionMeta
+    mamba: MambaMeta
+    logits_indices: torch.Tensor   # [R] int64 flat index of the last token of each sampling request
+    sample_rows: tuple[int, ...]   # R batch indices (into scheduled) whose next token is sampled
+
+
+def _ids_of(sched: SchedulerOutput) -> np.ndarray:
+    parts = []
+    for s in sched.scheduled:
+        toks = s.request.prompt_token_ids, s.request.output_token_ids
+        p, n = s.prefix_len, s.num_new_tokens
+        lp = len(toks[0])
+        if p + n <= lp:
+            parts.append(np.asarray(toks[0][p:p + n], dtype=np.int64))
+        else:
+            parts.append(np.asarray((toks[0][p:] if p < lp else []) + toks[1][max(0, p - lp):p + n - lp],
+                                    dtype=np.int64))
+    return np.concatenate(parts)
+
+
+def build_forward_batch(sched: SchedulerOutput, page_size: int, chunk_size: int,
+                        device: torch.device) -> ForwardBatch:
+    reqs = sched.scheduled
+    B = len(reqs)
+    qlens = np.array([s.num_new_tokens for s in reqs], dtype=np.int64)
+    plens = np.array([s.prefix_len for s in reqs], dtype=np.int64)
+    qsl = np.zeros(B + 1, dtype=np.int64)
+    np.cumsum(qlens, out=qsl[1:])
+    T = int(qsl[-1])
+    token_req = np.repeat(np.arange(B), qlens)
+    positions = plens[token_req] + (np.arange(T) - qsl[token_req])
+    max_pages = max(len(s.request.page_ids) for s in reqs)
+    page_table = np.zeros((B, max_pages), dtype=np.int64)
+    for i, s in enumerate(reqs):
+        page_table[i, :len(s.request.page_ids)] = s.request.page_ids
+    slot_mapping = page_table[token_req, positions // page_size] * page_size + positions % page_size
+    sample_rows = tuple(i for i, s in enumerate(reqs) if s.sample)
+    logits_idx = qsl[1:][list(sample_rows)] - 1
+
+    def dev(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+    attn = AttentionMeta(dev(slot_mapping), dev(page_table), tuple(qsl.tolist()), tuple(plens.tolist()), page_size)
+    decode_only = bool((qlens == 1).all())
+    layout = None if decode_only else build_chunk_layout(qlens.tolist(), plens.tolist(), chunk_size, device)
+    mamba = MambaMeta(
+        slot_ids=dev(np.array([s.request.live_slot for s in reqs], dtype=np.int64)),
+        query_start_loc=dev(qsl), token_req=dev(token_req), decode_only=decode_only, layout=layout,
+        snapshots=_snapshot_plan(sched, layout, device))
+    return ForwardBatch(dev(_ids_of(sched)), attn, mamba, dev(logits_idx), sample_rows)
+
+
+def _snapshot_plan(sched: SchedulerOutput, layout, device: torch.device) -> SnapshotPlan:
+    req_idx, num_new, positions, dests = [], [], [], []
+    plens = [s.prefix_len for s in sched.scheduled]
+    for i, s in enumerate(sched.scheduled):
+        for pt in s.snapshots:
+            req_idx.append(i)
+            num_new.append(pt.position - s.prefix_len)
+            positions.append(pt.position)
+            dests.append(pt.slot_id)
+    chunk_idx = snapshot_chunk_indices(layout, req_idx, positions, plens) if (layout is not None and req_idx) \
+        else [0] * len(req_idx)
+
+    def t(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.int64, device=device)
+    return SnapshotPlan(t(req_idx), t(num_new), t(chunk_idx), t(dests))

@@ -1,0 +1,93 @@
+"""Model execution: builds the model and pools, runs one scheduled step, samples."""
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from service.engine.cache.pools import PoolSizes, StatePools
+from service.engine.config import EngineConfig, ModelConfig
+from service.engine.kernels import get_kernels
+from service.engine.model.nemotron_h import NemotronHForCausalLM
+from service.engine.model.weights import load_weights
+from service.engine.runner.batch import build_forward_batch
+from service.engine.runner.sampler import Sampler, SamplerOutput
+from service.engine.scheduler.scheduler import SchedulerOutput
+
+log = logging.getLogger("hybrid_serve.engine")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(cfg: EngineConfig, model_cfg: ModelConfig) -> torch.dtype:
+    if cfg.dtype != "auto":
+        return _DTYPES[cfg.dtype]
+    if not cfg.device.startswith("cuda"):
+        return torch.float32
+    return _DTYPES.get(model_cfg.torch_dtype, torch.bfloat16)
+
+
+def default_pool_sizes(cfg: EngineConfig, max_model_len: int) -> PoolSizes:
+    pages_per_seq = math.ceil(min(max_model_len, 2048) / cfg.page_size)
+    num_pages = cfg.num_kv_pages or max(2 * cfg.max_num_seqs * pages_per_seq, math.ceil(max_model_len / cfg.page_size))
+    snapshots = cfg.max_mamba_snapshots if cfg.max_mamba_snapshots is not None else 2 * cfg.max_num_seqs
+    live = cfg.num_mamba_slots or cfg.max_num_seqs
+    return PoolSizes(num_kv_pages=num_pages + 1, num_live_slots=live,
+                     num_snapshot_slots=snapshots if cfg.mamba_cache_strategy != "off" else 0)
+
+
+def build_model(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                load: bool = True) -> NemotronHForCausalLM:
+    kernels = get_kernels(cfg.kernel_backend)
+    log.info("kernel backend: %s", kernels.name)
+    with torch.device(device):
+        model = NemotronHForCausalLM(model_cfg, kernels)
+    model.to(dtype)
+    for block in model.backbone.layers:       # router stays fp32 (as in the checkpoint)
+        if hasattr(block.mixer, "gate"):
+            block.mixer.gate.float()
+    if load:
+        load_weights(model, cfg.model_path, model_cfg.tie_word_embeddings)
+    return model.eval()
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int,
+                 model: NemotronHForCausalLM | None = None):
+        self.cfg, self.model_cfg = cfg, model_cfg
+        self.device = torch.device(cfg.device)
+        self.dtype = resolve_dtype(cfg, model_cfg)
+        self.model = model if model is not None else build_model(cfg, model_cfg, self.dtype, self.device)
+        m = model_cfg
+        self.pool_sizes = default_pool_sizes(cfg, max_model_len)
+        self.pools = StatePools(
+            self.pool_sizes, cfg.page_size, len(m.attention_layer_ids), m.num_key_value_heads, m.head_dim,
+            len(m.mamba_layer_ids), m.conv_dim, m.conv_kernel, m.mamba_num_heads, m.mamba_head_dim,
+            m.ssm_state_size, self.dtype, self.device)
+        self.sampler = Sampler(self.device, cfg.seed)
+        self.generators: dict[str, torch.Generator] = {}   # request_id -> seeded generator
+
+    def execute(self, sched: SchedulerOutput) -> SamplerOutput:
+        """Slot copies, one forward over the packed batch, sampling of the rows that reached their end."""
+        self.pools.copy_slots([s for s, _ in sched.slot_copies], [d for _, d in sched.slot_copies])
+        self.pools.zero_slots(list(sched.slot_zeros))
+        batch = build_forward_batch(sched, self.cfg.page_size, self.model_cfg.chunk_size, self.device)
+        logits = self.model(batch.input_ids, batch.attn, batch.mamba, batch.logits_indices,
+                            self.pools.kv, self.pools.conv, self.pools.ssm)
+        if not batch.sample_rows:
+            return SamplerOutput([], None, None)
+        reqs = [sched.scheduled[i].request for i in batch.sample_rows]
+        gens = [self._generator(r.request_id, r.params.seed) for r in reqs]
+        return self.sampler(logits, [r.params for r in reqs], gens)
+
+    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        if request_id not in self.generators:
+            g = torch.Generator(device=self.device)
+            g.manual_seed(seed)
+            self.generators[request_id] = g
+        return self.generators[request_id]
+
+    def release(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
