@@ -11,12 +11,11 @@ from typing import Any
 
 from service.deployments.engine_deployment import GenerateChunk
 from service.engine.tokenizer import Tokenizer
-from service.openai import reasoning
+from service.openai.chat_output import ChatOutputStreamParser, chat_finish_reason, parse_chat_output
 from service.openai.protocol import (
     ChatCompletionChoice, ChatCompletionLogprobs, ChatCompletionStreamChoice, ChatMessageOut, ChatTokenLogprob,
     CompletionChoice, CompletionLogprobs, CompletionStreamChoice, DeltaMessage,
 )
-from service.openai.tool_parser import ToolCallStreamParser, parse_tool_calls
 
 
 @dataclass(frozen=True)
@@ -25,8 +24,17 @@ class ChoiceOptions:
     index: int                                  # choice index in the response
     num_top_logprobs: int                       # top alternatives per token to report (0: none)
     want_logprobs: bool                         # report logprobs at all
-    starts_in_reasoning: bool | None = None     # chat with a reasoning parser: prompt ended inside <think>
-    tools: list[dict[str, Any]] | None = None   # chat with the tool-call parser on: the request's tools
+    reasoning_parser: str | None = None         # chat: "nemotron_3" or None
+    tool_parser: str | None = None              # chat: "qwen3_coder" when the request enables tools, else None
+    tools: tuple[Any, ...] | None = None        # chat: the request's tools (typing the arguments)
+    starts_in_reasoning: bool = False           # chat: the rendered prompt ended inside <think>
+
+
+def _merge_deltas(a: DeltaMessage | None, b: DeltaMessage | None) -> DeltaMessage:
+    parts = [d for d in (a, b) if d is not None]
+    join = lambda name: "".join(getattr(d, name) or "" for d in parts) or None  # noqa: E731
+    calls = [c for d in parts for c in (d.tool_calls or [])]
+    return DeltaMessage(content=join("content"), reasoning_content=join("reasoning_content"), tool_calls=calls or None)
 
 
 def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
@@ -75,15 +83,12 @@ class ChoiceState:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     sent_role: bool = False
-    saw_tool_call: bool = False
-    _reasoning: reasoning.ReasoningStreamParser | None = None
-    _tools: ToolCallStreamParser | None = None
+    _parser: ChatOutputStreamParser | None = None
 
     def __post_init__(self) -> None:
-        if self.options.starts_in_reasoning is not None:
-            self._reasoning = reasoning.ReasoningStreamParser(self.options.starts_in_reasoning)
-        if self.options.tools:
-            self._tools = ToolCallStreamParser(self.options.tools)
+        o = self.options
+        self._parser = ChatOutputStreamParser(reasoning_parser=o.reasoning_parser, tool_parser=o.tool_parser,
+                                              tools=o.tools, starts_in_reasoning=o.starts_in_reasoning)
 
     def add(self, chunk: GenerateChunk) -> None:
         """Accumulate one engine chunk (call before any `delta_*`)."""
@@ -94,24 +99,15 @@ class ChoiceState:
             self.finish_reason = chunk.finish_reason
 
     # ---- chat ----
-    def _chat_finish_reason(self) -> str:
-        if self.saw_tool_call:
-            return "tool_calls"
-        return "length" if self.finish_reason == "length" else "stop"
-
     def final_chat(self) -> ChatCompletionChoice:
-        reasoning_text, content = None, self.text or None
-        if self.options.starts_in_reasoning is not None:
-            reasoning_text, content = reasoning.parse(self.text, self.options.starts_in_reasoning)
-        tool_calls = None
-        if self.options.tools and content:
-            content, calls = parse_tool_calls(content, self.options.tools)
-            tool_calls = calls or None
-            self.saw_tool_call = bool(calls)
-        lp = ChatCompletionLogprobs(content=self.logprob_entries) if self.options.want_logprobs else None
-        message = ChatMessageOut(content=content, reasoning_content=reasoning_text, tool_calls=tool_calls)
-        return ChatCompletionChoice(index=self.options.index, message=message, logprobs=lp,
-                                    finish_reason=self._chat_finish_reason())
+        o = self.options
+        out = parse_chat_output(self.text, reasoning_parser=o.reasoning_parser, tool_parser=o.tool_parser,
+                                tools=o.tools, starts_in_reasoning=o.starts_in_reasoning)
+        lp = ChatCompletionLogprobs(content=self.logprob_entries) if o.want_logprobs else None
+        message = ChatMessageOut(content=out.content, reasoning_content=out.reasoning_content,
+                                 tool_calls=list(out.tool_calls) or None)
+        return ChatCompletionChoice(index=o.index, message=message, logprobs=lp,
+                                    finish_reason=chat_finish_reason(self.finish_reason or "stop", bool(out.tool_calls)))
 
     def collect_logprobs(self, chunk: GenerateChunk) -> list[ChatTokenLogprob]:
         entries = chat_logprobs(self.tokenizer, chunk.token_ids, chunk.logprobs, chunk.top_logprobs,
@@ -122,25 +118,18 @@ class ChoiceState:
     def delta_chat(self, chunk: GenerateChunk) -> ChatCompletionStreamChoice | None:
         """The stream choice for one chunk (after `add`), or None when there is nothing to send yet."""
         entries = self.collect_logprobs(chunk)
-        reasoning_delta, content_delta = "", chunk.text
-        if self._reasoning is not None:
-            reasoning_delta, content_delta = self._reasoning.feed(chunk.text)
-            if chunk.finish_reason is not None:
-                r_tail, c_tail = self._reasoning.finish()
-                reasoning_delta, content_delta = reasoning_delta + r_tail, content_delta + c_tail
-        tool_deltas = []
-        if self._tools is not None:
-            content_delta, tool_deltas = self._tools.feed(content_delta)
-            if chunk.finish_reason is not None:
-                c_tail, t_tail = self._tools.finish()
-                content_delta, tool_deltas = content_delta + c_tail, tool_deltas + t_tail
-            self.saw_tool_call = self.saw_tool_call or bool(tool_deltas)
-        delta = DeltaMessage(role=None if self.sent_role else "assistant", content=content_delta or None,
-                             reasoning_content=reasoning_delta or None, tool_calls=tool_deltas or None)
-        finish = self._chat_finish_reason() if chunk.finish_reason is not None else None
-        if not (content_delta or reasoning_delta or tool_deltas or entries or finish or not self.sent_role):
+        assert self._parser is not None
+        delta = self._parser.feed(chunk.text) if chunk.text else None
+        finish = None
+        if chunk.finish_reason is not None:
+            delta = _merge_deltas(delta, self._parser.finish())
+            finish = chat_finish_reason(chunk.finish_reason, self._parser.has_tool_calls)
+        if delta is None and not entries and finish is None and self.sent_role:
             return None
-        self.sent_role = True
+        delta = delta or DeltaMessage()
+        if not self.sent_role:
+            delta.role = "assistant"
+            self.sent_role = True
         return ChatCompletionStreamChoice(index=self.options.index, delta=delta, finish_reason=finish,
                                           logprobs=ChatCompletionLogprobs(content=entries) if entries else None)
 

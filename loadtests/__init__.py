@@ -1,0 +1,1 @@
+"""Load generators for a running hybrid-serve endpoint (see `bench_client`)."""

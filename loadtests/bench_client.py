@@ -1,0 +1,178 @@
+"""Async benchmark client for an OpenAI-compatible endpoint (hybrid-serve or any other).
+
+    python -m loadtests.bench_client --base-url http://127.0.0.1:8000/v1 --workload shared_prefix \
+        --groups 8 --per-group 8 --concurrency 16 --max-tokens 32
+
+Every request streams (`stream_options.include_usage`), so the client measures time to first token,
+inter-token latency (per content chunk) and end-to-end latency, and reads prompt / cached /
+completion tokens from the final usage chunk. Output: one JSON summary (percentiles in seconds).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+from loadtests.workloads import multi_turn_sessions, shared_prefix_workload
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """Measurements of one streamed chat completion."""
+    ttft_s: float | None             # request start -> first content/reasoning delta
+    itl_s: tuple[float, ...]         # gaps between consecutive deltas
+    e2e_s: float                     # request start -> [DONE]
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    text: str                        # content (reasoning excluded)
+    error: str | None = None         # error message when the request failed
+
+
+@dataclass
+class Summary:
+    """Aggregate of a benchmark run (latencies in seconds)."""
+    num_requests: int
+    num_errors: int
+    duration_s: float
+    output_tokens_per_s: float
+    cache_hit_ratio: float           # sum(cached_tokens) / sum(prompt_tokens)
+    ttft: dict[str, float] = field(default_factory=dict)
+    itl: dict[str, float] = field(default_factory=dict)
+    e2e: dict[str, float] = field(default_factory=dict)
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    values = sorted(values)
+    pick = lambda q: values[min(len(values) - 1, int(q * len(values)))]  # noqa: E731
+    return {"mean": statistics.fmean(values), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+
+
+async def stream_chat(client: httpx.AsyncClient, model: str, messages: list[dict[str, str]], max_tokens: int,
+                      temperature: float = 0.0, extra: dict[str, Any] | None = None) -> RequestResult:
+    """One streamed chat completion, measured."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
+            "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
+    start = time.perf_counter()
+    ttft, last, gaps, text, usage = None, start, [], [], {}
+    async with client.stream("POST", "/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            detail = (await resp.aread()).decode(errors="replace")
+            return RequestResult(None, (), time.perf_counter() - start, 0, 0, 0, "", f"HTTP {resp.status_code}: {detail}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            if "error" in event:
+                return RequestResult(ttft, tuple(gaps), time.perf_counter() - start, 0, 0, 0, "".join(text),
+                                     event["error"].get("message", "error"))
+            usage = event.get("usage") or usage
+            for choice in event.get("choices", []):
+                delta = choice.get("delta", {})
+                if delta.get("content") or delta.get("reasoning_content"):
+                    now = time.perf_counter()
+                    if ttft is None:
+                        ttft = now - start
+                    else:
+                        gaps.append(now - last)
+                    last = now
+                    text.append(delta.get("content") or "")
+    details = usage.get("prompt_tokens_details") or {}
+    return RequestResult(ttft, tuple(gaps), time.perf_counter() - start, usage.get("prompt_tokens", 0),
+                         details.get("cached_tokens", 0), usage.get("completion_tokens", 0), "".join(text))
+
+
+def summarize(results: list[RequestResult], duration_s: float) -> Summary:
+    ok = [r for r in results if r.error is None]
+    prompt = sum(r.prompt_tokens for r in ok)
+    return Summary(
+        num_requests=len(results), num_errors=len(results) - len(ok), duration_s=duration_s,
+        output_tokens_per_s=sum(r.completion_tokens for r in ok) / duration_s if duration_s > 0 else 0.0,
+        cache_hit_ratio=sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
+        ttft=_percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
+        itl=_percentiles([g for r in ok for g in r.itl_s]),
+        e2e=_percentiles([r.e2e_s for r in ok]))
+
+
+async def bench_shared_prefix(client: httpx.AsyncClient, model: str, groups: int, per_group: int, concurrency: int,
+                              max_tokens: int, prefix_words: int = 200, seed: int = 0) -> Summary:
+    """Chat requests sharing per-group system prompts, `concurrency` in flight."""
+    workload = shared_prefix_workload(groups, per_group, 0, 0, (0, 1), prefix_words=prefix_words, seed=seed)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(messages: list[dict[str, str]]) -> RequestResult:
+        async with gate:
+            return await stream_chat(client, model, messages, max_tokens)
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(one(r.messages) for r in workload))
+    return summarize(list(results), time.perf_counter() - start)
+
+
+async def bench_multi_turn(client: httpx.AsyncClient, model: str, sessions: int, turns: int, concurrency: int,
+                           max_tokens: int, seed: int = 0) -> Summary:
+    """Conversations that resend their growing history each turn; sessions run concurrently."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def converse(session: Any) -> list[RequestResult]:
+        history = [{"role": "system", "content": session.system}]
+        out = []
+        for turn in session.user_turns:
+            history.append({"role": "user", "content": turn})
+            async with gate:
+                result = await stream_chat(client, model, list(history), max_tokens)
+            out.append(result)
+            history.append({"role": "assistant", "content": result.text})
+        return out
+
+    start = time.perf_counter()
+    per_session = await asyncio.gather(*(converse(s) for s in multi_turn_sessions(sessions, turns, seed=seed)))
+    return summarize([r for rs in per_session for r in rs], time.perf_counter() - start)
+
+
+async def _first_model(client: httpx.AsyncClient) -> str:
+    resp = await client.get("/models")
+    resp.raise_for_status()
+    return resp.json()["data"][0]["id"]
+
+
+async def _main(ns: argparse.Namespace) -> Summary:
+    async with httpx.AsyncClient(base_url=ns.base_url, timeout=ns.timeout_s,
+                                 headers={"Authorization": f"Bearer {ns.api_key}"}) as client:
+        model = ns.model or await _first_model(client)
+        if ns.workload == "shared_prefix":
+            return await bench_shared_prefix(client, model, ns.groups, ns.per_group, ns.concurrency, ns.max_tokens,
+                                             ns.prefix_words, ns.seed)
+        return await bench_multi_turn(client, model, ns.sessions, ns.turns, ns.concurrency, ns.max_tokens, ns.seed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    p.add_argument("--api-key", default="none")
+    p.add_argument("--model", default=None, help="default: the first model of /v1/models")
+    p.add_argument("--workload", choices=("shared_prefix", "multi_turn"), default="shared_prefix")
+    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--per-group", type=int, default=8)
+    p.add_argument("--prefix-words", type=int, default=200)
+    p.add_argument("--sessions", type=int, default=8)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--timeout-s", type=float, default=300.0)
+    p.add_argument("--seed", type=int, default=0)
+    summary = asyncio.run(_main(p.parse_args(argv)))
+    print(json.dumps(asdict(summary), indent=2))
+    return 1 if summary.num_errors else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,336 @@
+"""The OpenAI-compatible HTTP ingress (DESIGN §5): `/v1/models`, `/v1/completions`,
+`/v1/chat/completions` (SSE streaming and not), `/health`.
+
+The ingress validates the body (`service.openai.protocol`), renders the chat template, tokenizes,
+checks the context length, builds `SamplingParams`, then opens one streaming engine call per choice
+(`generate(prompt_token_ids, params, request_id)`, routed by the prefix-aware router) and waits for
+each call's first chunk before answering, so that refusals become proper HTTP errors. Errors are
+OpenAI error objects: 400 bad parameters / prompt too long (`context_length_exceeded`), 404 unknown
+model, 503 overloaded or no engine. A client that goes away cancels the engine calls, which abort
+the requests in the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import pydantic
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+
+from service.deployments.args import AppArgs
+from service.deployments.choices import ChoiceOptions, ChoiceState
+from service.deployments.engine_deployment import GenerateChunk
+from service.engine import SamplingParams
+from service.engine.tokenizer import Tokenizer
+from service.openai import reasoning
+from service.openai.protocol import (
+    ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse, CompletionRequest,
+    CompletionResponse, CompletionStreamResponse, ErrorResponse, ModelCard, ModelList, Usage,
+    error_from_validation, random_id, to_sampling_kwargs,
+)
+from service.openai.responses import SSE_DONE, sse_event
+
+logger = logging.getLogger("ray.serve")
+HEALTH_TIMEOUT_S = 5.0
+
+
+class APIError(Exception):
+    """Raised inside a handler; becomes the OpenAI error response it carries."""
+
+    def __init__(self, response: ErrorResponse):
+        super().__init__(response.error.message)
+        self.response = response
+
+
+def _error_json(err: ErrorResponse) -> JSONResponse:
+    return JSONResponse(err.model_dump(mode="json"), status_code=err.status_code)
+
+
+def _invalid(message: str, param: str | None, code: str | None = None) -> APIError:
+    return APIError(ErrorResponse.make(message, param=param, status=400, code=code))
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """One tokenized prompt and the sampling parameters of each of its choices."""
+    token_ids: list[int]              # prompt token ids
+    params: list[SamplingParams]      # one per choice (seeds differ when a seed is given)
+    first_choice_index: int           # response index of this prompt's first choice
+
+
+@dataclass
+class OpenStream:
+    """One engine call whose first chunk has arrived."""
+    choice_index: int
+    first: GenerateChunk
+    rest: Any                         # the DeploymentResponseGenerator (already advanced past `first`)
+
+
+@serve.ingress()
+class OpenAIIngress:
+    """Serve deployment holding a handle to the engine deployment (the router lives in this process)."""
+
+    async def __init__(self, engine: DeploymentHandle, app_args: dict[str, Any]):
+        self._args = AppArgs.model_validate(app_args)
+        self._engine = engine
+        self._engine_stream = engine.options(stream=True)
+        self._tokenizer = Tokenizer.from_model_path(self._args.model_path)
+        self._model_name = self._args.served_model_name or os.path.basename(self._args.model_path.rstrip("/"))
+        info = await engine.info.remote()
+        self._max_model_len = int(info["max_model_len"])
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        app = FastAPI(title="hybrid-serve", docs_url=None, redoc_url=None)
+        app.add_api_route("/v1/models", self.list_models, methods=["GET"])
+        app.add_api_route("/v1/chat/completions", self._guard(self.chat_completions), methods=["POST"])
+        app.add_api_route("/v1/completions", self._guard(self.completions), methods=["POST"])
+        app.add_api_route("/health", self.health, methods=["GET"])
+        return app
+
+    @staticmethod
+    def _guard(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        """Map every failure of a handler to an OpenAI error response (a replica never crashes on input)."""
+        async def guarded(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except APIError as exc:
+                return _error_json(exc.response)
+            except BackPressureError:
+                return _error_json(ErrorResponse.make("The server is overloaded; retry later.", status=503,
+                                                      code="overloaded"))
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("request failed")
+                return _error_json(ErrorResponse.make("Internal error while generating.", status=500,
+                                                      code="internal_error"))
+        return guarded
+
+    # ---- simple endpoints ----
+    async def list_models(self) -> JSONResponse:
+        card = ModelCard(id=self._model_name, root=self._args.model_path, max_model_len=self._max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+
+    async def health(self) -> Response:
+        try:
+            await asyncio.wait_for(self._engine.info.remote(), timeout=HEALTH_TIMEOUT_S)
+        except Exception:  # any failure to reach an engine replica means "not healthy"
+            return _error_json(ErrorResponse.make("No engine replica answered.", status=503, code="unavailable"))
+        return JSONResponse({"status": "ok"})
+
+    # ---- shared request preparation ----
+    async def _parse(self, request: Request, model: type[pydantic.BaseModel]) -> Any:
+        body = await request.body()
+        try:
+            parsed = model.model_validate_json(body)
+        except pydantic.ValidationError as exc:
+            raise APIError(error_from_validation(exc)) from None
+        if parsed.model is not None and parsed.model != self._model_name:
+            raise APIError(ErrorResponse.make(f"The model '{parsed.model}' does not exist; this server serves "
+                                              f"'{self._model_name}'.", param="model", status=404,
+                                              code="model_not_found"))
+        return parsed
+
+    def _prepare(self, req: Any, token_ids: list[int], param: str, first_choice_index: int) -> PreparedPrompt:
+        """Length checks and per-choice SamplingParams for one prompt."""
+        if not token_ids:
+            raise _invalid(f"'{param}' must not be empty.", param)
+        budget = self._max_model_len - len(token_ids)
+        if budget < 1:
+            raise _invalid(f"This model's maximum context length is {self._max_model_len} tokens; the {param} has "
+                           f"{len(token_ids)} tokens.", param, code="context_length_exceeded")
+        kwargs = to_sampling_kwargs(req, default_max_tokens=budget)
+        if kwargs["max_tokens"] > budget:
+            raise _invalid(f"max_tokens ({kwargs['max_tokens']}) plus the prompt ({len(token_ids)} tokens) exceeds "
+                           f"the maximum context length of {self._max_model_len} tokens.", "max_tokens",
+                           code="context_length_exceeded")
+        params = []
+        for i in range(req.n):
+            seed = None if kwargs["seed"] is None else kwargs["seed"] + i
+            try:
+                params.append(SamplingParams(**{**kwargs, "seed": seed}, skip_special_tokens=req.skip_special_tokens))
+            except ValueError as exc:
+                raise _invalid(str(exc), str(exc).split(" ", 1)[0]) from None
+        return PreparedPrompt(token_ids, params, first_choice_index)
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+        try:
+            text = self._tokenizer.apply_chat_template(req.template_messages(), tools=req.template_tools(),
+                                                       add_generation_prompt=True, **(req.chat_template_kwargs or {}))
+        except ValueError as exc:
+            raise _invalid(str(exc), "messages") from None
+        return text, self._tokenizer.encode(text)
+
+    def _completion_prompts(self, req: CompletionRequest) -> list[PreparedPrompt]:
+        prepared = []
+        for k, prompt in enumerate(req.prompts()):
+            if isinstance(prompt, str):
+                ids = self._tokenizer.encode(prompt)
+            else:
+                ids = list(prompt)
+                try:
+                    self._tokenizer.validate_token_ids(ids, field="prompt")
+                except ValueError as exc:
+                    raise _invalid(str(exc), "prompt") from None
+            prepared.append(self._prepare(req, ids, "prompt", k * req.n))
+        return prepared
+
+    # ---- engine calls ----
+    async def _open(self, prompts: list[PreparedPrompt], request_id: str) -> list[OpenStream]:
+        """Start every choice's engine call and wait for each first chunk; refusals raise APIError."""
+        calls = [(p.first_choice_index + i, p.token_ids, params) for p in prompts for i, params in enumerate(p.params)]
+        gens = [self._engine_stream.generate.remote(ids, params, f"{request_id}-{idx}") for idx, ids, params in calls]
+        try:
+            firsts = await asyncio.gather(*(g.__anext__() for g in gens))
+        except BaseException:
+            for g in gens:
+                g.cancel()
+            raise
+        streams = [OpenStream(idx, first, g) for (idx, _, _), first, g in zip(calls, firsts, gens)]
+        refused = next((s.first.error for s in streams if s.first.error), None)
+        if refused is not None:
+            for s in streams:
+                s.rest.cancel()
+            raise _invalid(refused, "prompt" if "prompt" in refused else None,
+                           code="context_length_exceeded" if "max_model_len" in refused else None)
+        return streams
+
+    @staticmethod
+    async def _merged(streams: list[OpenStream]) -> AsyncIterator[tuple[int, GenerateChunk]]:
+        """(choice index, chunk) from all streams as they arrive; cancels every call when left early."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(s: OpenStream) -> None:
+            try:
+                await queue.put((s.choice_index, s.first))
+                if s.first.finish_reason is None:
+                    async for chunk in s.rest:
+                        await queue.put((s.choice_index, chunk))
+                await queue.put((s.choice_index, None))
+            except Exception as exc:   # handed to the consumer, which re-raises it
+                await queue.put((s.choice_index, exc))
+
+        tasks = [asyncio.create_task(pump(s)) for s in streams]
+        remaining = len(streams)
+        try:
+            while remaining:
+                index, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            for s in streams:
+                s.rest.cancel()
+
+    @staticmethod
+    def _check_not_aborted(chunk: GenerateChunk) -> None:
+        if chunk.finish_reason == "abort":
+            raise APIError(ErrorResponse.make("The engine aborted the request (shutting down?); retry.",
+                                              status=503, code="aborted"))
+
+    def _usage(self, prompts: list[PreparedPrompt], states: list[ChoiceState]) -> Usage:
+        return Usage.make(prompt_tokens=sum(len(p.token_ids) for p in prompts),
+                          completion_tokens=sum(len(s.token_ids) for s in states),
+                          cached_tokens=max((s.num_cached_tokens for s in states), default=0))
+
+    # ---- /v1/chat/completions ----
+    async def chat_completions(self, request: Request) -> Response:
+        req: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
+        prompt_text, ids = self._chat_prompt(req)
+        prompt = self._prepare(req, ids, "messages", 0)
+        tool_parser = self._args.tool_call_parser if req.tools_enabled else None
+        options = [ChoiceOptions(i, req.top_logprobs or 0, req.logprobs, reasoning_parser=self._args.reasoning_parser,
+                                 tool_parser=tool_parser, tools=tuple(req.tools or ()),
+                                 starts_in_reasoning=reasoning.prompt_starts_in_reasoning(prompt_text))
+                   for i in range(req.n)]
+        states = [ChoiceState(o, self._tokenizer) for o in options]
+        request_id = random_id("chatcmpl")
+        streams = await self._open([prompt], request_id)
+        if req.stream:
+            return StreamingResponse(self._chat_events(req, request_id, [prompt], streams, states),
+                                     media_type="text/event-stream")
+        async for index, chunk in self._merged(streams):
+            self._check_not_aborted(chunk)
+            states[index].add(chunk)
+            states[index].collect_logprobs(chunk)
+        response = ChatCompletionResponse(id=request_id, model=self._model_name,
+                                          choices=[s.final_chat() for s in states],
+                                          usage=self._usage([prompt], states))
+        return JSONResponse(response.model_dump(mode="json"))
+
+    async def _chat_events(self, req: ChatCompletionRequest, request_id: str, prompts: list[PreparedPrompt],
+                           streams: list[OpenStream], states: list[ChoiceState]) -> AsyncIterator[str]:
+        head = ChatCompletionStreamResponse(id=request_id, model=self._model_name, choices=[])
+
+        def event(**fields: Any) -> str:
+            return sse_event(ChatCompletionStreamResponse(id=head.id, created=head.created, model=head.model, **fields))
+
+        async for text in self._events(streams, states, lambda: self._usage(prompts, states), event, chat=True,
+                                       include_usage=req.include_usage_in_stream):
+            yield text
+
+    # ---- /v1/completions ----
+    async def completions(self, request: Request) -> Response:
+        req: CompletionRequest = await self._parse(request, CompletionRequest)
+        prompts = self._completion_prompts(req)
+        k = req.logprobs or 0
+        states = [ChoiceState(ChoiceOptions(i, k, req.logprobs is not None), self._tokenizer)
+                  for i in range(len(prompts) * req.n)]
+        request_id = random_id("cmpl")
+        streams = await self._open(prompts, request_id)
+        if req.stream:
+            head = CompletionStreamResponse(id=request_id, model=self._model_name, choices=[])
+
+            def event(**fields: Any) -> str:
+                return sse_event(CompletionStreamResponse(id=head.id, created=head.created, model=head.model, **fields))
+
+            return StreamingResponse(self._events(streams, states, lambda: self._usage(prompts, states), event,
+                                                  chat=False, include_usage=req.include_usage_in_stream),
+                                     media_type="text/event-stream")
+        async for index, chunk in self._merged(streams):
+            self._check_not_aborted(chunk)
+            states[index].add_completion(chunk)
+        response = CompletionResponse(id=request_id, model=self._model_name,
+                                      choices=[s.final_completion() for s in states],
+                                      usage=self._usage(prompts, states))
+        return JSONResponse(response.model_dump(mode="json"))
+
+    # ---- SSE ----
+    async def _events(self, streams: list[OpenStream], states: list[ChoiceState], usage: Callable[[], Usage],
+                      event: Callable[..., str], chat: bool, include_usage: bool) -> AsyncIterator[str]:
+        """SSE text for a chat or completion stream; a failure mid-stream becomes an error event."""
+        try:
+            async for index, chunk in self._merged(streams):
+                self._check_not_aborted(chunk)
+                state = states[index]
+                if chat:
+                    state.add(chunk)
+                    choice = state.delta_chat(chunk)
+                else:
+                    choice = state.add_completion(chunk)
+                if choice is not None:
+                    yield event(choices=[choice])
+            if include_usage:
+                yield event(choices=[], usage=usage())
+        except APIError as exc:
+            yield f"data: {exc.response.model_dump_json()}\n\n"
+        except BackPressureError:
+            yield f"data: {ErrorResponse.make('The server is overloaded.', status=503).model_dump_json()}\n\n"
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("stream failed")
+            yield f"data: {ErrorResponse.make('Internal error while generating.', status=500).model_dump_json()}\n\n"
+        yield SSE_DONE

@@ -1,0 +1,98 @@
+"""`hybrid-serve serve`: start (or join) Ray, run the app, print how to call it, block until Ctrl-C,
+then drain and shut down. Flag names follow SGLang where one exists."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+from typing import Any
+
+# CLI flag dest -> AppArgs field (flags left unset keep AppArgs' defaults)
+_ARG_FIELDS = {
+    "model_path": "model_path", "served_model_name": "served_model_name", "tp": "tp", "ep": "ep",
+    "replicas": "replicas", "page_size": "page_size", "mamba_scheduler_strategy": "mamba_cache_strategy",
+    "reasoning_parser": "reasoning_parser", "tool_call_parser": "tool_call_parser",
+    "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
+    "max_model_len": "max_model_len", "kernel_backend": "kernel_backend", "device": "device", "dtype": "dtype",
+}
+APP_NAME = "hybrid-serve"
+
+
+def add_cli(subparsers: Any) -> None:
+    p = subparsers.add_parser("serve", help="serve a model behind an OpenAI-compatible endpoint (Ray Serve)",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model-path", required=True, help="folder with config.json, weights and tokenizer")
+    p.add_argument("--served-model-name", default=None, help="model name in the API (default: folder name)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel GPUs per replica")
+    p.add_argument("--ep", type=int, default=None, help="expert-parallel GPUs per replica")
+    p.add_argument("--replicas", type=int, default=None, help="engine replicas")
+    p.add_argument("--page-size", type=int, default=None, help="tokens per KV page")
+    p.add_argument("--mamba-scheduler-strategy", choices=("off", "no_buffer", "extra_buffer"), default=None,
+                   help="mamba prefix-cache strategy")
+    p.add_argument("--reasoning-parser", choices=("nemotron_3",), default=None)
+    p.add_argument("--tool-call-parser", choices=("qwen3_coder",), default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="running requests per replica at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per engine step")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--kernel-backend", choices=("torch", "triton"), default=None)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None)
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=None)
+    p.add_argument("--router", choices=("prefix_aware", "default"), default="prefix_aware",
+                   help="request router of the engine deployment")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.set_defaults(func=run_serve)
+
+
+def app_args_from_cli(ns: argparse.Namespace) -> dict[str, Any]:
+    """The `AppArgs` dict for these flags (unset flags omitted)."""
+    args = {field: getattr(ns, dest) for dest, field in _ARG_FIELDS.items() if getattr(ns, dest) is not None}
+    args["router"] = {"kind": ns.router}
+    return args
+
+
+def _usage_text(host: str, port: int, model: str) -> str:
+    base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    return (f"\nhybrid-serve is up: {base}/v1 (model '{model}')\n\n"
+            f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
+            f"\"max_tokens\": 32}}'\n\n"
+            f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='none'); "
+            f"print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hello'}}], "
+            f"max_tokens=32).choices[0].message)\"\n\n"
+            f"  metrics: Ray's metrics endpoint (ray_hybrid_serve_*); health: {base}/health\n"
+            f"Press Ctrl-C to stop.\n")
+
+
+def run_serve(ns: argparse.Namespace) -> int:
+    import ray  # noqa: PLC0415  (heavy imports only for this subcommand)
+    from ray import serve  # noqa: PLC0415
+
+    from service.deployments.app import build_app  # noqa: PLC0415
+    from service.deployments.args import AppArgs  # noqa: PLC0415
+
+    app_args = AppArgs.model_validate(app_args_from_cli(ns))
+    joined = bool(os.environ.get("RAY_ADDRESS"))
+    if joined:
+        ray.init(address=os.environ["RAY_ADDRESS"])
+    else:   # local: enough logical CPUs for every replica plus the ingress, whatever the core count
+        ray.init(num_cpus=max(os.cpu_count() or 1, int(app_args.replicas * app_args.cpus_per_replica) + 2))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": ns.host, "port": ns.port})
+        serve.run(build_app(app_args.model_dump(mode="json")), name=APP_NAME, route_prefix=app_args.route_prefix)
+        model = app_args.served_model_name or os.path.basename(app_args.model_path.rstrip("/"))
+        print(_usage_text(ns.host, ns.port, model), flush=True)
+        while not stop.wait(0.5):
+            pass
+        print("shutting down: draining in-flight requests ...", flush=True)
+    finally:
+        if joined:   # leave the cluster's other applications alone
+            serve.delete(APP_NAME)
+        else:
+            serve.shutdown()
+        ray.shutdown()
+    return 0
