@@ -28,6 +28,7 @@ logger = logging.getLogger("ray.serve")
 
 STATS_INTERVAL_S = 1.0            # how often engine.stats() is exported to the metrics
 ROUTING_REPORT_MAX_BLOCKS = 4096  # cached prefix hashes sent per routing-stats report
+HEALTH_TIMEOUT_S = 10.0           # the engine thread must answer a health probe within this
 
 
 @dataclass(frozen=True)
@@ -134,14 +135,15 @@ class EngineDeployment:
         self._report_seq += 1
         stats = self._engine.stats()
         return {"report_seq": self._report_seq,
-                "cached_prefix_hashes": list(self._engine.cached_prefix_hashes(ROUTING_REPORT_MAX_BLOCKS)),
+                "cached_prefix_hashes": list(await self._engine.cached_prefix_hashes(ROUTING_REPORT_MAX_BLOCKS)),
                 "num_requests_running": stats["num_requests_running"],
                 "num_requests_waiting": stats["num_requests_waiting"],
                 "kv_cache_usage_ratio": stats["kv_cache_usage_ratio"]}
 
     async def check_health(self) -> None:
+        """A round trip through the engine thread's command queue: fails (or times out) if it is stuck or dead."""
         self._ensure_stats_loop()
-        self._engine.stats()   # raises if the engine's step loop has died
+        await asyncio.wait_for(self._engine.cached_prefix_hashes(1), timeout=HEALTH_TIMEOUT_S)
 
     async def __del__(self) -> None:
         if self._stats_task is not None:

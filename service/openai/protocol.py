@@ -84,9 +84,10 @@ def error_from_validation(exc: pydantic.ValidationError) -> ErrorResponse:
     union_errors = [e for e in errors if e["loc"][:1] == first["loc"][:1]]
     err = max(union_errors, key=lambda e: len(e["loc"]))
     ctx_error = (err.get("ctx") or {}).get("error")
-    if isinstance(ctx_error, ParamError):
-        return ErrorResponse.make(str(ctx_error), param=ctx_error.param)
     param = _loc_to_param(tuple(err["loc"]))
+    if isinstance(ctx_error, ParamError):  # raised by a model validator at `loc`; its param is relative
+        full = f"{param}.{ctx_error.param}" if param else ctx_error.param
+        return ErrorResponse.make(f"Invalid value for parameter '{full}': {ctx_error}.", param=full)
     msg = str(err["msg"]).removeprefix("Value error, ")
     if err["type"] == "missing":
         message = f"Missing required parameter '{param}'."
@@ -159,11 +160,11 @@ class ChatMessage(_Lenient):
     @model_validator(mode="after")
     def _role_rules(self) -> "ChatMessage":
         if self.role == "tool" and self.tool_call_id is None:
-            raise ValueError("a 'tool' message needs 'tool_call_id'")
+            raise ParamError("tool_call_id", "a 'tool' message needs 'tool_call_id'")
         if self.role != "assistant" and self.content is None:
-            raise ValueError(f"a '{self.role}' message needs 'content'")
+            raise ParamError("content", f"a '{self.role}' message needs 'content'")
         if self.role != "assistant" and self.tool_calls:
-            raise ValueError("only 'assistant' messages may carry 'tool_calls'")
+            raise ParamError("tool_calls", "only 'assistant' messages may carry 'tool_calls'")
         return self
 
     def text(self) -> str | None:

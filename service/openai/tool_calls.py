@@ -23,8 +23,8 @@ Rules (both paths):
   `</tool_call>`. A repeated parameter name keeps its first value.
 - A call starts once `<function=NAME>` is complete after `<tool_call>` and ends at `</function>` (plus an
   optional `</tool_call>`) or at `</tool_call>`. Several calls per message are parsed.
-- Unknown function names are kept (as vLLM does), their values stay strings, and they are flagged:
-  `DeltaEvent.known_function` is False on the name event and `unknown_tool_names()` lists them.
+- Unknown function names are kept (as vLLM does), their values stay strings, and they are flagged (not
+  logged here): `DeltaEvent.known_function` is False on the name event and `unknown_tool_names()` lists them.
 - A `<tool_call>` block that never gets a complete `<function=NAME>` before `</tool_call>` (or the end of
   the text) is not a call: its raw text stays content.
 - Content is the text outside calls; whitespace that only separates text from a call (just before
@@ -40,15 +40,12 @@ the OpenAI `DeltaToolCall`.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from service.openai.responses import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall, tool_call_id
-
-logger = logging.getLogger(__name__)
 
 TC_OPEN, TC_CLOSE = "<tool_call>", "</tool_call>"
 FN_OPEN, FN_CLOSE = "<function=", "</function>"
@@ -229,8 +226,6 @@ def parse(text: str, tools: Sequence[Any] | None) -> tuple[str | None, list[Tool
             continue
         content.append(seg.rstrip())
         name, body_start = header
-        if name not in schemas:
-            logger.warning("model called unknown tool %r", name)
         args, pos = _parse_body(text, body_start, schemas.get(name))
         calls.append(ToolCall(function=FunctionCall(name=name, arguments=json.dumps(args, ensure_ascii=False))))
         after_call = True
@@ -337,11 +332,8 @@ class ToolCallStreamParser:
         header = _find_header(self._buf, 0)
         if header is not None:
             self._name, end = header
-            known = self._name in self._schemas
-            if not known:
-                logger.warning("model called unknown tool %r", self._name)
             events.append(DeltaEvent(tool_index=self._num_calls, tool_call_id=tool_call_id(), name=self._name,
-                                     known_function=known))
+                                     known_function=self._name in self._schemas))
             self._num_calls += 1
             self._keys = set()
             self._buf, self._pending_ws, self._state = self._buf[end:], "", "func"

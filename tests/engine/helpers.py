@@ -1,0 +1,43 @@
+"""Test helpers that drive the engine's real data path."""
+from __future__ import annotations
+
+import torch
+
+from service.engine import Engine, EngineConfig, SamplingParams
+from service.engine.request import Request
+from service.engine.runner.batch import build_forward_batch
+from service.engine.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+
+
+def make_engine(path: str, **kw) -> Engine:
+    base = dict(model_path=path, page_size=4, max_num_seqs=8, max_num_batched_tokens=256, debug_integrity=True)
+    base.update(kw)
+    return Engine(EngineConfig(**base))
+
+
+def full_prefill_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
+    """Logits at every prompt position from one cold prefill through the engine's batch builder and pools."""
+    pools = engine.runner.pools
+    req = Request("probe", list(ids), SamplingParams(max_tokens=1), 0)
+    req.page_ids = pools.pages.alloc(-(-len(ids) // engine.config.page_size))
+    req.live_slot = pools.live.alloc()
+    try:
+        sched = SchedulerOutput((ScheduledRequest(req, 0, len(ids), True, ()),), (), (req.live_slot,), ())
+        pools.zero_slots([req.live_slot])
+        batch = build_forward_batch(sched, engine.config.page_size, engine.model_config.chunk_size,
+                                    engine.runner.device)
+        logits = engine.runner.model(batch.input_ids, batch.attn, batch.mamba,
+                                     torch.arange(len(ids)), pools.kv, pools.conv, pools.ssm)
+    finally:
+        pools.pages.decref(req.page_ids)
+        pools.live.free(req.live_slot)
+    return logits
+
+
+def greedy(max_tokens: int = 16, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def random_ids(n: int, seed: int, vocab: int = 256) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
