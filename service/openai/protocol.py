@@ -42,7 +42,7 @@ from service.openai.responses import (  # noqa: F401  (re-exported: one import s
     ChatCompletionStreamResponse, ChatMessageOut, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
     CompletionResponse, CompletionStreamChoice, CompletionStreamResponse, CompletionTokensDetails,
     DeltaFunctionCall, DeltaMessage, DeltaToolCall, ErrorInfo, ErrorResponse, FunctionCall, ModelCard,
-    ModelList, PromptTokensDetails, ToolCall, TopLogprob, Usage, random_id,
+    ModelList, PromptTokensDetails, SSE_DONE, ToolCall, TopLogprob, Usage, random_id, sse_event,
 )
 
 MAX_LOGPROBS = 20  # upper bound for `logprobs` (completions) and `top_logprobs` (chat)
@@ -257,6 +257,12 @@ class _SamplingRequest(_Lenient):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
+    @field_validator("n", "stream", "ignore_eos", "skip_special_tokens", mode="before")
+    @classmethod
+    def _null_is_default(cls, v: Any, info: pydantic.ValidationInfo) -> Any:
+        """Some clients send explicit nulls for unset fields."""
+        return cls.model_fields[info.field_name].default if v is None and info.field_name else v
+
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
     def _no_penalties(cls, v: float | None, info: pydantic.ValidationInfo) -> float | None:
@@ -301,13 +307,18 @@ class ChatCompletionRequest(_SamplingRequest):
     """Body of `POST /v1/chat/completions`."""
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False  # return chosen-token logprobs
+    logprobs: bool = False  # return chosen-token logprobs (null: false)
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # accepted; several calls are always parsed
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
     response_format: ResponseFormat | None = None
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _null_logprobs(cls, v: Any) -> Any:
+        return False if v is None else v
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -380,10 +391,12 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("prompt must not be empty")
         return v
 
-    @field_validator("echo")
+    @field_validator("echo", mode="before")
     @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
+    def _no_echo(cls, v: Any) -> Any:
+        if v is None:
+            return False
+        if v is True or (isinstance(v, str) and v.lower() == "true"):
             raise ValueError("echo is not supported by this server")
         return v
 
@@ -417,13 +430,15 @@ class CompletionRequest(_SamplingRequest):
 
 def to_sampling_kwargs(request: ChatCompletionRequest | CompletionRequest, *,
                        default_max_tokens: int | None = None) -> dict[str, Any]:
-    """Keyword arguments for the engine's `SamplingParams`, with exactly the keys
+    """Keyword arguments for `service.engine.request.SamplingParams`, with exactly the keys
     max_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, logprobs,
-    top_logprobs.
+    top_logprobs, skip_special_tokens.
 
-    `max_tokens` is the request's (chat: max_completion_tokens, else max_tokens) or `default_max_tokens`
-    (the ingress passes max_model_len - num_prompt_tokens); None only if both are None. `logprobs` is a bool
-    (return the chosen token's logprob), `top_logprobs` an int (0 = none). `top_k` 0 becomes -1."""
+    `max_tokens` is the request's (chat: max_completion_tokens, else max_tokens; completions default 16) or
+    else `default_max_tokens` (the ingress passes max_model_len - num_prompt_tokens); ValueError if neither
+    is known. `logprobs` is a bool (return the chosen token's logprob), `top_logprobs` an int (0 = none).
+    `top_k` 0 becomes -1. The request may still ask for more tokens than fit: the ingress checks
+    num_prompt_tokens + max_tokens against the context length."""
     if isinstance(request, ChatCompletionRequest):
         want_logprobs = request.logprobs
         top_logprobs = (request.top_logprobs or 0) if request.logprobs else 0
@@ -431,9 +446,13 @@ def to_sampling_kwargs(request: ChatCompletionRequest | CompletionRequest, *,
         want_logprobs = request.logprobs is not None
         top_logprobs = request.logprobs or 0
     max_tokens = request.effective_max_tokens
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    if max_tokens is None:
+        raise ValueError("the request sets no max_tokens: pass default_max_tokens (context room left)")
     top_k = request.top_k if request.top_k is not None else -1
     return {
-        "max_tokens": max_tokens if max_tokens is not None else default_max_tokens,
+        "max_tokens": max_tokens,
         "temperature": 1.0 if request.temperature is None else float(request.temperature),
         "top_p": 1.0 if request.top_p is None else float(request.top_p),
         "top_k": -1 if top_k == 0 else top_k,
@@ -444,4 +463,5 @@ def to_sampling_kwargs(request: ChatCompletionRequest | CompletionRequest, *,
         "ignore_eos": request.ignore_eos,
         "logprobs": want_logprobs,
         "top_logprobs": top_logprobs,
+        "skip_special_tokens": request.skip_special_tokens,
     }

@@ -61,7 +61,8 @@ def test_chat_non_streaming_roundtrip():
     req = seen[0]
     assert to_sampling_kwargs(req) == {
         "max_tokens": 64, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.01, "seed": 3,
-        "stop": ["<|im_end|>"], "stop_token_ids": [], "ignore_eos": False, "logprobs": True, "top_logprobs": 2}
+        "stop": ["<|im_end|>"], "stop_token_ids": [], "ignore_eos": False, "logprobs": True, "top_logprobs": 2,
+        "skip_special_tokens": True}
     assert req.enable_thinking and req.tools_enabled and req.tools[0].function.name == "add"
     choice = result.choices[0]
     assert choice.finish_reason == "tool_calls"

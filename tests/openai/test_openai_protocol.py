@@ -22,7 +22,7 @@ from service.openai.responses import sse_event
 MSGS = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 SAMPLING_KEYS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-                 "ignore_eos", "logprobs", "top_logprobs"}
+                 "ignore_eos", "logprobs", "top_logprobs", "skip_special_tokens"}
 
 
 def _error(cls, body) -> ErrorResponse:
@@ -118,11 +118,30 @@ def test_chat_sampling_kwargs():
     assert set(kw) == SAMPLING_KEYS
     assert kw == {"max_tokens": 9, "temperature": 0.0, "top_p": 0.9, "top_k": -1, "min_p": 0.05, "seed": 7,
                   "stop": ["END"], "stop_token_ids": [2], "ignore_eos": True, "logprobs": True,
-                  "top_logprobs": 3}
+                  "top_logprobs": 3, "skip_special_tokens": True}
     plain = to_sampling_kwargs(ChatCompletionRequest.model_validate({"messages": MSGS}), default_max_tokens=100)
     assert plain == {"max_tokens": 100, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
                      "seed": None, "stop": [], "stop_token_ids": [], "ignore_eos": False, "logprobs": False,
-                     "top_logprobs": 0}
+                     "top_logprobs": 0, "skip_special_tokens": True}
+    with pytest.raises(ValueError, match="default_max_tokens"):
+        to_sampling_kwargs(ChatCompletionRequest.model_validate({"messages": MSGS}))
+    nulls = ChatCompletionRequest.model_validate({"messages": MSGS, "n": None, "stream": None, "logprobs": None})
+    assert (nulls.n, nulls.stream, nulls.logprobs) == (1, False, False)
+
+
+def test_sampling_kwargs_build_the_engines_sampling_params():
+    from service.engine.request import SamplingParams  # the real consumer of these kwargs
+
+    chat = ChatCompletionRequest.model_validate({
+        "messages": MSGS, "max_tokens": 7, "top_k": 0, "stop": "x", "logprobs": True, "top_logprobs": 20,
+        "skip_special_tokens": False})
+    params = SamplingParams(**to_sampling_kwargs(chat))
+    assert (params.max_tokens, params.top_k, params.stop, params.top_logprobs, params.skip_special_tokens) == (
+        7, -1, ("x",), 20, False)
+    comp = CompletionRequest.model_validate({"prompt": "p", "logprobs": 2, "temperature": 0, "seed": 1})
+    params = SamplingParams(**to_sampling_kwargs(comp))
+    assert (params.max_tokens, params.logprobs, params.top_logprobs, params.greedy, params.seed) == (
+        16, True, 2, True, 1)
 
 
 def test_completion_sampling_kwargs_and_prompts():

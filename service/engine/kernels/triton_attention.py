@@ -1,0 +1,213 @@
+"""Triton paged causal attention (GQA, no positional encoding) over a packed batch.
+
+Same signature and semantics as `attention.paged_attention_ref`. Two paths, chosen from the host-side
+lengths the caller already passes (no device sync):
+  * every request has one new token (decode): `_decode_kernel`, one program per (request, KV head,
+    KV split) holding the whole GQA group as the rows of its tile, split-KV partials merged by
+    `_combine_kernel` (flash-decoding) when one split is not enough to fill the GPU;
+  * otherwise (prefill, cached prefix, mixed batches): `_prefill_kernel`, flash attention over the
+    paged keys [0, p_i + m] per (query block, request, query head).
+Softmax in fp32 (exp2 with the scale folded in). `write_kv` stays the torch reference
+(`attention.write_kv_ref`): one index_put per cache.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from service.engine.kernels.triton_common import (TARGET_PROGRAMS, block_dim, check_dim, check_inner_contiguous,
+                                                  check_same_device, dot_precision)
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _load_kv_tile(cache_ptr, pt_row_ptr, offs_n, n_end, kvh, offs_d, s_slot, s_head, page_size, Dh,
+                  TRANSPOSED: tl.constexpr):
+    """Keys/values at positions offs_n of one request: [BLOCK_D, BLOCK_N] if TRANSPOSED else [BLOCK_N, BLOCK_D]."""
+    mn = offs_n < n_end
+    page = tl.load(pt_row_ptr + offs_n // page_size, mask=mn, other=0).to(tl.int64)
+    slot = page * page_size + offs_n % page_size
+    md = offs_d < Dh
+    if TRANSPOSED:
+        return tl.load(cache_ptr + slot[None, :] * s_slot + kvh * s_head + offs_d[:, None],
+                       mask=mn[None, :] & md[:, None], other=0.0)
+    return tl.load(cache_ptr + slot[:, None] * s_slot + kvh * s_head + offs_d[None, :],
+                   mask=mn[:, None] & md[None, :], other=0.0)
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, ctx_ptr, o_ptr, part_o_ptr, part_ml_ptr, qk_scale, Dh, page_size,
+                   keys_per_split, num_splits, s_q_t, s_q_h, s_k_slot, s_k_head, s_v_slot, s_v_head, s_pt, s_o_t, s_o_h,
+                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + b)
+    lo = sp * keys_per_split
+    hi = tl.minimum(lo + keys_per_split, ctx)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    mg, md = offs_g < GROUP, offs_d < Dh
+    heads = kvh * GROUP + offs_g
+    q = tl.load(q_ptr + b * s_q_t + heads[:, None] * s_q_h + offs_d[None, :], mask=mg[:, None] & md[None, :],
+                other=0.0)
+    m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+    pt_row = pt_ptr + b * s_pt
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        kt = _load_kv_tile(k_ptr, pt_row, offs_n, hi, kvh, offs_d, s_k_slot, s_k_head, page_size, Dh, True)
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where((offs_n < hi)[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = _load_kv_tile(v_ptr, pt_row, offs_n, hi, kvh, offs_d, s_v_slot, s_v_head, page_size, Dh, False)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    if SPLIT:
+        row = (b * (GROUP * tl.num_programs(1)) + heads) * num_splits + sp          # [(b, head), split]
+        tl.store(part_o_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=mg[:, None])
+        tl.store(part_ml_ptr + row * 2, m_i, mask=mg)
+        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=mg)
+    else:
+        out = acc / l_i[:, None]
+        tl.store(o_ptr + b * s_o_t + heads[:, None] * s_o_h + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=mg[:, None] & md[None, :])
+
+
+@triton.jit
+def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, Hq, Dh, num_splits, s_o_t, s_o_h,
+                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    ms = offs_s < num_splits
+    row = (b * Hq + h) * num_splits + offs_s
+    m = tl.load(part_ml_ptr + row * 2, mask=ms, other=float("-inf"))
+    l = tl.load(part_ml_ptr + row * 2 + 1, mask=ms, other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.where(ms, tl.exp2(m - m_max), 0.0)
+    acc = tl.load(part_o_ptr + row[:, None] * BLOCK_D + offs_d[None, :], mask=ms[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(o_ptr + b * s_o_t + h * s_o_h + offs_d, out.to(o_ptr.dtype.element_ty), mask=offs_d < Dh)
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, qsl_ptr, prefix_ptr, o_ptr, qk_scale, Dh, page_size,
+                    s_q_t, s_q_h, s_k_slot, s_k_head, s_v_slot, s_v_head, s_pt, s_o_t, s_o_h,
+                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+    m0 = tl.program_id(0) * BLOCK_M
+    b = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2)
+    q0 = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q0
+    if m0 >= q_len:
+        return
+    p = tl.load(prefix_ptr + b)
+    kvh = h // GROUP
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mm, md = offs_m < q_len, offs_d < Dh
+    rows = (q0 + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * s_q_t + h * s_q_h + offs_d[None, :], mask=mm[:, None] & md[None, :],
+                other=0.0)
+    qpos = p + offs_m
+    kv_end = p + tl.minimum(m0 + BLOCK_M, q_len)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    pt_row = pt_ptr + b * s_pt
+    for n0 in range(0, kv_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        kt = _load_kv_tile(k_ptr, pt_row, offs_n, kv_end, kvh, offs_d, s_k_slot, s_k_head, page_size, Dh, True)
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where((offs_n[None, :] <= qpos[:, None]) & (offs_n < kv_end)[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        pr = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(pr, axis=1)
+        v = _load_kv_tile(v_ptr, pt_row, offs_n, kv_end, kvh, offs_d, s_v_slot, s_v_head, page_size, Dh, False)
+        acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(o_ptr + rows[:, None] * s_o_t + h * s_o_h + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=mm[:, None] & md[None, :])
+
+
+def _check(q, k_cache, v_cache, page_table, query_start_loc, prefix_lens) -> None:
+    check_dim("q", q, 3)
+    check_dim("k_cache", k_cache, 3)
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape {tuple(k_cache.shape)}")
+    if k_cache.shape[2] != q.shape[2]:
+        raise ValueError(f"head_dim of q ({q.shape[2]}) and k_cache ({k_cache.shape[2]}) differ")
+    if q.shape[1] % k_cache.shape[1]:
+        raise ValueError(f"query heads {q.shape[1]} not a multiple of KV heads {k_cache.shape[1]}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"q, k_cache, v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    check_dim("page_table", page_table, 2)
+    if len(query_start_loc) != len(prefix_lens) + 1 or page_table.shape[0] < len(prefix_lens):
+        raise ValueError(f"query_start_loc ({len(query_start_loc)}) must have B+1 entries and page_table "
+                         f"({page_table.shape[0]} rows) B rows for B={len(prefix_lens)} prefix_lens")
+    if query_start_loc[-1] != q.shape[0]:
+        raise ValueError(f"query_start_loc ends at {query_start_loc[-1]}, q has {q.shape[0]} tokens")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_inner_contiguous(name, t)
+    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                    query_start_loc: list[int], prefix_lens: list[int], page_size: int, scale: float) -> torch.Tensor:
+    """Paged causal GQA attention (Triton). q [T, Hq, Dh]; k/v_cache [S, Hkv, Dh] (new K/V already written);
+    page_table [B, max_pages]; query_start_loc B+1 host ints; prefix_lens B host ints (p_i).
+    Request i's queries sit at positions p_i + [0, l_i) and see keys [0, pos]. Returns [T, Hq, Dh] in q's dtype."""
+    _check(q, k_cache, v_cache, page_table, query_start_loc, prefix_lens)
+    T, Hq, Dh = q.shape
+    B, Hkv = len(prefix_lens), k_cache.shape[1]
+    out = torch.empty_like(q)
+    if T == 0:
+        return out
+    lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(B)]
+    common = dict(GROUP=Hq // Hkv, BLOCK_D=block_dim(Dh), DOT_PRECISION=dot_precision(q.dtype))
+    qk_scale = scale * _LOG2E
+    if all(n == 1 for n in lens):
+        _decode(q, k_cache, v_cache, page_table, prefix_lens, page_size, qk_scale, out, common)
+        return out
+    qsl = torch.tensor(query_start_loc, dtype=torch.int64, device=q.device)
+    pre = torch.tensor(prefix_lens, dtype=torch.int64, device=q.device)
+    bm = 16 if max(lens) <= 16 else 64
+    _prefill_kernel[(triton.cdiv(max(lens), bm), B, Hq)](
+        q, k_cache, v_cache, page_table, qsl, pre, out, qk_scale, Dh, page_size, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
+        out.stride(0), out.stride(1), BLOCK_M=bm, BLOCK_N=64, num_warps=4, num_stages=2, **common)
+    return out
+
+
+def _decode(q, k_cache, v_cache, page_table, prefix_lens, page_size, qk_scale, out, common) -> None:
+    B, Hq, Dh = q.shape
+    Hkv = k_cache.shape[1]
+    block_n = 64
+    max_ctx = max(prefix_lens) + 1
+    splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, B * Hkv), triton.cdiv(max_ctx, 4 * block_n)))
+    keys_per_split = triton.cdiv(triton.cdiv(max_ctx, splits), block_n) * block_n
+    splits = triton.cdiv(max_ctx, keys_per_split)
+    ctx = torch.tensor([p + 1 for p in prefix_lens], dtype=torch.int64, device=q.device)
+    bd = common["BLOCK_D"]
+    part_o = torch.empty(B * Hq * splits * bd if splits > 1 else 1, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(B * Hq * splits * 2 if splits > 1 else 1, dtype=torch.float32, device=q.device)
+    _decode_kernel[(B, Hkv, splits)](
+        q, k_cache, v_cache, page_table, ctx, out, part_o, part_ml, qk_scale, Dh, page_size, keys_per_split, splits,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        page_table.stride(0), out.stride(0), out.stride(1), BLOCK_G=block_dim(common["GROUP"]), BLOCK_N=block_n,
+        SPLIT=splits > 1, num_warps=4, num_stages=2, **common)
+    if splits > 1:
+        _combine_kernel[(B, Hq)](part_o, part_ml, out, Hq, Dh, splits, out.stride(0), out.stride(1),
+                                 BLOCK_S=block_dim(splits, 1), BLOCK_D=bd, num_warps=4)

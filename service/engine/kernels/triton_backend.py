@@ -1,0 +1,35 @@
+"""The "triton" kernel bundle: Triton ops where written, the torch reference, by name, where not.
+
+Triton ops:  ssd_varlen, selective_state_update (triton_ssd); conv_varlen, conv_update (triton_conv1d);
+             paged_attention (triton_attention: decode with split-KV, prefill with cached prefix);
+             moe_experts (triton_moe: sorted-token grouped GEMMs); rms_norm, gated_rms_norm (triton_norm).
+Torch references used on purpose (each a single gather/scatter or a small GEMM + top-k, no Python loop):
+             conv_windows = conv1d.conv_state_windows_ref, write_kv = attention.write_kv_ref,
+             moe_route = moe.moe_route_ref.
+There is no runtime fallback: every field is fixed here.
+
+On a machine without CUDA the Triton ops run only under TRITON_INTERPRET=1 (set before triton is imported).
+"""
+from __future__ import annotations
+
+from service.engine.kernels import Kernels, attention, conv1d, moe
+from service.engine.kernels import triton_attention, triton_conv1d, triton_moe, triton_norm, triton_ssd
+
+TORCH_REFERENCE_OPS = ("conv_windows", "write_kv", "moe_route")   # fields that hold the torch reference
+
+
+def triton_kernels() -> Kernels:
+    return Kernels(
+        name="triton",
+        ssd_varlen=triton_ssd.ssd_varlen,
+        selective_state_update=triton_ssd.selective_state_update,
+        conv_varlen=triton_conv1d.causal_conv1d_varlen,
+        conv_update=triton_conv1d.causal_conv1d_update,
+        conv_windows=conv1d.conv_state_windows_ref,
+        write_kv=attention.write_kv_ref,
+        paged_attention=triton_attention.paged_attention,
+        moe_route=moe.moe_route_ref,
+        moe_experts=triton_moe.moe_experts,
+        rms_norm=triton_norm.rms_norm,
+        gated_rms_norm=triton_norm.gated_group_rms_norm,
+    )

@@ -1,0 +1,73 @@
+"""Triton RMSNorm and gated group RMSNorm (the Mamba-2 output norm), fp32 math.
+
+Same signatures and semantics as `norm.rms_norm_ref` / `norm.gated_group_rms_norm_ref`.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from service.engine.kernels.triton_common import block_dim, check_dim, check_inner_contiguous, check_shape
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, d, s_x, s_o, eps, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    m = offs < d
+    x = tl.load(x_ptr + row * s_x + offs, mask=m, other=0.0).to(tl.float32)
+    r = tl.rsqrt(tl.sum(x * x, axis=0) / d + eps)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * s_o + offs, (w * (x * r)).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm (Triton). x [..., d] (unit stride in d), weight [d] -> [..., d] in x's dtype."""
+    if x.dim() < 1:
+        raise ValueError(f"x must have at least 1 dim, got shape {tuple(x.shape)}")
+    d = x.shape[-1]
+    check_shape("weight", weight, (d,))
+    check_inner_contiguous("x", x)
+    x2 = x.reshape(-1, d)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0] == 0:
+        return out.view(x.shape)
+    bd = block_dim(d, 1)
+    _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, d, x2.stride(0), out.stride(0), eps, BLOCK_D=bd,
+                                     num_warps=min(max(bd // 512, 1), 8))
+    return out.view(x.shape)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, group_size, s_y, s_z, s_o, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * group_size + tl.arange(0, BLOCK)
+    m = tl.arange(0, BLOCK) < group_size
+    y = tl.load(y_ptr + row * s_y + offs, mask=m, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + row * s_z + offs, mask=m, other=0.0).to(tl.float32)
+    h = y * z * tl.sigmoid(z)
+    r = tl.rsqrt(tl.sum(h * h, axis=0) / group_size + eps)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * s_o + offs, (w * (h * r)).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def gated_group_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,
+                         eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """Gated group RMSNorm (Triton). y, z [T, Di] (unit stride in Di; z may be a strided split),
+    weight [Di]: (y * silu(z)) normalised over groups of group_size channels, times weight -> [T, Di] out_dtype."""
+    check_dim("y", y, 2)
+    T, Di = y.shape
+    check_shape("z", z, (T, Di))
+    check_shape("weight", weight, (Di,))
+    if group_size < 1 or Di % group_size:
+        raise ValueError(f"group_size {group_size} must divide Di={Di}")
+    check_inner_contiguous("y", y)
+    check_inner_contiguous("z", z)
+    out = torch.empty(T, Di, dtype=out_dtype, device=y.device)
+    if T == 0:
+        return out
+    bg = block_dim(group_size, 1)
+    _gated_rms_norm_kernel[(T, Di // group_size)](y, z, weight, out, group_size, y.stride(0), z.stride(0),
+                                                   out.stride(0), eps, BLOCK=bg, num_warps=min(max(bg // 512, 1), 8))
+    return out

@@ -1,0 +1,282 @@
+"""Triton chunk-aligned varlen SSD (Mamba-2 prefill) and the decode recurrence.
+
+Same signatures and semantics as `ssd.ssd_varlen_ref` / `ssd.selective_state_update_ref`; the chunk
+decomposition is the caller's `ChunkLayout` (DESIGN §3): no chunk spans two requests and chunk ends
+fall on absolute multiples of C, so `chunk_states[k]` is exactly the state a snapshot needs.
+
+`ssd_varlen` runs four launches:
+  1. `_chunk_cumsum_kernel`  cs[c, h, l] = sum_{s<=l} dt[s, h] * A[h] inside chunk c        [Nc, H, C] fp32
+  2. `_chunk_state_kernel`   local[c, h] = sum_s exp(cs_last - cs_s) dt_s x_s B_s^T           [Nc, H, P, N] fp32
+  3. `_state_passing_kernel` per request, sequential over its chunks (in place on the same buffer):
+                             S_c = exp(cs_last_c) * S_{c-1} + local_c, S_{c0-1} = initial state
+  4. `_chunk_scan_kernel`    y[l] = sum_{s<=l} (C_l.B_s) exp(cs_l - cs_s) dt_s x_s
+                                    + exp(cs_l) C_l . S_{c-1} + D x_l                            [T, H, P] fp32
+States stay fp32 in memory; matrix products take the operands' dtype (bf16/fp16) or exact fp32.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from service.engine.kernels.ssd import ChunkLayout
+from service.engine.kernels.triton_common import (block_dim, check_dim, check_dtype, check_inner_contiguous,
+                                                  check_same_device, check_shape, dot_precision)
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _chunk_cumsum_kernel(dt_ptr, A_ptr, chunk_start_ptr, chunk_len_ptr, cs_ptr, H, s_dt_t, s_dt_h,
+                         CHUNK: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr):
+    c = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    start = tl.load(chunk_start_ptr + c)
+    n = tl.load(chunk_len_ptr + c)
+    offs_l = tl.arange(0, BLOCK_L)
+    mh = offs_h < H
+    m = (offs_l[:, None] < n) & mh[None, :]
+    dt = tl.load(dt_ptr + (start + offs_l)[:, None] * s_dt_t + offs_h[None, :] * s_dt_h, mask=m, other=0.0)
+    a = tl.load(A_ptr + offs_h, mask=mh, other=0.0).to(tl.float32)
+    cs = tl.cumsum(dt.to(tl.float32) * a[None, :], axis=0)
+    out = cs_ptr + c.to(tl.int64) * H * CHUNK + offs_h[None, :] * CHUNK + offs_l[:, None]
+    tl.store(out, cs, mask=(offs_l[:, None] < CHUNK) & mh[None, :])
+
+
+@triton.jit
+def _chunk_state_kernel(x_ptr, B_ptr, dt_ptr, cs_ptr, chunk_start_ptr, chunk_len_ptr, states_ptr,
+                        H, P, N, heads_per_group,
+                        s_x_t, s_x_h, s_x_p, s_b_t, s_b_g, s_b_n, s_dt_t, s_dt_h,
+                        CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    num_nb = tl.cdiv(N, BLOCK_N)
+    offs_p = (tl.program_id(2) // num_nb) * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = (tl.program_id(2) % num_nb) * BLOCK_N + tl.arange(0, BLOCK_N)
+    start = tl.load(chunk_start_ptr + c)
+    n = tl.load(chunk_len_ptr + c)
+    g = h // heads_per_group
+    cs_base = cs_ptr + (c.to(tl.int64) * H + h) * CHUNK
+    cs_last = tl.load(cs_base + n - 1)
+    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, n, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mk = offs_k < n
+        tok = (start + offs_k).to(tl.int64)
+        xt = tl.load(x_ptr + tok[None, :] * s_x_t + h * s_x_h + offs_p[:, None] * s_x_p,
+                     mask=mk[None, :] & (offs_p[:, None] < P), other=0.0)                    # [BP, BK]
+        b = tl.load(B_ptr + tok[:, None] * s_b_t + g * s_b_g + offs_n[None, :] * s_b_n,
+                    mask=mk[:, None] & (offs_n[None, :] < N), other=0.0)                     # [BK, BN]
+        dt = tl.load(dt_ptr + tok * s_dt_t + h * s_dt_h, mask=mk, other=0.0).to(tl.float32)
+        cs = tl.load(cs_base + offs_k, mask=mk, other=0.0)
+        w = tl.where(mk, tl.exp(cs_last - cs) * dt, 0.0)
+        b = (b.to(tl.float32) * w[:, None]).to(xt.dtype)
+        acc += tl.dot(xt, b, input_precision=DOT_PRECISION)
+    out = states_ptr + (c.to(tl.int64) * H + h) * P * N + offs_p[:, None] * N + offs_n[None, :]
+    tl.store(out, acc, mask=(offs_p[:, None] < P) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _state_passing_kernel(states_ptr, init_ptr, cs_ptr, first_chunk_ptr, num_chunks_ptr, chunk_len_ptr,
+                          H, PN, s_init_b, s_init_h, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < PN
+    carry = tl.load(init_ptr + b.to(tl.int64) * s_init_b + h * s_init_h + offs, mask=m, other=0.0)
+    c0 = tl.load(first_chunk_ptr + b)
+    nc = tl.load(num_chunks_ptr + b)
+    for j in range(nc):
+        c = (c0 + j).to(tl.int64)
+        n = tl.load(chunk_len_ptr + c)
+        decay = tl.exp(tl.load(cs_ptr + (c * H + h) * CHUNK + n - 1))
+        ptr = states_ptr + (c * H + h) * PN + offs
+        carry = decay * carry + tl.load(ptr, mask=m, other=0.0)
+        tl.store(ptr, carry, mask=m)
+
+
+@triton.jit
+def _chunk_scan_kernel(x_ptr, B_ptr, C_ptr, dt_ptr, cs_ptr, D_ptr, states_ptr, init_ptr,
+                       chunk_start_ptr, chunk_len_ptr, chunk_req_ptr, first_chunk_ptr, y_ptr,
+                       H, P, N, heads_per_group,
+                       s_x_t, s_x_h, s_x_p, s_b_t, s_b_g, s_b_n, s_c_t, s_c_g, s_c_n, s_dt_t, s_dt_h,
+                       s_init_b, s_init_h, s_y_t, s_y_h,
+                       CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    m0 = tl.program_id(2) * BLOCK_M
+    n = tl.load(chunk_len_ptr + c)
+    if m0 >= n:
+        return
+    start = tl.load(chunk_start_ptr + c)
+    req = tl.load(chunk_req_ptr + c)
+    c_first = tl.load(first_chunk_ptr + req)
+    g = h // heads_per_group
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mm, mp, mn = offs_m < n, offs_p < P, offs_n < N
+    tok_m = (start + offs_m).to(tl.int64)
+    cs_base = cs_ptr + (c.to(tl.int64) * H + h) * CHUNK
+    cs_m = tl.load(cs_base + offs_m, mask=mm, other=0.0)
+    cm = tl.load(C_ptr + tok_m[:, None] * s_c_t + g * s_c_g + offs_n[None, :] * s_c_n,
+                 mask=mm[:, None] & mn[None, :], other=0.0)                                  # [BM, BN]
+    # state entering the chunk, read as [BN, BP]: the request's initial state or the previous chunk's end
+    st_off = offs_n[:, None] + offs_p[None, :] * N
+    st_mask = mn[:, None] & mp[None, :]
+    st_init = tl.load(init_ptr + req.to(tl.int64) * s_init_b + h * s_init_h + st_off, mask=st_mask, other=0.0)
+    prev = states_ptr + (tl.maximum(c.to(tl.int64) - 1, 0) * H + h) * P * N
+    st_prev = tl.load(prev + st_off, mask=st_mask, other=0.0)
+    st = tl.where(c_first == c, st_init, st_prev)
+    acc = tl.dot(cm, st.to(cm.dtype), input_precision=DOT_PRECISION) * tl.exp(cs_m)[:, None]   # [BM, BP]
+    k_end = tl.minimum(m0 + BLOCK_M, n)
+    for k0 in range(0, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mk = offs_k < n
+        tok_k = (start + offs_k).to(tl.int64)
+        bt = tl.load(B_ptr + tok_k[None, :] * s_b_t + g * s_b_g + offs_n[:, None] * s_b_n,
+                     mask=mk[None, :] & mn[:, None], other=0.0)                              # [BN, BK]
+        cb = tl.dot(cm, bt, input_precision=DOT_PRECISION)                                   # [BM, BK]
+        cs_k = tl.load(cs_base + offs_k, mask=mk, other=0.0)
+        dt_k = tl.load(dt_ptr + tok_k * s_dt_t + h * s_dt_h, mask=mk, other=0.0).to(tl.float32)
+        causal = (offs_k[None, :] <= offs_m[:, None]) & mk[None, :]
+        seg = tl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf"))
+        cb = cb * tl.exp(seg) * dt_k[None, :]
+        xk = tl.load(x_ptr + tok_k[:, None] * s_x_t + h * s_x_h + offs_p[None, :] * s_x_p,
+                     mask=mk[:, None] & mp[None, :], other=0.0)                              # [BK, BP]
+        acc += tl.dot(cb.to(xk.dtype), xk, input_precision=DOT_PRECISION)
+    xm = tl.load(x_ptr + tok_m[:, None] * s_x_t + h * s_x_h + offs_p[None, :] * s_x_p,
+                 mask=mm[:, None] & mp[None, :], other=0.0)
+    acc += tl.load(D_ptr + h).to(tl.float32) * xm.to(tl.float32)
+    tl.store(y_ptr + tok_m[:, None] * s_y_t + h * s_y_h + offs_p[None, :], acc, mask=mm[:, None] & mp[None, :])
+
+
+def _check_ssd_args(x, dt, A, B, C, D, initial_states, layout) -> None:
+    check_dim("x", x, 3)
+    T, H, P = x.shape
+    check_dim("B", B, 3)
+    G, N = B.shape[1], B.shape[2]
+    check_shape("dt", dt, (T, H))
+    check_shape("A", A, (H,))
+    check_shape("B", B, (T, G, N))
+    check_shape("C", C, (T, G, N))
+    check_shape("D", D, (H,))
+    check_dim("initial_states", initial_states, 4)
+    check_shape("initial_states", initial_states, (initial_states.shape[0], H, P, N))
+    check_dtype("initial_states", initial_states, (torch.float32,))
+    check_dtype("x", x, _FLOATS)
+    for name, t in (("B", B), ("C", C)):
+        if t.dtype != x.dtype:
+            raise ValueError(f"{name} must have x's dtype {x.dtype}, got {t.dtype}")
+    if H % G:
+        raise ValueError(f"heads {H} not divisible by groups {G} (x [T, H, P], B [T, G, N])")
+    if layout.num_chunks.numel() != initial_states.shape[0]:
+        raise ValueError(f"initial_states has {initial_states.shape[0]} requests, layout has "
+                         f"{layout.num_chunks.numel()}")
+    if sum(layout.chunk_lens_host) != T:
+        raise ValueError(f"layout covers {sum(layout.chunk_lens_host)} tokens, x has T={T}")
+    check_same_device(x=x, dt=dt, A=A, B=B, C=C, D=D, initial_states=initial_states,
+                      chunk_start=layout.chunk_start)
+
+
+def ssd_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+               D: torch.Tensor, initial_states: torch.Tensor, layout: ChunkLayout
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunk-aligned varlen SSD (Triton).
+
+    x [T, H, P] (rows may be strided), dt [T, H] fp32 (softplus'd, clamped), A [H] fp32 (negative),
+    B/C [T, G, N] (x's dtype), D [H], initial_states [Bq, H, P, N] fp32, layout for Bq requests.
+    Returns y [T, H, P] fp32 and chunk_states [Nc, H, P, N] fp32 (state after each chunk's last token).
+    """
+    _check_ssd_args(x, dt, A, B, C, D, initial_states, layout)
+    T, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    Nc, chunk = len(layout.chunk_lens_host), layout.chunk_size
+    init = initial_states.contiguous()
+    dev = x.device
+    cs = torch.empty(Nc, H, chunk, dtype=torch.float32, device=dev)
+    states = torch.empty(Nc, H, P, N, dtype=torch.float32, device=dev)
+    y = torch.empty(T, H, P, dtype=torch.float32, device=dev)
+    if Nc == 0:
+        return y, states
+    prec = dot_precision(x.dtype)
+    bl, bh = block_dim(chunk, 1), min(block_dim(H, 1), 16)
+    _chunk_cumsum_kernel[(Nc, triton.cdiv(H, bh))](dt, A, layout.chunk_start, layout.chunk_len, cs, H,
+                                                   dt.stride(0), dt.stride(1), CHUNK=chunk, BLOCK_L=bl, BLOCK_H=bh)
+    bp, bn = min(block_dim(P), 64), min(block_dim(N), 128)
+    grid = (Nc, H, triton.cdiv(P, bp) * triton.cdiv(N, bn))
+    _chunk_state_kernel[grid](x, B, dt, cs, layout.chunk_start, layout.chunk_len, states, H, P, N, H // G,
+                              *x.stride(), *B.stride(), *dt.stride(),
+                              CHUNK=chunk, BLOCK_P=bp, BLOCK_N=bn, BLOCK_K=min(block_dim(chunk), 64),
+                              DOT_PRECISION=prec, num_warps=4, num_stages=2)
+    blk = min(block_dim(P * N), 1024)
+    _state_passing_kernel[(init.shape[0], H, triton.cdiv(P * N, blk))](
+        states, init, cs, layout.first_chunk, layout.num_chunks, layout.chunk_len, H, P * N,
+        init.stride(0), init.stride(1), CHUNK=chunk, BLOCK=blk, num_warps=4)
+    bm = min(block_dim(chunk), 64)
+    _chunk_scan_kernel[(Nc, H, triton.cdiv(chunk, bm))](
+        x, B, C, dt, cs, D, states, init, layout.chunk_start, layout.chunk_len, layout.chunk_req,
+        layout.first_chunk, y, H, P, N, H // G, *x.stride(), *B.stride(), *C.stride(), *dt.stride(),
+        init.stride(0), init.stride(1), y.stride(0), y.stride(1),
+        CHUNK=chunk, BLOCK_M=bm, BLOCK_K=bm, BLOCK_P=block_dim(P), BLOCK_N=block_dim(N),
+        DOT_PRECISION=prec, num_warps=4, num_stages=2)
+    return y, states
+
+
+@triton.jit
+def _ssu_kernel(state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, new_ptr,
+                H, P, N, heads_per_group, s_st_b, s_st_h, s_x_b, s_x_h, s_dt_b, s_dt_h,
+                s_b_b, s_b_g, s_c_b, s_c_g, s_y_b, s_y_h,
+                BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    g = h // heads_per_group
+    offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mp, mn = offs_p < P, offs_n < N
+    m2 = mp[:, None] & mn[None, :]
+    st_off = offs_p[:, None] * N + offs_n[None, :]
+    st = tl.load(state_ptr + b * s_st_b + h * s_st_h + st_off, mask=m2, other=0.0)
+    x = tl.load(x_ptr + b * s_x_b + h * s_x_h + offs_p, mask=mp, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr + b * s_dt_b + h * s_dt_h).to(tl.float32)
+    a = tl.load(A_ptr + h).to(tl.float32)
+    bv = tl.load(B_ptr + b * s_b_b + g * s_b_g + offs_n, mask=mn, other=0.0).to(tl.float32)
+    cv = tl.load(C_ptr + b * s_c_b + g * s_c_g + offs_n, mask=mn, other=0.0).to(tl.float32)
+    new = st * tl.exp(dt * a) + (dt * x)[:, None] * bv[None, :]
+    tl.store(new_ptr + b * s_st_b + h * s_st_h + st_off, new, mask=m2)
+    y = tl.sum(new * cv[None, :], axis=1) + tl.load(D_ptr + h).to(tl.float32) * x
+    tl.store(y_ptr + b * s_y_b + h * s_y_h + offs_p, y, mask=mp)
+
+
+def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                           B: torch.Tensor, C: torch.Tensor, D: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step (Triton). state [Bq, H, P, N] fp32, x [Bq, H, P], dt [Bq, H] fp32, A [H],
+    B/C [Bq, G, N] (unit stride in N), D [H]. Returns (y [Bq, H, P] fp32, new_state [Bq, H, P, N] fp32)."""
+    check_dim("x", x, 3)
+    Bq, H, P = x.shape
+    check_dim("B", B, 3)
+    G, N = B.shape[1], B.shape[2]
+    check_shape("state", state, (Bq, H, P, N))
+    check_dtype("state", state, (torch.float32,))
+    check_shape("dt", dt, (Bq, H))
+    check_shape("A", A, (H,))
+    check_shape("C", C, (Bq, G, N))
+    check_shape("D", D, (H,))
+    if H % G:
+        raise ValueError(f"heads {H} not divisible by groups {G}")
+    for name, t in (("x", x), ("B", B), ("C", C)):
+        check_inner_contiguous(name, t)
+    check_same_device(state=state, x=x, dt=dt, A=A, B=B, C=C, D=D)
+    state = state.contiguous()
+    new = torch.empty_like(state)
+    y = torch.empty(Bq, H, P, dtype=torch.float32, device=x.device)
+    if Bq == 0:
+        return y, new
+    bp = min(block_dim(P, 1), 16)
+    _ssu_kernel[(Bq, H, triton.cdiv(P, bp))](
+        state, x, dt, A, B, C, D, y, new, H, P, N, H // G, state.stride(0), state.stride(1),
+        x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
+        y.stride(0), y.stride(1), BLOCK_P=bp, BLOCK_N=block_dim(N, 1), num_warps=4)
+    return y, new

@@ -1,0 +1,77 @@
+"""serveConfigV2 is a valid Ray Serve config whose app arguments are the app's own AppArgs.
+
+Oracles: ray.serve.schema.ServeDeploySchema (Ray's schema, as KubeRay submits the config to Ray),
+Ray's own import utility, and service.deployments.args.AppArgs."""
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+import yaml
+from ray._common.utils import import_attr
+from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
+
+from helm_chart_util import CONFIGS, load_values, only, pod_templates
+
+from service.deployments.args import AppArgs
+
+IMPORT_PATH = "service.deployments.app:build_app"
+
+
+def serve_config(objects: list[dict]) -> dict:
+    return yaml.safe_load(only(objects, "RayService")["spec"]["serveConfigV2"])
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_serve_config_passes_rays_schema(manifests, config):
+    raw = serve_config(manifests(config))
+    # ServeDeploySchema tolerates unknown keys for forward compatibility; a typo would pass silently.
+    assert set(raw) <= set(ServeDeploySchema.model_fields), set(raw) - set(ServeDeploySchema.model_fields)
+    for app in raw["applications"]:
+        assert set(app) <= set(ServeApplicationSchema.model_fields)
+    schema = ServeDeploySchema.model_validate(raw)
+    assert [app.import_path for app in schema.applications] == [IMPORT_PATH]
+
+
+def test_rays_schema_rejects_a_broken_config(manifests):
+    """The oracle is live: two applications on the same route prefix are refused."""
+    raw = serve_config(manifests("default"))
+    twin = {**raw["applications"][0], "name": "twin"}
+    with pytest.raises(ValueError, match="route_prefix"):
+        ServeDeploySchema.model_validate({**raw, "applications": [raw["applications"][0], twin]})
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_app_args_validate_and_carry_the_values(manifests, config):
+    objects = manifests(config)
+    raw = serve_config(objects)
+    args = AppArgs.model_validate(raw["applications"][0]["args"])
+    values = load_values(config)
+    engine = values["engine"]
+    assert args.model_path == values["model"]["path"]
+    assert (args.tp, args.ep, args.replicas, args.page_size) == (engine["tp"], engine["ep"], engine["replicas"], engine["pageSize"])
+    assert (args.mamba_cache_strategy, args.device, args.kernel_backend) == (engine["cacheStrategy"], engine["device"], engine["kernelBackend"])
+    assert args.reasoning_parser == (engine["reasoningParser"] or None)
+    assert args.tool_call_parser == (engine["toolCallParser"] or None)
+    assert args.served_model_name == (values["model"]["servedModelName"] or None)
+    assert args.router.kind == values["router"]["kind"] and args.router.w_prefix == values["router"]["wPrefix"]
+    assert args.canary.enabled == values["canary"]["enabled"]
+    assert args.canary.interval_s == values["canary"]["intervalSeconds"]
+    if engine["autoscaling"]["enabled"]:
+        assert (args.min_replicas, args.max_replicas) == (engine["autoscaling"]["minReplicas"], engine["autoscaling"]["maxReplicas"])
+    else:
+        assert args.min_replicas is None and args.max_replicas is None
+    # The Serve proxy listens where the pods expose the port named "serve".
+    worker = pod_templates(only(objects, "RayService"))["worker"]["spec"]["containers"][0]
+    assert raw["http_options"]["port"] == {p["name"]: p["containerPort"] for p in worker["ports"]}["serve"]
+    assert raw["applications"][0]["route_prefix"] == args.route_prefix
+
+
+def test_import_path_imports_build_app():
+    """Imported the way Ray Serve imports it. Fails until service/deployments/app.py lands."""
+    module = importlib.import_module("service.deployments.app")
+    build_app = import_attr(IMPORT_PATH)
+    assert build_app is module.build_app and callable(build_app)
+    params = list(inspect.signature(build_app).parameters)
+    assert len(params) == 1, f"build_app takes exactly the args dict, has {params}"
