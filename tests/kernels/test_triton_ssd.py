@@ -1,0 +1,139 @@
+"""Triton chunk-aligned varlen SSD and selective_state_update vs the torch references (and vs the recurrence)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from triton_test_util import DEVICE, TOL, assert_close, gpu, needs_cuda
+from service.engine.kernels import ssd
+from service.engine.kernels.triton_ssd import selective_state_update, ssd_varlen
+
+
+def _inputs(qlens, plens, H, P, G, N, chunk, dtype, seed):
+    """Strided x/B/C views of one packed [T, H*P + 2*G*N + pad] buffer, like the mixer's split of in_proj."""
+    g = torch.Generator().manual_seed(seed)
+    T = sum(qlens)
+    di, gn = H * P, G * N
+    packed = torch.randn(T, di + 2 * gn + 3, generator=g).to(DEVICE, dtype)
+    x = packed[:, :di].reshape(T, H, P)
+    B = packed[:, di:di + gn].reshape(T, G, N)
+    C = packed[:, di + gn:di + 2 * gn].reshape(T, G, N)
+    dt = ssd.dt_softplus_clamp(torch.randn(T, H, generator=g).to(DEVICE) - 2.0,
+                               torch.randn(H, generator=g).to(DEVICE) * 0.5, (1e-3, 10.0))
+    A = -torch.exp(torch.rand(H, generator=g) * 2.5).to(DEVICE)
+    D = torch.randn(H, generator=g).to(DEVICE, dtype)
+    init = torch.randn(len(qlens), H, P, N, generator=g).to(DEVICE)
+    layout = ssd.build_chunk_layout(qlens, plens, chunk, DEVICE)
+    return x, dt, A, B, C, D, init, layout
+
+
+def _check_ssd(qlens, plens, H, P, G, N, chunk, dtype, seed=0):
+    args = _inputs(qlens, plens, H, P, G, N, chunk, dtype, seed)
+    y, states = ssd_varlen(*args)
+    y_ref, states_ref = ssd.ssd_varlen_ref(*args)
+    assert y.dtype == states.dtype == torch.float32
+    assert_close(y, y_ref, dtype, "y")
+    assert_close(states, states_ref, dtype, "chunk_states")
+    # every chunk end is on an absolute multiple of C, or is the request's last token
+    layout = args[-1]
+    first = layout.first_chunk.tolist()
+    for i, (l, p) in enumerate(zip(qlens, plens)):
+        for s in range((p // chunk + 1) * chunk, p + l + 1, chunk):
+            k = ssd.snapshot_chunk_indices(layout, [i], [s], plens)[0]
+            assert first[i] <= k < first[i] + layout.num_chunks[i].item()
+            assert_close(states[k], states_ref[k], dtype, f"snapshot state of request {i} at {s}")
+
+
+C_SMALL = 16
+CPU_CASES = [
+    ([2 * C_SMALL + 3, 3 * C_SMALL - 1, C_SMALL + 1], [0, 0, 0]),                 # first request unaligned
+    ([C_SMALL - 3, C_SMALL, 2 * C_SMALL + 1, 3 * C_SMALL - 1], [5, 0, C_SMALL + 3, 2 * C_SMALL - 1]),  # p % C != 0
+    ([1, C_SMALL, 7, C_SMALL + 1], [C_SMALL - 1, 2 * C_SMALL, 0, 3]),             # < C, = C, k*C +- 1
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", range(len(CPU_CASES)))
+def test_ssd_varlen_matches_ref(case, dtype):
+    qlens, plens = CPU_CASES[case]
+    _check_ssd(qlens, plens, H=4, P=8, G=2, N=16, chunk=C_SMALL, dtype=dtype, seed=case)
+
+
+def test_ssd_varlen_equals_token_recurrence():
+    """Chunked scan == the one-token recurrence run token by token from the same initial state."""
+    qlens, plens = [C_SMALL + 5, 9], [C_SMALL - 2, 3]
+    x, dt, A, B, C, D, init, layout = _inputs(qlens, plens, 4, 8, 2, 16, C_SMALL, torch.float32, seed=7)
+    y, states = ssd_varlen(x, dt, A, B, C, D, init, layout)
+    start = 0
+    for i, l in enumerate(qlens):
+        state = init[i:i + 1]
+        for t in range(start, start + l):
+            yt, state = ssd.selective_state_update_ref(state, x[t:t + 1], dt[t:t + 1], A, B[t:t + 1], C[t:t + 1], D)
+            assert_close(y[t:t + 1], yt, torch.float32, f"y of token {t}")
+        last = layout.first_chunk[i].item() + layout.num_chunks[i].item() - 1
+        assert_close(states[last:last + 1], state, torch.float32, f"final state of request {i}")
+        start += l
+
+
+def test_ssd_varlen_rejects_bad_shapes():
+    x, dt, A, B, C, D, init, layout = _inputs([5, 3], [0, 0], 4, 8, 2, 16, C_SMALL, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="initial_states"):
+        ssd_varlen(x, dt, A, B, C, D, init[:1], layout)
+    with pytest.raises(ValueError, match="dt"):
+        ssd_varlen(x, dt[:, :2], A, B, C, D, init, layout)
+    with pytest.raises(ValueError, match="initial_states"):
+        ssd_varlen(x, dt, A, B, C, D, init.half(), layout)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_selective_state_update_matches_ref(dtype):
+    g = torch.Generator().manual_seed(3)
+    Bq, H, P, G, N = 5, 4, 8, 2, 16
+    packed = torch.randn(Bq, H * P + 2 * G * N, generator=g).to(DEVICE, dtype)
+    x = packed[:, :H * P].reshape(Bq, H, P)
+    Bm = packed[:, H * P:H * P + G * N].reshape(Bq, G, N)
+    Cm = packed[:, H * P + G * N:].reshape(Bq, G, N)
+    state = torch.randn(Bq, H, P, N, generator=g).to(DEVICE)
+    dt = torch.rand(Bq, H, generator=g).to(DEVICE) * 0.2
+    A = -torch.exp(torch.rand(H, generator=g)).to(DEVICE)
+    D = torch.randn(H, generator=g).to(DEVICE, dtype)
+    y, new = selective_state_update(state, x, dt, A, Bm, Cm, D)
+    y_ref, new_ref = ssd.selective_state_update_ref(state, x, dt, A, Bm, Cm, D)
+    assert_close(y, y_ref, dtype, "y")
+    assert_close(new, new_ref, dtype, "new_state")
+
+
+# ---------------- GPU: Nano-30B-A3B mamba shapes ----------------
+NANO = dict(H=64, P=64, G=8, N=128, chunk=128)
+GPU_CASES = [
+    ([2 * 128 + 3, 3 * 128 - 1, 128 + 1, 1000, 5, 128], [0, 0, 0, 0, 0, 0]),
+    ([127, 128, 129, 700, 1], [130, 64, 1, 255, 128 * 3 + 7]),
+    ([8192], [0]),
+]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", range(len(GPU_CASES)))
+def test_ssd_varlen_gpu_nano_shapes(case, dtype):
+    qlens, plens = GPU_CASES[case]
+    _check_ssd(qlens, plens, dtype=dtype, seed=10 + case, **NANO)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_selective_state_update_gpu(dtype):
+    g = torch.Generator().manual_seed(5)
+    Bq, H, P, G, N = 128, 64, 64, 8, 128
+    x = torch.randn(Bq, H, P, generator=g).to(DEVICE, dtype)
+    Bm, Cm = (torch.randn(Bq, G, N, generator=g).to(DEVICE, dtype) for _ in range(2))
+    state = torch.randn(Bq, H, P, N, generator=g).to(DEVICE)
+    dt = torch.rand(Bq, H, generator=g).to(DEVICE) * 0.2
+    A, D = -torch.rand(H, generator=g).to(DEVICE), torch.randn(H, generator=g).to(DEVICE, dtype)
+    y, new = selective_state_update(state, x, dt, A, Bm, Cm, D)
+    y_ref, new_ref = ssd.selective_state_update_ref(state, x, dt, A, Bm, Cm, D)
+    assert_close(y, y_ref, dtype, "y")
+    assert_close(new, new_ref, dtype, "new_state")
+    assert TOL[dtype] > 0
