@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_test_util import DEVICE, TOL, assert_close, gpu, needs_cuda
+from triton_test_util import DEVICE, assert_close, gpu, needs_cuda
 from service.engine.kernels import ssd
 from service.engine.kernels.triton_ssd import selective_state_update, ssd_varlen
 
@@ -136,4 +136,3 @@ def test_selective_state_update_gpu(dtype):
     y_ref, new_ref = ssd.selective_state_update_ref(state, x, dt, A, Bm, Cm, D)
     assert_close(y, y_ref, dtype, "y")
     assert_close(new, new_ref, dtype, "new_state")
-    assert TOL[dtype] > 0
