@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
@@ -65,9 +66,22 @@ def engine_deployment_options(args: AppArgs) -> dict[str, Any]:
     return options
 
 
+def resolve_device(args: AppArgs) -> AppArgs:
+    """device="auto" becomes "cuda" when the Ray cluster has GPUs, else "cpu" (so CPU-only clusters never
+    ask for GPU resources)."""
+    if args.device != "auto":
+        return args
+    if ray.is_initialized():
+        has_gpu = ray.cluster_resources().get("GPU", 0) > 0
+    else:
+        import torch  # noqa: PLC0415  (only when there is no cluster to ask)
+        has_gpu = torch.cuda.is_available()
+    return args.model_copy(update={"device": "cuda" if has_gpu else "cpu"})
+
+
 def build_app(args: dict[str, Any]) -> serve.Application:
     """Validate `args` with `AppArgs` and bind the ingress to the engine deployment."""
-    app_args = AppArgs.model_validate(args)
+    app_args = resolve_device(AppArgs.model_validate(args))
     args_dict = app_args.model_dump(mode="json")
     engine = serve.deployment(EngineDeployment).options(**engine_deployment_options(app_args)).bind(args_dict)
     ingress = serve.deployment(OpenAIIngress).options(name="openai", ray_actor_options={"num_cpus": 0.1}).bind(

@@ -6,6 +6,8 @@ every application metric with `ray_` (its Prometheus namespace, fixed in Ray 2.6
 our counter names already end in `_total`, adds no second suffix: a metric defined as
 `hybrid_serve_x_total` is scraped as `ray_hybrid_serve_x_total` (`scraped_name`). Ray records a
 histogram observation at its bucket's midpoint, so `_sum` is approximate; buckets and counts are exact.
+Ray refuses to increment a counter by 0, so a counter's series appears with its first event (e.g.
+`cache_evictions_total{kind="mamba"}` after the first mamba eviction).
 """
 from __future__ import annotations
 
@@ -16,7 +18,6 @@ from typing import Any, Mapping
 from ray.serve import metrics as serve_metrics
 
 from service.deployments.metric_defs import ENGINE_METRICS, ROUTER_METRICS, MetricDef
-from service.deployments.prefix_index import REASONS
 
 RAY_EXPORT_PREFIX = "ray_"  # Ray's metrics agent namespace, prepended to every application metric
 
@@ -71,10 +72,6 @@ class EngineMetrics:
     live: dict[str, Any] = field(default_factory=lambda: {d.name: make_metric(d) for d in ENGINE_METRICS})
     last_counts: dict[str, float] = field(default_factory=dict)   # stats key -> last cumulative value exported
 
-    def __post_init__(self) -> None:
-        for key, name, labels in _COUNTER_STATS:   # export zeros at once so every series exists before traffic
-            self.live[name].inc(0, tags=dict(labels) or None)
-            self.last_counts.setdefault(key, 0.0)
 
     def update_from_stats(self, stats: Mapping[str, Any]) -> None:
         """Export one `engine.stats()` snapshot: counter deltas since the last one, gauges as is."""
@@ -102,10 +99,6 @@ class EngineMetrics:
 class RouterMetrics:
     """The prefix-aware router's metrics (live in the process that holds the engine handle)."""
     live: dict[str, Any] = field(default_factory=lambda: {d.name: make_metric(d) for d in ROUTER_METRICS})
-
-    def __post_init__(self) -> None:
-        for reason in REASONS:
-            self.live["hybrid_serve_router_decisions_total"].inc(0, tags={"reason": reason})
 
     def record_decision(self, reason: str, predicted_hit_ratio: float) -> None:
         self.live["hybrid_serve_router_decisions_total"].inc(1, tags={"reason": reason})

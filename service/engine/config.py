@@ -340,6 +340,12 @@ class EngineConfig:
         if self.mamba_cache_strategy == "no_buffer" and self.page_size != 1:
             raise ValueError(f"mamba_cache_strategy='no_buffer' needs page_size=1 (got page_size={self.page_size}); "
                              "use 'extra_buffer' for larger pages")
+        if self.mamba_cache_strategy != "off" and self.max_mamba_snapshots is not None and self.max_mamba_snapshots < 1:
+            raise ValueError(f"max_mamba_snapshots must be >= 1 with mamba_cache_strategy="
+                             f"{self.mamba_cache_strategy!r} (got {self.max_mamba_snapshots}); use 'off' to disable caching")
+        if self.tp != 1 or self.ep != 1:
+            raise ValueError(f"tp={self.tp}, ep={self.ep}: tensor/expert parallelism inside one engine is not "
+                             "implemented yet; use tp=1, ep=1 and scale out with replicas")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

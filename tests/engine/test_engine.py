@@ -115,3 +115,16 @@ def test_abort_frees_everything(mixed_ckpt):
     assert engine.runner.pools.pages.num_free == engine.runner.pools.pages.num_usable
     assert engine.runner.pools.live.num_free == engine.runner.pools.live.count
     assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(mamba_cache_strategy="no_buffer", page_size=4), "page_size=1"),
+    (dict(mamba_cache_strategy="extra_buffer", mamba_track_interval=24), "multiple of the snapshot grid"),
+    (dict(mamba_cache_strategy="extra_buffer", max_mamba_snapshots=0), "max_mamba_snapshots"),
+    (dict(mamba_cache_strategy="lru"), "mamba_cache_strategy"),
+    (dict(kernel_backend="cuda"), "kernel_backend"),
+    (dict(page_size=0), "page_size"),
+])
+def test_bad_engine_options(mixed_ckpt, kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        make_engine(mixed_ckpt, **kwargs)

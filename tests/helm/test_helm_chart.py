@@ -92,6 +92,9 @@ def test_gpu_sizing_matches_app_args(manifests, config):
     assert group["replicas"] == group["minReplicas"]
     assert gpus_per_pod <= load_values(config)["workers"]["maxGpusPerPod"]
     assert cluster["enableInTreeAutoscaling"] is (args.min_replicas is not None)
+    # only the autoscaler sidecar needs a Kubernetes API token
+    assert cluster["headGroupSpec"]["template"]["spec"]["automountServiceAccountToken"] is cluster["enableInTreeAutoscaling"]
+    assert group["template"]["spec"]["automountServiceAccountToken"] is False
     assert "nvidia.com/gpu" not in head["resources"]["limits"]
     assert cluster["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
     if args.gpus_per_replica:

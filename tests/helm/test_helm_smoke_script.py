@@ -62,7 +62,7 @@ class FakeOpenAI(BaseHTTPRequestHandler):
 @pytest.fixture()
 def server():
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeOpenAI)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     FakeOpenAI.requests = []
     yield f"http://127.0.0.1:{httpd.server_address[1]}"
