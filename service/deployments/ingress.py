@@ -151,11 +151,12 @@ class OpenAIIngress:
             raise _invalid(f"max_tokens ({kwargs['max_tokens']}) plus the prompt ({len(token_ids)} tokens) exceeds "
                            f"the maximum context length of {self._max_model_len} tokens.", "max_tokens",
                            code="context_length_exceeded")
+        kwargs.setdefault("skip_special_tokens", req.skip_special_tokens)
         params = []
         for i in range(req.n):
             seed = None if kwargs["seed"] is None else kwargs["seed"] + i
             try:
-                params.append(SamplingParams(**{**kwargs, "seed": seed}, skip_special_tokens=req.skip_special_tokens))
+                params.append(SamplingParams(**{**kwargs, "seed": seed}))
             except ValueError as exc:
                 raise _invalid(str(exc), str(exc).split(" ", 1)[0]) from None
         return PreparedPrompt(token_ids, params, first_choice_index)

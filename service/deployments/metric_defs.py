@@ -1,8 +1,9 @@
 """The registry of every Prometheus metric the service exports (DESIGN §6).
 
 Pure data: the deployments create the live metrics from it, the Helm chart's dashboard and alert
-tests check their queries against it. Names are the Prometheus names as scraped (counters end in
-`_total`; Ray's metrics agent exports them under exactly these names)."""
+tests check their queries against it. Names are the Prometheus names as stored: Ray's metrics agent
+exports application metrics as `ray_<name>`, and the chart's PodMonitors strip that prefix, so
+Prometheus (and the dashboard and alerts) see exactly these names."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -5,6 +5,7 @@ Ray's own import utility, and service.deployments.args.AppArgs."""
 from __future__ import annotations
 
 import importlib
+import json
 import inspect
 
 import pytest
@@ -12,7 +13,7 @@ import yaml
 from ray._common.utils import import_attr
 from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
 
-from helm_chart_util import CONFIGS, load_values, only, pod_templates
+from helm_chart_util import CONFIGS, REPO, load_values, only, pod_templates
 
 from service.deployments.args import AppArgs
 
@@ -121,3 +122,15 @@ def test_worker_pods_can_host_the_apps_replicas(manifests, config):
     replicas = args.min_replicas or args.replicas
     strict = options.get("placement_group_strategy", "STRICT_PACK") == "STRICT_PACK"
     assert place([bundles] * replicas, strict, pods), f"{replicas} x {bundles} ({'STRICT_PACK' if strict else 'PACK'}) do not fit {group['minReplicas']} pod(s) of {limits}"
+
+
+@pytest.mark.parametrize("config,released_config", [
+    ("default", "nano_30b_a3b_config.json"), ("nano-1gpu", "nano_30b_a3b_config.json"),
+    ("two-replicas-router", "nano_30b_a3b_config.json"), ("super-tp4-ep4", "super_120b_a12b_config.json")])
+def test_examples_state_the_real_models_mamba_groups(config, released_config):
+    """model.mambaGroups is n_groups of the released model's config.json, and tp divides it."""
+    hf_config = json.loads((REPO / "tests" / "engine" / "fixtures" / released_config).read_text())
+    values = load_values(config)
+    assert values["model"]["mambaGroups"] == hf_config["n_groups"]
+    assert hf_config["n_groups"] % values["engine"]["tp"] == 0
+    assert hf_config["mamba_num_heads"] % values["engine"]["tp"] == 0

@@ -1,0 +1,217 @@
+"""Engine benchmark: the Nano-30B-A3B config with random bf16 weights created on the GPU, torch vs triton kernels.
+
+Reports prefill tokens/s at ISL 1K and 8K (whole requests, max_tokens=1, token budget 8192 per step) and decode
+tokens/s at batch 1, 32, 128 (prompts of --prompt-len tokens, timed over pure decode steps), for each kernel
+backend, plus the decode weight-bandwidth limit at batch 1 (active bytes per step / measured copy bandwidth).
+One model is built (`build_model(load=False)`, default dtype bf16 so no fp32 copy is ever made) and shared;
+`model.kernels` is rebound to each backend's bundle (the Engine takes the model as given).
+
+    PYTHONPATH=. python benchmarks/engine_bench.py [--backends torch,triton] [--out engine.md]
+CPU smoke run (tiny config, interpreter): TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/engine_bench.py \
+    --device cpu --config <tiny config.json> --isl 40,70 --decode-batches 1,3 --prompt-len 20 --decode-steps 2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+
+from service.engine import Engine, EngineConfig, SamplingParams
+from service.engine.config import ModelConfig
+from service.engine.kernels import get_kernels
+from service.engine.runner.model_runner import build_model
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NANO_CONFIG = os.path.join(REPO, "tests", "engine", "fixtures", "nano_30b_a3b_config.json")
+
+
+@torch.no_grad()
+def init_random_(model: torch.nn.Module, seed: int) -> None:
+    """NemotronH-like random init, on the parameters' own device."""
+    g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "A_log":
+            p.copy_(torch.empty_like(p, dtype=torch.float32).uniform_(1.0, 16.0, generator=g).log())
+        elif leaf == "dt_bias":
+            dt = torch.empty_like(p, dtype=torch.float32).uniform_(math.log(1e-3), math.log(1e-1), generator=g).exp()
+            p.copy_(dt + torch.log(-torch.expm1(-dt)))            # softplus^-1(dt)
+        elif leaf == "D" or "norm" in name:
+            p.fill_(1.0)
+        elif leaf in ("bias", "e_score_correction_bias"):
+            p.zero_()
+        elif "embeddings" in name:
+            p.normal_(0.0, 1.0, generator=g)
+        elif "conv1d" in name:
+            p.uniform_(-0.5, 0.5, generator=g)
+        else:
+            p.normal_(0.0, 0.02, generator=g)
+
+
+def build_random_model(engine_cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, seed: int):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)                                  # parameters are born in the serving dtype
+    try:
+        model = build_model(engine_cfg, model_cfg, dtype, torch.device(engine_cfg.device), load=False)
+    finally:
+        torch.set_default_dtype(previous)
+    init_random_(model, seed)
+    return model
+
+
+def active_bytes_per_token(model: torch.nn.Module, model_cfg: ModelConfig) -> float:
+    """Weight bytes one decode step at batch 1 must read: all but the embedding table, top_k of E experts."""
+    total = expert = 0.0
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        if "embeddings" in name:
+            continue
+        if ".experts." in name:
+            expert += nbytes
+        else:
+            total += nbytes
+    return total + expert * model_cfg.num_experts_per_tok / model_cfg.n_routed_experts
+
+
+def copy_bandwidth_gbs(device: str) -> float:
+    a = torch.randn(2 ** 28, device=device, dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        b.copy_(a)
+    sync(device)
+    return 20 * 2 * a.numel() * 2 / (time.perf_counter() - t0) / 1e9
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n, length), generator=g).tolist()
+
+
+def prefill_tps(engine: Engine, isl: int, num_reqs: int, seed: int) -> float:
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    engine.generate(random_prompts(min(num_reqs, 2), isl, vocab, seed), params)          # warm-up / compile
+    prompts = random_prompts(num_reqs, isl, vocab, seed + 1)
+    sync(engine.config.device)
+    t0 = time.perf_counter()
+    engine.generate(prompts, params)
+    sync(engine.config.device)
+    return isl * num_reqs / (time.perf_counter() - t0)
+
+
+def decode_tps(engine: Engine, batch: int, prompt_len: int, steps: int, seed: int) -> float:
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in random_prompts(batch, prompt_len, vocab, seed)]
+    while any(not engine.requests[i].output_token_ids for i in ids):                   # prefill everyone
+        engine.step()
+    for _ in range(3):                                                                 # warm-up decode steps
+        engine.step()
+    sync(engine.config.device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync(engine.config.device)
+    elapsed = time.perf_counter() - t0
+    for i in ids:
+        engine.abort(i)
+    return batch * steps / elapsed
+
+
+def bench_backend(engine: Engine, args: argparse.Namespace) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for isl in args.isl:
+        out[f"prefill ISL {isl}"] = prefill_tps(engine, isl, max(2, args.max_batched_tokens // isl * 2), seed=isl)
+        print(f"  prefill ISL {isl}: {out[f'prefill ISL {isl}']:.0f} tok/s", flush=True)
+    for b in args.decode_batches:
+        out[f"decode B={b}"] = decode_tps(engine, b, args.prompt_len, args.decode_steps, seed=1000 + b)
+        print(f"  decode B={b}: {out[f'decode B={b}']:.1f} tok/s", flush=True)
+    return out
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=NANO_CONFIG, help="HF config.json of the model to build")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--backends", default="torch,triton")
+    ap.add_argument("--isl", default="1024,8192")
+    ap.add_argument("--decode-batches", default="1,32,128")
+    ap.add_argument("--prompt-len", type=int, default=512, help="prompt tokens of each decode request")
+    ap.add_argument("--decode-steps", type=int, default=12)
+    ap.add_argument("--max-batched-tokens", type=int, default=8192)
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    args.isl = [int(x) for x in args.isl.split(",") if x]
+    args.decode_batches = [int(x) for x in args.decode_batches.split(",") if x]
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    model_dir = tempfile.mkdtemp(prefix="engine_bench_")
+    shutil.copy(args.config, os.path.join(model_dir, "config.json"))
+    dtype = getattr(torch, args.dtype)
+    base = dict(model_path=model_dir, device=args.device, dtype=args.dtype, page_size=args.page_size,
+                max_num_seqs=max(args.decode_batches), max_num_batched_tokens=args.max_batched_tokens,
+                max_model_len=max(args.isl + [args.prompt_len]) + args.decode_steps + 64)
+    model_cfg = ModelConfig.from_model_path(model_dir)
+    backends = [b for b in args.backends.split(",") if b]
+    t0 = time.perf_counter()
+    model = build_random_model(EngineConfig(**base, kernel_backend=backends[0]), model_cfg, dtype, seed=0)
+    print(f"model built in {time.perf_counter() - t0:.1f} s", flush=True)
+    results: dict[str, dict[str, float]] = {}
+    for backend in backends:
+        model.kernels = get_kernels(backend)
+        engine = Engine(EngineConfig(**base, kernel_backend=backend), model=model)
+        print(f"backend {backend}:", flush=True)
+        results[backend] = bench_backend(engine, args)
+        del engine
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    report(results, model, model_cfg, args)
+    shutil.rmtree(model_dir, ignore_errors=True)
+
+
+def report(results: dict[str, dict[str, float]], model, model_cfg: ModelConfig, args: argparse.Namespace) -> None:
+    backends = list(results)
+    keys = list(results[backends[0]])
+    lines = ["| metric (tok/s) | " + " | ".join(backends) + " |", "| --- |" + " ---: |" * len(backends)]
+    lines += [f"| {k} | " + " | ".join(f"{results[b][k]:.1f}" for b in backends) + " |" for k in keys]
+    active = active_bytes_per_token(model, model_cfg)
+    bw = copy_bandwidth_gbs(args.device)
+    limit = bw * 1e9 / active
+    lines.append("")
+    lines.append(f"decode weight-bandwidth limit at batch 1: {active / 1e9:.2f} GB active weights per step / "
+                 f"{bw:.0f} GB/s measured copy = {limit:.0f} tok/s")
+    for b in backends:
+        if "decode B=1" in results[b]:
+            lines.append(f"  {b}: decode B=1 reaches {100 * results[b]['decode B=1'] / limit:.1f}% of it")
+    meta = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+            "torch": torch.__version__, "prompt_len(decode)": args.prompt_len, "decode_steps": args.decode_steps,
+            "max_num_batched_tokens": args.max_batched_tokens, "page_size": args.page_size}
+    text = json.dumps(meta) + "\n\n" + "\n".join(lines) + "\n"
+    print(text, flush=True)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
