@@ -1,11 +1,13 @@
 """Kernel benchmarks on one CUDA GPU, Nano-30B-A3B shapes: each Triton op vs its torch reference.
 
-For every case: median time (triton.testing.do_bench, CUDA events), achieved GB/s over the fewest bytes the
-op must move and TFLOP/s over its useful FLOPs, as fractions of the ceilings measured first in the same run
-(device-to-device copy bandwidth, counting read + write; an 8192^3 bf16 matmul on random data).
-Inputs rotate over several sets when one set would sit in L2.
+For every case: wall time per call (triton.testing.do_bench median, CUDA events: includes the host's launch
+overhead when the GPU outruns it), device time per call (torch.profiler: sum of the op's kernels and copies),
+and over the device time the achieved GB/s (fewest bytes the op must move) and TFLOP/s (useful FLOPs), as
+fractions of the ceilings measured first in the same run (device-to-device copy, read + write; an 8192^3 bf16
+matmul on random data). Inputs rotate over several sets when one set would sit in L2. The `tune` group times
+launch-shape variants of the Triton ops (no reference).
 
-    python benchmarks/kernels.py [--only ssd,moe] [--out results.md]
+    PYTHONPATH=. python benchmarks/kernels.py [--only ssd,moe,tune] [--out results.md] [--log kernels.log]
 """
 from __future__ import annotations
 
@@ -18,11 +20,12 @@ import torch
 import triton.testing
 
 from service.engine.kernels import attention, conv1d, moe, norm, ssd
-from service.engine.kernels.triton_attention import paged_attention
-from service.engine.kernels.triton_conv1d import causal_conv1d_update, causal_conv1d_varlen
-from service.engine.kernels.triton_moe import moe_experts
+from service.engine.kernels.triton_attention import PrefillTiles, paged_attention, paged_attention_tiled
+from service.engine.kernels.triton_conv1d import (ConvTiles, causal_conv1d_update, causal_conv1d_varlen,
+                                                  causal_conv1d_varlen_tiled)
+from service.engine.kernels.triton_moe import MoeTiles, moe_experts, moe_experts_tiled
 from service.engine.kernels.triton_norm import gated_group_rms_norm, rms_norm
-from service.engine.kernels.triton_ssd import selective_state_update, ssd_varlen
+from service.engine.kernels.triton_ssd import SsdTiles, selective_state_update, ssd_varlen, ssd_varlen_tiled
 
 DEV, BF16 = "cuda", torch.bfloat16
 H, P, G, N, CHUNK, K_CONV = 64, 64, 8, 128, 128, 4           # Nano mamba
@@ -40,6 +43,7 @@ class Case:
     ref_fn: Callable | None         # the torch reference (None: too slow to time here)
     bytes_moved: float              # fewest bytes the op must read + write
     flops: float                    # useful floating-point operations (0 for pure data movement)
+    compare_fn: Callable | None = None  # op whose output must match (default: ref_fn)
 
 
 def measure_ceilings() -> tuple[float, float]:
@@ -61,6 +65,30 @@ def rotating(case: Case) -> list[tuple]:
 def time_ms(fn: Callable, sets: list[tuple], rep: int = 200) -> float:
     it = itertools.cycle(sets)
     return triton.testing.do_bench(lambda: fn(*next(it)), warmup=25, rep=rep, return_mode="median")
+
+
+def rel_err(case: Case, inputs: tuple) -> float:
+    """||triton - reference|| / ||reference|| of the first output (the reference is compare_fn or ref_fn)."""
+    other = case.compare_fn or case.ref_fn
+    if other is None:
+        return float("nan")
+    a, b = case.triton_fn(*inputs), other(*inputs)
+    a, b = (a[0], b[0]) if isinstance(a, tuple) else (a, b)
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def device_ms(fn: Callable, sets: list[tuple], iters: int = 20) -> tuple[float, list[str]]:
+    """GPU time per call summed over every kernel/copy the profiler saw, and a per-kernel breakdown."""
+    it = itertools.cycle(sets)
+    fn(*next(it))
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn(*next(it))
+        torch.cuda.synchronize()
+    rows = [(e.key, e.self_device_time_total / iters) for e in prof.key_averages() if e.self_device_time_total > 0]
+    rows.sort(key=lambda r: -r[1])
+    return sum(t for _, t in rows) / 1000, [f"    {t:9.1f} us  {k[:90]}" for k, t in rows[:8]]
 
 
 # ---------------- cases ----------------
@@ -141,7 +169,8 @@ def _attn_case(qlens: list[int], plens: list[int], page: int = 64) -> Case:
 
     def make():
         return (torch.randn(sum(qlens), HQ, DH, device=DEV, dtype=BF16),
-                torch.randn(slots, HKV, DH, device=DEV, dtype=BF16), torch.randn(slots, HKV, DH, device=DEV, dtype=BF16),
+                torch.randn(slots, HKV, DH, device=DEV, dtype=BF16),
+                torch.randn(slots, HKV, DH, device=DEV, dtype=BF16),
                 table, qsl, plens, page, DH ** -0.5)
     moved = sum(ctx) * HKV * DH * 2 * 2 + 2 * sum(qlens) * HQ * DH * 2
     flops = sum(4 * HQ * DH * q * (p + (q + 1) / 2) for p, q in zip(plens, qlens))
@@ -153,13 +182,13 @@ def _attn_case(qlens: list[int], plens: list[int], page: int = 64) -> Case:
 def _moe_case(T: int) -> Case:
     up = torch.randn(E, INTER, HIDDEN, device=DEV, dtype=BF16) * HIDDEN ** -0.5
     down = torch.randn(E, HIDDEN, INTER, device=DEV, dtype=BF16) * INTER ** -0.5
-    gate = torch.randn(E, HIDDEN, device=DEV)
+    gate = torch.randn(E, HIDDEN, device=DEV) * HIDDEN ** -0.5       # router logits ~ N(0, 1): no saturated ties
 
     def make():
         x = torch.randn(T, HIDDEN, device=DEV, dtype=BF16)
         w, ids = moe.moe_route_ref(x, gate, torch.zeros(E, device=DEV), TOPK, 1, 1, True, 2.5)
         return x, up, down, w, ids
-    experts_hit = min(E, T * TOPK) if T < 64 else E                  # distinct experts touched (upper bound)
+    experts_hit = E * (1 - (1 - TOPK / E) ** T)                      # expected distinct experts (uniform routing)
     moved = experts_hit * 2 * INTER * HIDDEN * 2 + T * HIDDEN * 2 * 2
     return Case(f"moe_experts T={T}", make, moe_experts, moe.moe_experts_ref if T <= 8192 else None, moved,
                 T * TOPK * 4 * HIDDEN * INTER)
@@ -171,46 +200,96 @@ def all_cases(only: set[str]) -> list[Case]:
         "ssu": lambda: [_ssu_case(b) for b in (1, 32, 128)],
         "conv": lambda: [_conv_varlen_case([8192]), _conv_update_case(128)],
         "norm": lambda: _norm_cases(8192),
-        "attn": lambda: [_attn_case([1], [8191]), _attn_case([1] * 32, [1023] * 32), _attn_case([1] * 128, [1023] * 128),
+        "attn": lambda: [_attn_case([1], [8191]), _attn_case([1] * 32, [1023] * 32),
+                         _attn_case([1] * 128, [1023] * 128),
                          _attn_case([8192], [0]), _attn_case([1024] * 4, [512, 0, 300, 2000])],
         "moe": lambda: [_moe_case(t) for t in (1, 32, 128, 8192)],
+        "tune": tune_cases,
     }
-    return [c for name, make in groups.items() if not only or name in only for c in make()]
+    return [c for name, make in groups.items() if (not only and name != "tune") or name in only for c in make()]
 
 
-def run(only: set[str]) -> list[str]:
+def run(only: set[str], log: list[str]) -> list[str]:
     copy_gbs, mm_tflops = measure_ceilings()
     lines = [f"ceilings: copy {copy_gbs:.0f} GB/s (read+write), bf16 matmul {mm_tflops:.0f} TFLOP/s", "",
-             "| case | triton ms | torch ref ms | speedup | GB/s | % copy BW | TFLOP/s | % bf16 peak |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| case | wall ms | device ms | torch ref wall ms | speedup | GB/s | % copy BW | TFLOP/s | % bf16 peak "
+             "| rel err |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     print("\n".join(lines), flush=True)
     for case in all_cases(only):
         sets = rotating(case)
         t = time_ms(case.triton_fn, sets)
+        t_dev, breakdown = device_ms(case.triton_fn, sets)
         t_ref = time_ms(case.ref_fn, sets[:2], rep=50) if case.ref_fn is not None else float("nan")
-        gbs, tfl = case.bytes_moved / t / 1e6, case.flops / t / 1e9
-        line = (f"| {case.name} | {t:.4f} | {t_ref:.3f} | {t_ref / t:.1f}x | {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% "
-                f"| {tfl:.1f} | {100 * tfl / mm_tflops:.1f}% |")
+        gbs, tfl = case.bytes_moved / t_dev / 1e6, case.flops / t_dev / 1e9
+        line = (f"| {case.name} | {t:.4f} | {t_dev:.4f} | {t_ref:.3f} | {t_ref / t:.1f}x | {gbs:.0f} "
+                f"| {100 * gbs / copy_gbs:.0f}% | {tfl:.1f} | {100 * tfl / mm_tflops:.1f}% "
+                f"| {rel_err(case, sets[0]):.1e} |")
         print(line, flush=True)
         lines.append(line)
+        log += [case.name] + breakdown
         del sets
         torch.cuda.empty_cache()
     return lines
+
+
+def tune_cases() -> list[Case]:
+    """Launch-shape variants of the Triton ops at prefill/decode sizes (first of each family = previous default)."""
+    out = []
+    ssd_case = _ssd_case([8192], [0])
+    for tiles in (SsdTiles(64, 64, 4, 256, 64), SsdTiles(128, 64, 4, 256, 64), SsdTiles(64, 32, 4, 256, 32),
+                  SsdTiles(128, 32, 8, 256, 32)):
+        out.append(Case(f"tune {ssd_case.name} {tiles}", ssd_case.make,
+                        lambda *a, tiles=tiles: ssd_varlen_tiled(*a, tiles), None, ssd_case.bytes_moved, ssd_case.flops, ssd_varlen))
+    attn = _attn_case([8192], [0])
+    for tiles in (PrefillTiles(128, 64, 8, 2), PrefillTiles(128, 128, 8, 3), PrefillTiles(64, 128, 4, 2)):
+        out.append(Case(f"tune {attn.name} {tiles}", attn.make,
+                        lambda *a, tiles=tiles: paged_attention_tiled(*a, tiles), None, attn.bytes_moved, attn.flops, paged_attention))
+    base = _moe_case(8192)
+    for tiles in (MoeTiles(128, 128, 64, 8, 3), MoeTiles(128, 256, 64, 8, 4), MoeTiles(256, 128, 64, 8, 3)):
+        out.append(Case(f"tune {base.name} {tiles}", base.make, lambda *a, tiles=tiles: moe_experts_tiled(*a, tiles),
+                        None, base.bytes_moved, base.flops, moe_experts))
+    conv = _conv_varlen_case([8192])
+    for tiles in (ConvTiles(16, 256, 8), ConvTiles(16, 128, 4), ConvTiles(8, 256, 4)):
+        out.append(Case(f"tune {conv.name} {tiles}", conv.make,
+                        lambda *a, tiles=tiles: causal_conv1d_varlen_tiled(*a, tiles), None, conv.bytes_moved, 0.0,
+                        causal_conv1d_varlen))
+    return out
+
+
+def compiled_kernel_report() -> list[str]:
+    """Registers, spills and shared memory of every compiled Triton kernel of the Triton backend modules."""
+    from service.engine.kernels import triton_attention, triton_conv1d, triton_moe, triton_norm, triton_ssd
+    out = []
+    for mod in (triton_ssd, triton_conv1d, triton_attention, triton_moe, triton_norm):
+        for name, fn in vars(mod).items():
+            for cache in getattr(fn, "device_caches", {}).values():
+                kernels = cache[0] if isinstance(cache, tuple) and isinstance(cache[0], dict) else {}
+                for kernel in kernels.values():
+                    meta = kernel.metadata
+                    out.append(f"{name} warps={meta.num_warps} stages={meta.num_stages} "
+                               f"regs={getattr(kernel, 'n_regs', '?')} spills={getattr(kernel, 'n_spills', '?')} "
+                               f"shared={meta.shared}")
+    return sorted(set(out))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="comma list of groups: ssd,ssu,conv,norm,attn,moe")
     ap.add_argument("--out", default="", help="also write the table to this file")
+    ap.add_argument("--log", default="", help="write per-kernel device-time breakdowns and register use here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kernels.py needs a CUDA GPU")
     torch.manual_seed(0)
-    lines = run({s for s in args.only.split(",") if s})
+    log: list[str] = []
+    lines = run({s for s in args.only.split(",") if s}, log)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             f.write(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}\n\n")
             f.write("\n".join(lines) + "\n")
+    if args.log:
+        with open(args.log, "w", encoding="utf-8") as f:
+            f.write("\n".join(log + [""] + compiled_kernel_report()) + "\n")
 
 
 if __name__ == "__main__":

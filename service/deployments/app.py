@@ -84,6 +84,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     app_args = resolve_device(AppArgs.model_validate(args))
     args_dict = app_args.model_dump(mode="json")
     engine = serve.deployment(EngineDeployment).options(**engine_deployment_options(app_args)).bind(args_dict)
-    ingress = serve.deployment(OpenAIIngress).options(name="openai", ray_actor_options={"num_cpus": 0.1}).bind(
-        engine, args_dict)
+    ingress = serve.deployment(OpenAIIngress).options(
+        name="openai", ray_actor_options={"num_cpus": 0.1}, graceful_shutdown_timeout_s=ENGINE_GRACEFUL_SHUTDOWN_S,
+        graceful_shutdown_wait_loop_s=1.0).bind(engine, args_dict)
     return ingress

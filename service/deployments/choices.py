@@ -6,6 +6,8 @@ owns the HTTP side; this module only builds `service.openai.protocol` objects.
 """
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +16,7 @@ from service.engine.tokenizer import Tokenizer
 from service.openai.chat_output import ChatOutputStreamParser, chat_finish_reason, parse_chat_output
 from service.openai.protocol import (
     ChatCompletionChoice, ChatCompletionLogprobs, ChatCompletionStreamChoice, ChatMessageOut, ChatTokenLogprob,
-    CompletionChoice, CompletionLogprobs, CompletionStreamChoice, DeltaMessage,
+    CompletionChoice, CompletionLogprobs, CompletionStreamChoice, DeltaMessage, TopLogprob,
 )
 
 
@@ -37,13 +39,56 @@ def _merge_deltas(a: DeltaMessage | None, b: DeltaMessage | None) -> DeltaMessag
     return DeltaMessage(content=join("content"), reasoning_content=join("reasoning_content"), tool_calls=calls or None)
 
 
-def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id])
+@functools.lru_cache(maxsize=1)
+def _byte_level_decoder() -> dict[str, int]:
+    """Inverse of the byte-level BPE alphabet (printable bytes map to themselves, the other 68 bytes to
+    code points from 256 on, in byte order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
 
 
-def _top_pairs(tokenizer: Tokenizer, top: dict[int, float], k: int) -> list[tuple[str, float]]:
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def token_bytes(tokenizer: Tokenizer, token_id: int) -> bytes | None:
+    """Raw bytes of one vocabulary token (byte-level BPE or `<0xNN>` byte fallback), None if unknown."""
+    piece = tokenizer.id_to_token(token_id)
+    if piece is None:
+        return None
+    fallback = _BYTE_FALLBACK.fullmatch(piece)
+    if fallback:
+        return bytes([int(fallback.group(1), 16)])
+    table = _byte_level_decoder()
+    if all(ch in table for ch in piece):
+        return bytes(table[ch] for ch in piece)
+    return None
+
+
+def token_text_and_bytes(tokenizer: Tokenizer, token_id: int) -> tuple[str, list[int]]:
+    """A token as shown in logprobs: its text, or — when it is not valid UTF-8 on its own — OpenAI's
+    `bytes:\\xNN...` form, so distinct byte tokens never collide; plus its raw bytes."""
+    text = tokenizer.decode([token_id])
+    if "\ufffd" not in text:
+        return text, list(text.encode("utf-8"))
+    raw = token_bytes(tokenizer, token_id)
+    if raw is None:
+        return text, list(text.encode("utf-8"))
+    try:
+        return raw.decode("utf-8"), list(raw)
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), list(raw)
+
+
+def _top_entries(tokenizer: Tokenizer, top: dict[int, float], k: int) -> list[tuple[str, list[int], float]]:
     ranked = sorted(top.items(), key=lambda kv: kv[1], reverse=True)[:k]
-    return [(_token_text(tokenizer, t), lp) for t, lp in ranked]
+    return [(*token_text_and_bytes(tokenizer, t), lp) for t, lp in ranked]
 
 
 def chat_logprobs(tokenizer: Tokenizer, chunk_ids: tuple[int, ...], logprobs: tuple[float, ...] | None,
@@ -51,9 +96,13 @@ def chat_logprobs(tokenizer: Tokenizer, chunk_ids: tuple[int, ...], logprobs: tu
     """Chat-style logprob entries for consecutive generated tokens."""
     if logprobs is None:
         return []
-    return [ChatTokenLogprob.make(_token_text(tokenizer, t), lp,
-                                  _top_pairs(tokenizer, top[i], k) if top is not None and k > 0 else [])
-            for i, (t, lp) in enumerate(zip(chunk_ids, logprobs))]
+    out = []
+    for i, (t, lp) in enumerate(zip(chunk_ids, logprobs)):
+        text, raw = token_text_and_bytes(tokenizer, t)
+        alts = _top_entries(tokenizer, top[i], k) if top is not None and k > 0 else []
+        out.append(ChatTokenLogprob(token=text, logprob=lp, bytes=raw,
+                                    top_logprobs=[TopLogprob(token=a, bytes=b, logprob=v) for a, b, v in alts]))
+    return out
 
 
 def completion_logprobs(tokenizer: Tokenizer, ids: tuple[int, ...], logprobs: tuple[float, ...] | None,
@@ -62,12 +111,13 @@ def completion_logprobs(tokenizer: Tokenizer, ids: tuple[int, ...], logprobs: tu
     out = CompletionLogprobs()
     offset = text_offset
     for i, (t, lp) in enumerate(zip(ids, logprobs or ())):
-        token = _token_text(tokenizer, t)
+        token = token_text_and_bytes(tokenizer, t)[0]
         out.tokens.append(token)
         out.token_logprobs.append(lp)
-        out.top_logprobs.append(dict(_top_pairs(tokenizer, top[i], k)) if top is not None and k > 0 else {})
+        alts = _top_entries(tokenizer, top[i], k) if top is not None and k > 0 else []
+        out.top_logprobs.append({a: v for a, _, v in alts})
         out.text_offset.append(offset)
-        offset += len(token)
+        offset += len(tokenizer.decode([t]))
     return out
 
 

@@ -20,6 +20,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from ray import serve
+
 from service.deployments.args import AppArgs
 from service.deployments.metrics import EngineMetrics
 from service.engine import AsyncEngine, EngineConfig, SamplingParams
@@ -123,8 +125,9 @@ class EngineDeployment:
         return {"max_model_len": self._max_model_len, "snapshot_grid_tokens": self._grid_tokens}
 
     async def stats(self) -> dict[str, Any]:
-        """The engine's counters and gauges right now (tests and operators)."""
-        return dict(self._engine.stats())
+        """The engine's counters and gauges (as of its last step), plus this replica's id and actor name."""
+        replica = serve.get_replica_context().replica_id
+        return {**self._engine.stats(), "replica_id": replica.unique_id, "replica_actor_name": replica.to_full_id_str()}
 
     # ---- Serve hooks ----
     async def record_replica_metadata(self) -> dict[str, Any]:
@@ -134,7 +137,8 @@ class EngineDeployment:
         self._ensure_stats_loop()
         self._report_seq += 1
         stats = self._engine.stats()
-        return {"report_seq": self._report_seq,
+        return {"report_seq": self._report_seq, "replica_id": serve.get_replica_context().replica_id.unique_id,
+                "snapshot_grid_tokens": self._grid_tokens,
                 "cached_prefix_hashes": list(await self._engine.cached_prefix_hashes(ROUTING_REPORT_MAX_BLOCKS)),
                 "num_requests_running": stats["num_requests_running"],
                 "num_requests_waiting": stats["num_requests_waiting"],

@@ -6,7 +6,7 @@ checks the context length, builds `SamplingParams`, then opens one streaming eng
 (`generate(prompt_token_ids, params, request_id)`, routed by the prefix-aware router) and waits for
 each call's first chunk before answering, so that refusals become proper HTTP errors. Errors are
 OpenAI error objects: 400 bad parameters / prompt too long (`context_length_exceeded`), 404 unknown
-model, 503 overloaded or no engine. A client that goes away cancels the engine calls, which abort
+model, 413 body over 8 MiB, 503 overloaded or no engine. A client that goes away cancels the engine calls, which abort
 the requests in the engine.
 """
 from __future__ import annotations
@@ -39,6 +39,7 @@ from service.openai.responses import SSE_DONE, sse_event
 
 logger = logging.getLogger("ray.serve")
 HEALTH_TIMEOUT_S = 5.0
+MAX_BODY_BYTES = 8 * 1024 * 1024   # larger request bodies get 413
 
 
 class APIError(Exception):
@@ -128,6 +129,9 @@ class OpenAIIngress:
     # ---- shared request preparation ----
     async def _parse(self, request: Request, model: type[pydantic.BaseModel]) -> Any:
         body = await request.body()
+        if len(body) > MAX_BODY_BYTES:
+            raise APIError(ErrorResponse.make(f"Request body of {len(body)} bytes exceeds the limit of {MAX_BODY_BYTES}.",
+                                              status=413, code="request_too_large"))
         try:
             parsed = model.model_validate_json(body)
         except pydantic.ValidationError as exc:

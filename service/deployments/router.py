@@ -47,10 +47,11 @@ class PrefixAwareRouter(RequestRouter):
         self._in_flight: dict[ReplicaID, int] = {}
         self._dispatched_total: dict[ReplicaID, int] = {}
         self._report_seq: dict[ReplicaID, Any] = {}
-        # internal request id -> (block hashes, decision) between choose_replicas and on_request_routed
-        self._decisions: OrderedDict[str, tuple[list[int], Decision]] = OrderedDict()
-        # internal request id -> replica it was dispatched to, until on_request_completed
-        self._routed: OrderedDict[str, ReplicaID] = OrderedDict()
+        # id(PendingRequest) -> (that request, its block hashes, decision), from choose_replicas to on_request_routed
+        self._decisions: OrderedDict[int, tuple[PendingRequest, list[int], Decision]] = OrderedDict()
+        # internal request id -> replicas its calls were dispatched to, until on_request_completed. Every handle
+        # call made while serving one HTTP request shares that request's internal id (n > 1 choices).
+        self._routed: OrderedDict[str, list[ReplicaID]] = OrderedDict()
         self._metrics = RouterMetrics()
 
     # ---- replica set and reports ----
@@ -103,18 +104,32 @@ class PrefixAwareRouter(RequestRouter):
                  for r in candidate_replicas]
         decision = decide(views, len(hashes), self._policy, has_prompt=ids is not None)
         if pending_request is not None:
-            self._remember(self._decisions, pending_request.metadata.internal_request_id, (hashes, decision))
+            self._remember(self._decisions, id(pending_request), (pending_request, hashes, decision))
             # after every rank was tried once, let Serve back off instead of spinning
             pending_request.routing_context.should_backoff = True
         by_id = {r.replica_id: r for r in candidate_replicas}
         return [[by_id[k]] for k in decision.ranking]
 
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata: Optional[Any] = None) -> None:
+        """Give the chosen replica to exactly the request it was chosen for. (Serve's default matches on
+        internal_request_id, which concurrent calls of one HTTP request share, so the second of n choices
+        would never be assigned; FIFO matching would hand a prefix-aware choice to another prompt.)"""
+        for pr in self._pending_requests_to_fulfill:
+            if pr.metadata is request_metadata and not pr.future.done():
+                self._cancel_routing_task_for_pending_request(pr)
+                self._record_queue_wait_time(pr)
+                pr.future.set_result(replica)
+                if self._pending_requests_by_id.get(pr.metadata.internal_request_id) is pr:
+                    self._remove_pending_request_from_indices(pr)
+                return
+
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
-        request_id = pending_request.metadata.internal_request_id
-        hashes, decision = self._decisions.pop(request_id, ([], None))
+        remembered = self._decisions.pop(id(pending_request), None)
+        hashes, decision = (remembered[1], remembered[2]) if remembered and remembered[0] is pending_request else ([], None)
         self._in_flight[replica_id] = self._in_flight.get(replica_id, 0) + 1
         self._dispatched_total[replica_id] = self._dispatched_total.get(replica_id, 0) + 1
-        self._remember(self._routed, request_id, replica_id)
+        request_id = pending_request.metadata.internal_request_id
+        self._remember(self._routed, request_id, self._routed.get(request_id, []) + [replica_id])
         index = self._index(replica_id)
         if decision is not None and decision.ranking[0] == replica_id:
             self._metrics.record_decision(decision.reason, decision.predicted_hit_ratio)
@@ -124,13 +139,17 @@ class PrefixAwareRouter(RequestRouter):
             index.insert(hashes)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        routed_to = self._routed.pop(internal_request_id, None)
-        self._decisions.pop(internal_request_id, None)
-        if routed_to is not None and self._in_flight.get(routed_to, 0) > 0:
-            self._in_flight[routed_to] -= 1
+        replicas = self._routed.get(internal_request_id)
+        if not replicas or replica_id not in replicas:
+            return
+        replicas.remove(replica_id)
+        if not replicas:
+            del self._routed[internal_request_id]
+        if self._in_flight.get(replica_id, 0) > 0:
+            self._in_flight[replica_id] -= 1
 
     @staticmethod
-    def _remember(table: OrderedDict, key: str, value: Any) -> None:
+    def _remember(table: OrderedDict, key: Any, value: Any) -> None:
         table[key] = value
         table.move_to_end(key)
         while len(table) > _MAX_REMEMBERED_REQUESTS:

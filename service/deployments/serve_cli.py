@@ -42,6 +42,8 @@ def add_cli(subparsers: Any) -> None:
                    help="request router of the engine deployment")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--metrics-port", type=int, default=8080,
+                   help="Prometheus port of Ray's metrics agent (when this command starts Ray itself)")
     p.set_defaults(func=run_serve)
 
 
@@ -52,7 +54,7 @@ def app_args_from_cli(ns: argparse.Namespace) -> dict[str, Any]:
     return args
 
 
-def _usage_text(host: str, port: int, model: str) -> str:
+def _usage_text(host: str, port: int, model: str, metrics_port: int | None) -> str:
     base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     return (f"\nhybrid-serve is up: {base}/v1 (model '{model}')\n\n"
             f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
@@ -61,7 +63,9 @@ def _usage_text(host: str, port: int, model: str) -> str:
             f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='none'); "
             f"print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hello'}}], "
             f"max_tokens=32).choices[0].message)\"\n\n"
-            f"  metrics: Ray's metrics endpoint (ray_hybrid_serve_*); health: {base}/health\n"
+            f"  metrics (ray_hybrid_serve_*): "
+            f"{f'http://127.0.0.1:{metrics_port}/metrics' if metrics_port else 'the Ray cluster metrics endpoint'}"
+            f"; health: {base}/health\n"
             f"Press Ctrl-C to stop.\n")
 
 
@@ -77,7 +81,8 @@ def run_serve(ns: argparse.Namespace) -> int:
     if joined:
         ray.init(address=os.environ["RAY_ADDRESS"])
     else:   # local: enough logical CPUs for every replica plus the ingress, whatever the core count
-        ray.init(num_cpus=max(os.cpu_count() or 1, int(app_args.replicas * app_args.cpus_per_replica) + 2))
+        ray.init(num_cpus=max(os.cpu_count() or 1, int(app_args.replicas * app_args.cpus_per_replica) + 2),
+                 _metrics_export_port=ns.metrics_port)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -85,7 +90,7 @@ def run_serve(ns: argparse.Namespace) -> int:
         serve.start(http_options={"host": ns.host, "port": ns.port})
         serve.run(build_app(app_args.model_dump(mode="json")), name=APP_NAME, route_prefix=app_args.route_prefix)
         model = app_args.served_model_name or os.path.basename(app_args.model_path.rstrip("/"))
-        print(_usage_text(ns.host, ns.port, model), flush=True)
+        print(_usage_text(ns.host, ns.port, model, None if joined else ns.metrics_port), flush=True)
         while not stop.wait(0.5):
             pass
         print("shutting down: draining in-flight requests ...", flush=True)

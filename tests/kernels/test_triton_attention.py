@@ -33,6 +33,8 @@ CPU_CASES = [
     ([1, 1, 1], [0, 37, 300]),            # decode only, split-KV on the long request
     ([5, 17, 1], [6, 0, 9]),               # prefill with a cached prefix (p % page != 0), plus a decode row
     ([33, 2], [0, 3]),                     # cold prefill over several key blocks
+    ([20, 3], [130, 70]),                  # long cached prefix: unmasked key blocks before the diagonal
+    ([140, 2], [10, 0]),                   # several query blocks
 ]
 
 

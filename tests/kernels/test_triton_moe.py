@@ -56,8 +56,8 @@ def test_align_by_expert_groups_every_pair_once():
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16])
-@pytest.mark.parametrize("T", [1, 128, 2048])
+@pytest.mark.parametrize("T,dtype", [(1, torch.bfloat16), (128, torch.bfloat16), (2048, torch.bfloat16),
+                                     (128, torch.float32), (2048, torch.float32)])
 def test_moe_experts_gpu_nano_shapes(T, dtype):
     args = _inputs(T, E=128, k=6, d=2688, inter=1856, dtype=dtype, seed=T)
     assert_close(moe_experts(*args), moe.moe_experts_ref(*args), dtype, "moe_experts")

@@ -12,6 +12,8 @@ Softmax in fp32 (exp2 with the scale folded in). `write_kv` stays the torch refe
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -20,6 +22,15 @@ from service.engine.kernels.triton_common import (TARGET_PROGRAMS, block_dim, ch
                                                   check_same_device, dot_precision)
 
 _LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class PrefillTiles:
+    """Launch shape of `_prefill_kernel`."""
+    block_m: int = 128            # queries per program (16 when every request has <= 16 new tokens)
+    block_n: int = 128            # keys per inner step
+    warps: int = 8                # warps per program
+    stages: int = 2               # software-pipelining depth
 
 
 @triton.jit
@@ -31,10 +42,12 @@ def _load_kv_tile(cache_ptr, pt_row_ptr, offs_n, n_end, kvh, offs_d, s_slot, s_h
     slot = page * page_size + offs_n % page_size
     md = offs_d < Dh
     if TRANSPOSED:
-        return tl.load(cache_ptr + slot[None, :] * s_slot + kvh * s_head + offs_d[:, None],
+        tile = tl.load(cache_ptr + slot[None, :] * s_slot + kvh * s_head + offs_d[:, None],
                        mask=mn[None, :] & md[:, None], other=0.0)
-    return tl.load(cache_ptr + slot[:, None] * s_slot + kvh * s_head + offs_d[None, :],
-                   mask=mn[:, None] & md[None, :], other=0.0)
+    else:
+        tile = tl.load(cache_ptr + slot[:, None] * s_slot + kvh * s_head + offs_d[None, :],
+                       mask=mn[:, None] & md[None, :], other=0.0)
+    return tile
 
 
 @triton.jit
@@ -100,6 +113,23 @@ def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, Hq, Dh, num_splits, s_o_t, s
 
 
 @triton.jit
+def _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, pt_row, offs_n, qpos, kv_end, kvh, offs_d, s_k_slot, s_k_head,
+                  s_v_slot, s_v_head, page_size, Dh, qk_scale, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step over the keys at offs_n (CAUSAL: mask keys after each row's position)."""
+    kt = _load_kv_tile(k_ptr, pt_row, offs_n, kv_end, kvh, offs_d, s_k_slot, s_k_head, page_size, Dh, True)
+    s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+    if CAUSAL:
+        s = tl.where((offs_n[None, :] <= qpos[:, None]) & (offs_n < kv_end)[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    pr = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(pr, axis=1)
+    v = _load_kv_tile(v_ptr, pt_row, offs_n, kv_end, kvh, offs_d, s_v_slot, s_v_head, page_size, Dh, False)
+    acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, qsl_ptr, prefix_ptr, o_ptr, qk_scale, Dh, page_size,
                     s_q_t, s_q_h, s_k_slot, s_k_head, s_v_slot, s_v_head, s_pt, s_o_t, s_o_h,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -125,18 +155,15 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, qsl_ptr, prefix_ptr, o_ptr, qk_
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     pt_row = pt_ptr + b * s_pt
-    for n0 in range(0, kv_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        kt = _load_kv_tile(k_ptr, pt_row, offs_n, kv_end, kvh, offs_d, s_k_slot, s_k_head, page_size, Dh, True)
-        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where((offs_n[None, :] <= qpos[:, None]) & (offs_n < kv_end)[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        pr = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(pr, axis=1)
-        v = _load_kv_tile(v_ptr, pt_row, offs_n, kv_end, kvh, offs_d, s_v_slot, s_v_head, page_size, Dh, False)
-        acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    full_end = ((p + m0) // BLOCK_N) * BLOCK_N            # keys below p + m0 are visible to every row
+    for n0 in range(0, full_end, BLOCK_N):
+        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, pt_row, n0 + tl.arange(0, BLOCK_N), qpos,
+                                      kv_end, kvh, offs_d, s_k_slot, s_k_head, s_v_slot, s_v_head, page_size, Dh,
+                                      qk_scale, False, DOT_PRECISION)
+    for n0 in range(full_end, kv_end, BLOCK_N):
+        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, k_ptr, v_ptr, pt_row, n0 + tl.arange(0, BLOCK_N), qpos,
+                                      kv_end, kvh, offs_d, s_k_slot, s_k_head, s_v_slot, s_v_head, page_size, Dh,
+                                      qk_scale, True, DOT_PRECISION)
     out = acc / l_i[:, None]
     tl.store(o_ptr + rows[:, None] * s_o_t + h * s_o_h + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
              mask=mm[:, None] & md[None, :])
@@ -166,6 +193,15 @@ def _check(q, k_cache, v_cache, page_table, query_start_loc, prefix_lens) -> Non
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                     query_start_loc: list[int], prefix_lens: list[int], page_size: int, scale: float) -> torch.Tensor:
+    """Paged causal GQA attention (Triton), see `paged_attention_tiled`."""
+    tiles = PrefillTiles() if q.element_size() <= 2 else PrefillTiles(64, 64, 4, 2)   # fp32 tiles: half the smem
+    return paged_attention_tiled(q, k_cache, v_cache, page_table, query_start_loc, prefix_lens, page_size, scale,
+                                 tiles)
+
+
+def paged_attention_tiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                          query_start_loc: list[int], prefix_lens: list[int], page_size: int, scale: float,
+                          tiles: PrefillTiles) -> torch.Tensor:
     """Paged causal GQA attention (Triton). q [T, Hq, Dh]; k/v_cache [S, Hkv, Dh] (new K/V already written);
     page_table [B, max_pages]; query_start_loc B+1 host ints; prefix_lens B host ints (p_i).
     Request i's queries sit at positions p_i + [0, l_i) and see keys [0, pos]. Returns [T, Hq, Dh] in q's dtype."""
@@ -183,11 +219,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     qsl = torch.tensor(query_start_loc, dtype=torch.int64, device=q.device)
     pre = torch.tensor(prefix_lens, dtype=torch.int64, device=q.device)
-    bm = 16 if max(lens) <= 16 else 64
+    bm = 16 if max(lens) <= 16 else tiles.block_m
     _prefill_kernel[(triton.cdiv(max(lens), bm), B, Hq)](
         q, k_cache, v_cache, page_table, qsl, pre, out, qk_scale, Dh, page_size, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
-        out.stride(0), out.stride(1), BLOCK_M=bm, BLOCK_N=64, num_warps=4, num_stages=2, **common)
+        out.stride(0), out.stride(1), BLOCK_M=bm, BLOCK_N=tiles.block_n,
+        num_warps=tiles.warps if bm >= 64 else 4, num_stages=tiles.stages, **common)
     return out
 
 

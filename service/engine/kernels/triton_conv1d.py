@@ -7,12 +7,22 @@ silu(conv + bias) in x's dtype, accumulated in fp32. `conv_state_windows` stays 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from service.engine.kernels.triton_common import (block_dim, check_dim, check_inner_contiguous, check_same_device,
                                                   check_shape)
+
+
+@dataclass(frozen=True)
+class ConvTiles:
+    """Launch shape of `_conv_varlen_kernel`."""
+    block_t: int = 16             # tokens per program
+    block_d: int = 128            # channels per program
+    warps: int = 4                # warps per program
 
 
 @triton.jit
@@ -25,16 +35,20 @@ def _conv_varlen_kernel(x_ptr, w_ptr, bias_ptr, init_ptr, qsl_ptr, token_req_ptr
     req = tl.load(token_req_ptr + offs_t, mask=mt, other=0)
     j = offs_t - tl.load(qsl_ptr + req, mask=mt, other=0)        # position inside the request's extend
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    needs_state = tl.min(tl.where(mt, j, K)) < K - 1              # some row reads its request's initial state
     for k in tl.static_range(K):
         m = j + k                                                 # column of ext_i
-        from_state = m < K - 1
         rows = (offs_t + (k - (K - 1))).to(tl.int64)
         xv = tl.load(x_ptr + rows[:, None] * s_x_t + offs_d[None, :],
                      mask=(mt & (m >= K - 1))[:, None] & md[None, :], other=0.0)
-        sv = tl.load(init_ptr + req.to(tl.int64)[:, None] * s_i_b + offs_d[None, :] * s_i_d + m[:, None] * s_i_k,
-                     mask=(mt & from_state)[:, None] & md[None, :], other=0.0)
         w = tl.load(w_ptr + offs_d * s_w_d + k * s_w_k, mask=md, other=0.0).to(tl.float32)
-        acc += (xv.to(tl.float32) + sv.to(xv.dtype).to(tl.float32)) * w[None, :]
+        xf = xv.to(tl.float32)
+        if k < K - 1:
+            if needs_state:
+                sv = tl.load(init_ptr + req.to(tl.int64)[:, None] * s_i_b + offs_d[None, :] * s_i_d
+                             + m[:, None] * s_i_k, mask=(mt & (m < K - 1))[:, None] & md[None, :], other=0.0)
+                xf += sv.to(xv.dtype).to(tl.float32)
+        acc += xf * w[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_d, mask=md, other=0.0).to(tl.float32)[None, :]
     out = acc * tl.sigmoid(acc)
@@ -45,6 +59,13 @@ def _conv_varlen_kernel(x_ptr, w_ptr, bias_ptr, init_ptr, qsl_ptr, token_req_ptr
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          init_states: torch.Tensor, query_start_loc: torch.Tensor,
                          token_req: torch.Tensor) -> torch.Tensor:
+    """Varlen causal conv (Triton), see `causal_conv1d_varlen_tiled`."""
+    return causal_conv1d_varlen_tiled(x, weight, bias, init_states, query_start_loc, token_req, ConvTiles())
+
+
+def causal_conv1d_varlen_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                               init_states: torch.Tensor, query_start_loc: torch.Tensor, token_req: torch.Tensor,
+                               tiles: ConvTiles) -> torch.Tensor:
     """Varlen causal conv (Triton). x [T, D] (rows may be strided, unit stride in D), weight [D, K],
     bias [D] or None, init_states [Bq, D, K-1], query_start_loc [Bq+1], token_req [T].
     Returns silu(conv(x) + bias) [T, D] in x's dtype."""
@@ -66,11 +87,11 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     out = torch.empty(T, Dm, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
-    bt, bd = 16, min(block_dim(Dm), 256)
+    bt, bd = tiles.block_t, min(block_dim(Dm), tiles.block_d)
     _conv_varlen_kernel[(triton.cdiv(T, bt), triton.cdiv(Dm, bd))](
         x, weight, bias if bias is not None else weight, init_states, query_start_loc, token_req, out, T, Dm,
         x.stride(0), weight.stride(0), weight.stride(1), *init_states.stride(), out.stride(0),
-        K=K, HAS_BIAS=bias is not None, BLOCK_T=bt, BLOCK_D=bd, num_warps=4)
+        K=K, HAS_BIAS=bias is not None, BLOCK_T=bt, BLOCK_D=bd, num_warps=tiles.warps)
     return out
 
 

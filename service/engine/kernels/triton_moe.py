@@ -5,7 +5,7 @@ Same signature and semantics as `moe.moe_experts_ref`. Steps (no host sync, so a
      to a multiple of BLOCK_M with the sentinel T*k; `block_expert[b]` = expert of block b (-1 past the end).
   2. `_up_kernel`:   H[r] = relu(x[pair_r // k] @ up[e]^T)^2 for every sorted row r         [rows, I]
   3. `_down_kernel`: Y[pair_r] = w[pair_r] * (H[r] @ down[e]^T)                             [T*k, d_in]
-  4. out = sum over the k slots of Y, in fp32, cast to x's dtype.
+  4. `_sum_slots_kernel`: out[t] = sum over the k slots of Y, in fp32, cast to x's dtype.
 `moe_route` stays the torch reference (`moe.moe_route_ref`): an fp32 [T, d] x [d, E] product and a top-k.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from service.engine.kernels.triton_common import (check_dim, check_inner_contiguous, check_same_device,
+from service.engine.kernels.triton_common import (block_dim, check_dim, check_inner_contiguous, check_same_device,
                                                   check_shape, dot_precision)
 
 
@@ -104,18 +104,48 @@ def _down_kernel(h_ptr, w_ptr, pairs_ptr, block_expert_ptr, topk_w_ptr, y_ptr, n
              mask=valid[:, None] & mn[None, :])
 
 
-def _tiles(pairs_per_expert: float) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for the average rows per expert."""
+@triton.jit
+def _sum_slots_kernel(y_ptr, out_ptr, top_k, d, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[t] = sum_j y[t * top_k + j] in fp32, cast to out's dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_k = tl.arange(0, BLOCK_K)
+    md = offs_d < d
+    v = tl.load(y_ptr + (t * top_k + offs_k[:, None]) * d + offs_d[None, :],
+                mask=(offs_k < top_k)[:, None] & md[None, :], other=0.0)
+    tl.store(out_ptr + t * d + offs_d, tl.sum(v.to(tl.float32), axis=0).to(out_ptr.dtype.element_ty), mask=md)
+
+
+@dataclass(frozen=True)
+class MoeTiles:
+    """Launch shape of both grouped GEMMs."""
+    block_m: int                  # sorted (token, slot) rows per program; each expert's run is padded to it
+    block_n: int                  # output columns per program
+    block_k: int                  # reduction step
+    warps: int                    # warps per program
+    stages: int                   # software-pipelining depth
+
+
+def default_tiles(pairs_per_expert: float, element_size: int) -> MoeTiles:
+    """Tiles for the average rows per expert: weight streaming (decode) vs matrix-bound (prefill);
+    4-byte operands get a smaller prefill tile so the pipeline fits in shared memory."""
     if pairs_per_expert <= 16:
-        return 16, 64, 128, 4, 4
+        return MoeTiles(16, 64, 128, 4, 4)
     if pairs_per_expert <= 48:
-        return 32, 64, 128, 4, 4
-    return 64, 128, 64, 4, 4
+        return MoeTiles(32, 64, 128, 4, 4)
+    return MoeTiles(128, 256, 64, 8, 4) if element_size <= 2 else MoeTiles(64, 128, 64, 4, 3)
 
 
 def moe_experts(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
-    """Routed experts (Triton). x [T, d_in] (unit stride in d_in), up [E, I, d_in], down [E, d_in, I]
+    """Routed experts (Triton), see `moe_experts_tiled`."""
+    return moe_experts_tiled(x, up, down, topk_weights, topk_ids, None)
+
+
+def moe_experts_tiled(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, tiles: MoeTiles | None) -> torch.Tensor:
+    """Routed experts (Triton); tiles None picks `default_tiles`.
+    x [T, d_in] (unit stride in d_in), up [E, I, d_in], down [E, d_in, I]
     (contiguous), topk_weights [T, k] (fp32), topk_ids [T, k] int64 -> sum_k w * down(relu(up(x))^2) [T, d_in]."""
     check_dim("x", x, 2)
     T, d_in = x.shape
@@ -136,7 +166,8 @@ def moe_experts(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, topk_weig
     top_k = topk_ids.shape[1]
     if T == 0:
         return torch.empty(0, d_in, dtype=x.dtype, device=x.device)
-    bm, bn, bk, warps, stages = _tiles(T * top_k / E)
+    cfg = tiles or default_tiles(T * top_k / E, x.element_size())
+    bm, bn, bk, warps, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.warps, cfg.stages
     al = align_by_expert(topk_ids, E, bm)
     rows = al.sorted_pairs.numel()
     prec = dot_precision(x.dtype)
@@ -151,4 +182,7 @@ def moe_experts(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, topk_weig
         h, down, al.sorted_pairs, al.block_expert, w, y, T * top_k, d_in, inter, h.stride(0), down.stride(0),
         down.stride(1), y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PRECISION=prec,
         num_warps=warps, num_stages=stages)
-    return y.view(T, top_k, d_in).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    out = torch.empty(T, d_in, dtype=x.dtype, device=x.device)
+    _sum_slots_kernel[(T, triton.cdiv(d_in, 1024))](y, out, top_k, d_in, BLOCK_K=block_dim(top_k, 1),
+                                                    BLOCK_D=min(block_dim(d_in, 1), 1024), num_warps=4)
+    return out

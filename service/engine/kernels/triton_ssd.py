@@ -8,12 +8,15 @@ fall on absolute multiples of C, so `chunk_states[k]` is exactly the state a sna
   1. `_chunk_cumsum_kernel`  cs[c, h, l] = sum_{s<=l} dt[s, h] * A[h] inside chunk c        [Nc, H, C] fp32
   2. `_chunk_state_kernel`   local[c, h] = sum_s exp(cs_last - cs_s) dt_s x_s B_s^T           [Nc, H, P, N] fp32
   3. `_state_passing_kernel` per request, sequential over its chunks (in place on the same buffer):
-                             S_c = exp(cs_last_c) * S_{c-1} + local_c, S_{c0-1} = initial state
+                             S_c = exp(cs_last_c) * S_{c-1} + local_c, S_{c0-1} = initial state; it also
+                             writes S_{c-1} in the operands' dtype for step 4                 [Nc, H, P, N]
   4. `_chunk_scan_kernel`    y[l] = sum_{s<=l} (C_l.B_s) exp(cs_l - cs_s) dt_s x_s
                                     + exp(cs_l) C_l . S_{c-1} + D x_l                            [T, H, P] fp32
 States stay fp32 in memory; matrix products take the operands' dtype (bf16/fp16) or exact fp32.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -24,6 +27,16 @@ from service.engine.kernels.triton_common import (block_dim, check_dim, check_dt
                                                   check_same_device, check_shape, dot_precision)
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class SsdTiles:
+    """Launch shapes of `ssd_varlen` (block sizes are capped by the problem's own padded sizes)."""
+    scan_block_m: int = 64        # chunk rows per `_chunk_scan_kernel` program
+    scan_block_k: int = 64        # source rows per inner step of the intra-chunk product
+    scan_warps: int = 4           # warps of `_chunk_scan_kernel`
+    pass_block: int = 256         # state elements (of P*N) per `_state_passing_kernel` program
+    state_block_k: int = 64       # tokens per inner step of `_chunk_state_kernel`
 
 
 @triton.jit
@@ -78,8 +91,10 @@ def _chunk_state_kernel(x_ptr, B_ptr, dt_ptr, cs_ptr, chunk_start_ptr, chunk_len
 
 
 @triton.jit
-def _state_passing_kernel(states_ptr, init_ptr, cs_ptr, first_chunk_ptr, num_chunks_ptr, chunk_len_ptr,
+def _state_passing_kernel(states_ptr, prev_ptr, init_ptr, cs_ptr, first_chunk_ptr, num_chunks_ptr, chunk_len_ptr,
                           H, PN, s_init_b, s_init_h, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """states[c] <- end state of chunk c (fp32, in place over the local states); prev[c] <- state entering
+    chunk c in the operands' dtype (what `_chunk_scan_kernel` multiplies by C)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
@@ -91,17 +106,16 @@ def _state_passing_kernel(states_ptr, init_ptr, cs_ptr, first_chunk_ptr, num_chu
         c = (c0 + j).to(tl.int64)
         n = tl.load(chunk_len_ptr + c)
         decay = tl.exp(tl.load(cs_ptr + (c * H + h) * CHUNK + n - 1))
-        ptr = states_ptr + (c * H + h) * PN + offs
-        carry = decay * carry + tl.load(ptr, mask=m, other=0.0)
-        tl.store(ptr, carry, mask=m)
+        off = (c * H + h) * PN + offs
+        tl.store(prev_ptr + off, carry.to(prev_ptr.dtype.element_ty), mask=m)
+        carry = decay * carry + tl.load(states_ptr + off, mask=m, other=0.0)
+        tl.store(states_ptr + off, carry, mask=m)
 
 
 @triton.jit
-def _chunk_scan_kernel(x_ptr, B_ptr, C_ptr, dt_ptr, cs_ptr, D_ptr, states_ptr, init_ptr,
-                       chunk_start_ptr, chunk_len_ptr, chunk_req_ptr, first_chunk_ptr, y_ptr,
+def _chunk_scan_kernel(x_ptr, B_ptr, C_ptr, dt_ptr, cs_ptr, D_ptr, prev_ptr, chunk_start_ptr, chunk_len_ptr, y_ptr,
                        H, P, N, heads_per_group,
-                       s_x_t, s_x_h, s_x_p, s_b_t, s_b_g, s_b_n, s_c_t, s_c_g, s_c_n, s_dt_t, s_dt_h,
-                       s_init_b, s_init_h, s_y_t, s_y_h,
+                       s_x_t, s_x_h, s_x_p, s_b_t, s_b_g, s_b_n, s_c_t, s_c_g, s_c_n, s_dt_t, s_dt_h, s_y_t, s_y_h,
                        CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
     c = tl.program_id(0)
@@ -111,8 +125,6 @@ def _chunk_scan_kernel(x_ptr, B_ptr, C_ptr, dt_ptr, cs_ptr, D_ptr, states_ptr, i
     if m0 >= n:
         return
     start = tl.load(chunk_start_ptr + c)
-    req = tl.load(chunk_req_ptr + c)
-    c_first = tl.load(first_chunk_ptr + req)
     g = h // heads_per_group
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_p = tl.arange(0, BLOCK_P)
@@ -123,14 +135,10 @@ def _chunk_scan_kernel(x_ptr, B_ptr, C_ptr, dt_ptr, cs_ptr, D_ptr, states_ptr, i
     cs_m = tl.load(cs_base + offs_m, mask=mm, other=0.0)
     cm = tl.load(C_ptr + tok_m[:, None] * s_c_t + g * s_c_g + offs_n[None, :] * s_c_n,
                  mask=mm[:, None] & mn[None, :], other=0.0)                                  # [BM, BN]
-    # state entering the chunk, read as [BN, BP]: the request's initial state or the previous chunk's end
-    st_off = offs_n[:, None] + offs_p[None, :] * N
-    st_mask = mn[:, None] & mp[None, :]
-    st_init = tl.load(init_ptr + req.to(tl.int64) * s_init_b + h * s_init_h + st_off, mask=st_mask, other=0.0)
-    prev = states_ptr + (tl.maximum(c.to(tl.int64) - 1, 0) * H + h) * P * N
-    st_prev = tl.load(prev + st_off, mask=st_mask, other=0.0)
-    st = tl.where(c_first == c, st_init, st_prev)
-    acc = tl.dot(cm, st.to(cm.dtype), input_precision=DOT_PRECISION) * tl.exp(cs_m)[:, None]   # [BM, BP]
+    # state entering the chunk (written by `_state_passing_kernel`), read as [BN, BP]
+    st = tl.load(prev_ptr + (c.to(tl.int64) * H + h) * P * N + offs_n[:, None] + offs_p[None, :] * N,
+                 mask=mn[:, None] & mp[None, :], other=0.0)
+    acc = tl.dot(cm, st, input_precision=DOT_PRECISION) * tl.exp(cs_m)[:, None]               # [BM, BP]
     k_end = tl.minimum(m0 + BLOCK_M, n)
     for k0 in range(0, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -190,6 +198,13 @@ def ssd_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
     B/C [T, G, N] (x's dtype), D [H], initial_states [Bq, H, P, N] fp32, layout for Bq requests.
     Returns y [T, H, P] fp32 and chunk_states [Nc, H, P, N] fp32 (state after each chunk's last token).
     """
+    return ssd_varlen_tiled(x, dt, A, B, C, D, initial_states, layout, SsdTiles())
+
+
+def ssd_varlen_tiled(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                     D: torch.Tensor, initial_states: torch.Tensor, layout: ChunkLayout, tiles: SsdTiles
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ssd_varlen` with explicit launch shapes (benchmarks compare tiles through this)."""
     _check_ssd_args(x, dt, A, B, C, D, initial_states, layout)
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
@@ -201,6 +216,7 @@ def ssd_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
     y = torch.empty(T, H, P, dtype=torch.float32, device=dev)
     if Nc == 0:
         return y, states
+    prev = torch.empty(Nc, H, P, N, dtype=x.dtype, device=dev)     # state entering each chunk, operand dtype
     prec = dot_precision(x.dtype)
     bl, bh = block_dim(chunk, 1), min(block_dim(H, 1), 16)
     _chunk_cumsum_kernel[(Nc, triton.cdiv(H, bh))](dt, A, layout.chunk_start, layout.chunk_len, cs, H,
@@ -209,19 +225,18 @@ def ssd_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
     grid = (Nc, H, triton.cdiv(P, bp) * triton.cdiv(N, bn))
     _chunk_state_kernel[grid](x, B, dt, cs, layout.chunk_start, layout.chunk_len, states, H, P, N, H // G,
                               *x.stride(), *B.stride(), *dt.stride(),
-                              CHUNK=chunk, BLOCK_P=bp, BLOCK_N=bn, BLOCK_K=min(block_dim(chunk), 64),
+                              CHUNK=chunk, BLOCK_P=bp, BLOCK_N=bn, BLOCK_K=min(block_dim(chunk), tiles.state_block_k),
                               DOT_PRECISION=prec, num_warps=4, num_stages=2)
-    blk = min(block_dim(P * N), 1024)
+    blk = min(block_dim(P * N), tiles.pass_block)
     _state_passing_kernel[(init.shape[0], H, triton.cdiv(P * N, blk))](
-        states, init, cs, layout.first_chunk, layout.num_chunks, layout.chunk_len, H, P * N,
-        init.stride(0), init.stride(1), CHUNK=chunk, BLOCK=blk, num_warps=4)
-    bm = min(block_dim(chunk), 64)
+        states, prev, init, cs, layout.first_chunk, layout.num_chunks, layout.chunk_len, H, P * N,
+        init.stride(0), init.stride(1), CHUNK=chunk, BLOCK=blk, num_warps=4 if blk >= 512 else 2)
+    bm = min(block_dim(chunk), tiles.scan_block_m)
     _chunk_scan_kernel[(Nc, H, triton.cdiv(chunk, bm))](
-        x, B, C, dt, cs, D, states, init, layout.chunk_start, layout.chunk_len, layout.chunk_req,
-        layout.first_chunk, y, H, P, N, H // G, *x.stride(), *B.stride(), *C.stride(), *dt.stride(),
-        init.stride(0), init.stride(1), y.stride(0), y.stride(1),
-        CHUNK=chunk, BLOCK_M=bm, BLOCK_K=bm, BLOCK_P=block_dim(P), BLOCK_N=block_dim(N),
-        DOT_PRECISION=prec, num_warps=4, num_stages=2)
+        x, B, C, dt, cs, D, prev, layout.chunk_start, layout.chunk_len, y, H, P, N, H // G,
+        *x.stride(), *B.stride(), *C.stride(), *dt.stride(), y.stride(0), y.stride(1),
+        CHUNK=chunk, BLOCK_M=bm, BLOCK_K=min(bm, tiles.scan_block_k), BLOCK_P=block_dim(P), BLOCK_N=block_dim(N),
+        DOT_PRECISION=prec, num_warps=tiles.scan_warps, num_stages=2)
     return y, states
 
 

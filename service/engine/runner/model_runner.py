@@ -57,6 +57,9 @@ class ModelRunner:
         self.cfg, self.model_cfg = cfg, model_cfg
         self.device = torch.device(cfg.device)
         self.dtype = resolve_dtype(cfg, model_cfg)
+        if model is not None:  # a prebuilt model (tests, benchmarks) still runs the configured kernels
+            model.kernels = get_kernels(cfg.kernel_backend)
+            log.info("kernel backend: %s", model.kernels.name)
         self.model = model if model is not None else build_model(cfg, model_cfg, self.dtype, self.device)
         m = model_cfg
         self.pool_sizes = default_pool_sizes(cfg, max_model_len)

@@ -1,0 +1,44 @@
+"""Helpers shared by the deployment tests (imported as `serve_testkit`)."""
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any, Callable
+
+from ray import serve
+
+# The router experiment: 8 prefix groups x 8 requests, interleaved, sent one by one, against 2 replicas whose
+# caches hold about 4 group prefixes each (4 mamba snapshots, 90 KV pages of 16 tokens): with affinity every
+# repeat hits; a prefix-blind router makes every replica cycle through all 8 groups and thrash its LRU.
+ROUTER_GROUPS, ROUTER_PER_GROUP, ROUTER_PREFIX_TOKENS, ROUTER_SUFFIX_TOKENS = 8, 8, 256, 8
+ROUTER_CACHE_ARGS = {"replicas": 2, "max_mamba_snapshots": 4, "num_kv_pages": 90, "max_num_seqs": 8}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def replica_stats(app_name: str, num_replicas: int, timeout_s: float = 30.0) -> dict[str, dict[str, Any]]:
+    """engine.stats() of every replica of the app's engine deployment, keyed by replica id (the handle's
+    router spreads prompt-less calls over the least-loaded replicas, so a few calls reach them all)."""
+    handle = serve.get_deployment_handle("engine", app_name=app_name)
+    seen: dict[str, dict[str, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(seen) < num_replicas:
+        assert time.monotonic() < deadline, f"only reached replicas {sorted(seen)} of {num_replicas}"
+        stats = handle.stats.remote().result(timeout_s=timeout_s)
+        seen[stats["replica_id"]] = stats
+    return seen
+
+
+def wait_until(predicate: Callable[[], Any], timeout_s: float, interval_s: float = 0.25, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(interval_s)
