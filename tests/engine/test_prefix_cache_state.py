@@ -129,3 +129,15 @@ def test_cold_state_oracle_detects_a_wrong_prefix(mixed_ckpt):
     a = cold_state(off, random_ids(2 * C, 31))
     b = cold_state(off, random_ids(2 * C, 32))
     assert rel_err(a[1], b[1]) > 1e-2 and rel_err(a[0], b[0]) > 1e-2
+
+
+def test_repeat_of_grid_aligned_prompt_hits(mixed_ckpt):
+    """A prompt whose length is a multiple of the grid is resumable at the grid point below its end."""
+    cached, off = _engines(mixed_ckpt, 4)
+    prompt = random_ids(3 * C, 41)
+    cached.generate([prompt], greedy(2))
+    again = cached.generate([prompt], greedy(4, logprobs=True))[0]
+    ref = off.generate([prompt], greedy(4, logprobs=True))[0]
+    assert again.num_cached_tokens == 2 * C and again.token_ids == ref.token_ids
+    errors = snapshot_errors(cached, off)
+    assert {2 * C, 3 * C} <= set(errors) and max(errors.values()) <= 1e-5, errors

@@ -121,8 +121,12 @@ class CacheManager:
         if num_new_tokens == 1 and len(req.output_token_ids) > 0:      # decode
             if end % self.track_interval == 0:
                 positions.add(end)
-        elif (end // g) * g > p:
-            positions.add((end // g) * g)
+        else:
+            last = (end // g) * g
+            if last > p:
+                positions.add(last)
+            if last == req.num_tokens and last - g > p:  # a repeat must recompute >= 1 token:
+                positions.add(last - g)                  # keep the grid point below the end too
         if p < req.branch_point <= end:
             positions.add(req.branch_point)
         points = []
