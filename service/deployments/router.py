@@ -73,6 +73,11 @@ class PrefixAwareRouter(RequestRouter):
                 continue
             self._report_seq[r.replica_id] = seq
             self._index(r.replica_id).apply_report(stats.get("cached_prefix_hashes", ()), self._policy.report_grace_s)
+            # completions that never reached on_request_completed (killed callers, cancelled streams) would
+            # otherwise leak in-flight counts forever and steer every request away from this replica
+            reported = int(stats.get("num_requests_running", 0)) + int(stats.get("num_requests_waiting", 0))
+            if self._in_flight.get(r.replica_id, 0) > reported:
+                self._in_flight[r.replica_id] = reported
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
