@@ -40,8 +40,10 @@ class AsyncEngine:
 
     # ---------- public API ----------
     async def generate(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yields cumulative RequestOutputs; the last has finish_reason set. Raises ValueError on bad input."""
+                       request_id: str | None = None, bypass_cache: bool = False,
+                       capture_states: bool = False) -> AsyncIterator[RequestOutput]:
+        """Yields cumulative RequestOutputs; the last has finish_reason set. Raises ValueError on bad input.
+        bypass_cache / capture_states: see `Engine.add_request` (used by the accuracy canary)."""
         if self._stopping:
             raise EngineDeadError("engine is shutting down")
         params = sampling_params or SamplingParams()
@@ -51,7 +53,8 @@ class AsyncEngine:
         sink: asyncio.Queue = asyncio.Queue()
         added: Future = Future()
         self._streams[rid] = (loop, sink)
-        self._submit(lambda: added.set_result(self.engine.add_request(ids, params, rid)), added)
+        self._submit(lambda: added.set_result(self.engine.add_request(ids, params, rid, bypass_cache, capture_states)),
+                     added)
         finished = False
         try:
             await asyncio.wrap_future(added)
@@ -78,6 +81,9 @@ class AsyncEngine:
 
     async def cached_prefix_hashes(self, max_blocks: int = 100_000) -> list[int]:
         return await self._call(lambda: self.engine.cached_prefix_hashes(max_blocks))
+
+    async def pop_captured_states(self, request_id: str) -> dict:
+        return await self._call(lambda: self.engine.pop_captured_states(request_id))
 
     async def check_integrity(self) -> None:
         await self._call(self.engine.check_integrity)

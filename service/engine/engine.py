@@ -10,11 +10,14 @@ from service.engine.cache.block_hash import chained_block_hashes
 from service.engine.cache.manager import CacheManager
 from service.engine.config import EngineConfig, ModelConfig
 from service.engine.output import OutputProcessor
-from service.engine.request import FinishReason, Request, RequestOutput, SamplingParams
+from service.engine.request import CapturedState, FinishReason, Request, RequestOutput, SamplingParams
 from service.engine.runner.model_runner import ModelRunner
 from service.engine.runner.sampler import SamplerOutput
 from service.engine.scheduler.scheduler import Scheduler, SchedulerOutput
 from service.engine.tokenizer import Tokenizer
+
+
+MAX_CAPTURED_REQUESTS = 64   # state copies kept for capture_states requests until popped
 
 
 class Engine:
@@ -32,19 +35,22 @@ class Engine:
         eos = self.tokenizer.eos_token_ids if self.tokenizer else self.model_config.eos_token_id
         self.output = OutputProcessor(self.tokenizer, tuple(eos), self.max_model_len)
         self.requests: dict[str, Request] = {}   # request_id -> unfinished request
+        self.captured: dict[str, dict[str, CapturedState]] = {}  # request_id -> "hit"|"prompt" -> state copy
         self._order = itertools.count()
         self.num_prompt_tokens = 0               # prompt tokens of admitted requests
         self.num_generation_tokens = 0           # tokens sampled
 
     # ---------- requests ----------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, bypass_cache: bool = False, capture_states: bool = False) -> str:
+        """bypass_cache: a cold run that neither reads nor writes the prefix cache. capture_states: keep
+        copies of the hit snapshot and of the state after the prompt (see `pop_captured_states`)."""
         params = params or SamplingParams()
         ids = self._prompt_ids(prompt)
         rid = request_id or uuid.uuid4().hex
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
-        req = Request(rid, ids, params, next(self._order))
+        req = Request(rid, ids, params, next(self._order), bypass_cache=bypass_cache, capture_states=capture_states)
         self.output.add_request(req)
         self.requests[rid] = req
         self.scheduler.add(req)
@@ -85,6 +91,7 @@ class Engine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
+        self._capture_hits(sched)
         sampled = self.runner.execute(sched)
         outputs = self._update(sched, sampled)
         if self.config.debug_integrity:
@@ -96,6 +103,8 @@ class Engine:
         for s in sched.scheduled:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
+            if req.capture_states and s.prefix_len < len(req.prompt_token_ids) <= req.num_computed_tokens:
+                self._capture(req.request_id, "prompt", req.num_computed_tokens, req.live_slot)
             if s.snapshots:
                 self.cache.publish(req, s.snapshots)
             if not s.sample:
@@ -118,6 +127,24 @@ class Engine:
         self.output.release(req.request_id)
         self.runner.release(req.request_id)
         return out
+
+    # ---------- state capture (canary and audits) ----------
+    def _capture_hits(self, sched: SchedulerOutput) -> None:
+        for s in sched.scheduled:
+            req = s.request
+            if req.capture_states and req.cache_node is not None and "hit" not in self.captured.get(req.request_id, {}):
+                self._capture(req.request_id, "hit", req.cache_node.depth, req.cache_node.snapshot_slot)
+
+    def _capture(self, request_id: str, kind: str, num_tokens: int, slot: int) -> None:
+        pools = self.runner.pools
+        while len(self.captured) >= MAX_CAPTURED_REQUESTS and request_id not in self.captured:
+            self.captured.pop(next(iter(self.captured)))       # nobody popped it: drop the oldest
+        self.captured.setdefault(request_id, {})[kind] = CapturedState(
+            num_tokens, pools.conv[:, slot].clone(), pools.ssm[:, slot].clone())
+
+    def pop_captured_states(self, request_id: str) -> dict[str, "CapturedState"]:
+        """"hit": the snapshot a capture_states request resumed from; "prompt": its state after the prompt."""
+        return self.captured.pop(request_id, {})
 
     # ---------- convenience ----------
     def generate(self, prompts: Sequence[str | Sequence[int]] | str,

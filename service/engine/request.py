@@ -80,6 +80,8 @@ class Request:
     num_cached_tokens: int = 0            # prompt tokens served from the prefix cache (first admission)
     cache_node: Any = None                # locked radix node (the hit's source), released on free
     branch_point: int = 0                 # grid position where this request left a cached KV path (0: none)
+    bypass_cache: bool = False            # neither read nor write the prefix cache (canary cold runs)
+    capture_states: bool = False          # keep copies of the hit snapshot and the post-prefill state (audits)
     finish_reason: FinishReason | None = None
     text: str = ""                        # detokenised output so far (stop strings removed)
     num_preemptions: int = 0
@@ -95,6 +97,14 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class CapturedState:
+    """A copy of one request's mamba state (all mamba layers) after `num_tokens` tokens."""
+    num_tokens: int
+    conv: Any      # torch.Tensor [L_mamba, conv_dim, K-1]
+    ssm: Any       # torch.Tensor [L_mamba, H, P, N] fp32
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ class CacheManager:
             return None
         hit_pages: list[int] = []
         num_cached, node = 0, None
-        if self.tree is not None:
+        if self.tree is not None and not req.bypass_cache:
             m = self.tree.match(req.all_token_ids, req.num_tokens - 1)
             num_cached, node, hit_pages = m.num_cached_tokens, m.node, m.page_ids
             req.branch_point = (m.num_kv_matched_tokens // self.grid) * self.grid \
@@ -77,6 +77,8 @@ class CacheManager:
         return n
 
     def _count_lookup(self, req: Request, num_cached: int) -> None:
+        if req.bypass_cache:
+            return
         if req.num_preemptions == 0:
             self.counters.queried_tokens += len(req.prompt_token_ids)
             self.counters.hit_tokens += num_cached
@@ -113,7 +115,7 @@ class CacheManager:
     # ---------- snapshots ----------
     def plan_snapshots(self, req: Request, num_new_tokens: int) -> tuple[SnapshotPoint, ...]:
         """Snapshot points of the extend (p, p+n] under extra_buffer, with slots allocated now."""
-        if self.strategy != "extra_buffer":
+        if self.strategy != "extra_buffer" or req.bypass_cache:
             return ()
         p, g = req.num_computed_tokens, self.grid
         end = p + num_new_tokens
@@ -158,7 +160,7 @@ class CacheManager:
         """Frees everything req holds. Under no_buffer a finished request's live state is published."""
         if req.live_slot is None:
             return
-        if finished and self.strategy == "no_buffer" and req.num_computed_tokens > 0:
+        if finished and self.strategy == "no_buffer" and req.num_computed_tokens > 0 and not req.bypass_cache:
             self._publish_final_state(req)
         self.pools.live.free(req.live_slot)
         self.pools.pages.decref(req.page_ids)
