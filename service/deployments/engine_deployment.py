@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 import uuid
 from dataclasses import dataclass
@@ -23,8 +24,9 @@ from typing import Any, AsyncIterator
 from ray import serve
 
 from service.deployments.args import AppArgs
-from service.deployments.metrics import EngineMetrics
+from service.deployments.metrics import CanaryMetrics, EngineMetrics
 from service.engine import AsyncEngine, EngineConfig, SamplingParams
+from service.engine.canary import CanaryCheck, audit_hit, pinned_canary, pinned_prompts
 
 logger = logging.getLogger("ray.serve")
 
@@ -82,8 +84,11 @@ class EngineDeployment:
         self._args = AppArgs.model_validate(app_args)
         self._engine = AsyncEngine(engine_config_from_args(self._args))
         self._metrics = EngineMetrics()
+        self._canary_metrics = CanaryMetrics()
         self._report_seq = 0
         self._stats_task: asyncio.Task | None = None
+        self._canary_task: asyncio.Task | None = None
+        self._audits: set[asyncio.Task] = set()   # in-flight audits of sampled real hits
         stats = self._engine.stats()
         self._grid_tokens = int(stats["snapshot_grid_tokens"])
         self._max_model_len = int(stats["max_model_len"])
@@ -99,8 +104,11 @@ class EngineDeployment:
         ttft: float | None = None
         gaps: list[float] = []
         sent_tokens, sent_text, finished = 0, "", False
+        audit = self._caching and random.random() < self._args.canary.audit_sample_rate
+        out = None
         try:
-            async for out in self._engine.generate(list(prompt_token_ids), sampling_params, request_id=request_id):
+            async for out in self._engine.generate(list(prompt_token_ids), sampling_params, request_id=request_id,
+                                                   capture_states=audit):
                 chunk = _delta_chunk(out, sent_tokens, sent_text, len(prompt_token_ids))
                 now = time.perf_counter()
                 if chunk.token_ids:
@@ -119,6 +127,8 @@ class EngineDeployment:
             if not finished:        # cancelled (client went away) or failed mid-stream
                 await asyncio.shield(self._engine.abort(request_id))
             self._metrics.observe_request(ttft, gaps, time.perf_counter() - start)
+            if audit:
+                self._start_audit(request_id, list(prompt_token_ids))
 
     async def info(self) -> dict[str, Any]:
         """Static facts the ingress needs (max_model_len, snapshot grid)."""
@@ -150,20 +160,53 @@ class EngineDeployment:
         await asyncio.wait_for(self._engine.cached_prefix_hashes(1), timeout=HEALTH_TIMEOUT_S)
 
     async def __del__(self) -> None:
-        if self._stats_task is not None:
-            self._stats_task.cancel()
+        for task in (self._stats_task, self._canary_task, *self._audits):
+            if task is not None:
+                task.cancel()
         await self._engine.shutdown()
+
+    # ---- accuracy canary ----
+    @property
+    def _caching(self) -> bool:
+        return self._args.canary.enabled and self._args.mamba_cache_strategy != "off"
+
+    def _record(self, check: CanaryCheck) -> None:
+        self._canary_metrics.record(check.kind, check.mismatch, check.max_state_rel_error, check.token_agreement)
+        if check.mismatch:
+            logger.error("accuracy canary mismatch: %s", check)
+
+    def _start_audit(self, request_id: str, prompt: list[int]) -> None:
+        async def audit() -> None:
+            captured = (await self._engine.pop_captured_states(request_id)).get("hit")
+            if captured is not None:
+                self._record(await audit_hit(self._engine, prompt, captured))
+        task = asyncio.get_running_loop().create_task(audit())
+        self._audits.add(task)
+        task.add_done_callback(self._audits.discard)
+
+    async def _canary_forever(self) -> None:
+        """Every canary.interval_s: the pinned prompts, cached vs cold, on this replica."""
+        stats = self._engine.stats()
+        prompts = pinned_prompts(self._engine.engine.model_config.vocab_size, int(stats["snapshot_grid_tokens"]))
+        while True:
+            await asyncio.sleep(self._args.canary.interval_s)
+            for prompt in prompts:
+                try:
+                    self._record(await pinned_canary(self._engine, prompt))
+                except Exception:   # a failed canary run is logged; health checks see real engine failures
+                    logger.exception("accuracy canary run failed")
 
     # ---- metrics export ----
     def _ensure_stats_loop(self) -> None:
-        """Start the periodic stats export on the replica's event loop (once, from any async hook)."""
-        if self._stats_task is not None and not self._stats_task.done():
-            return
+        """Start the periodic stats export (and the canary) on the replica's event loop, once, from any async hook."""
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:   # constructed outside the event loop: the first async hook starts it
             return
-        self._stats_task = loop.create_task(self._export_stats_forever())
+        if self._stats_task is None or self._stats_task.done():
+            self._stats_task = loop.create_task(self._export_stats_forever())
+        if self._caching and (self._canary_task is None or self._canary_task.done()):
+            self._canary_task = loop.create_task(self._canary_forever())
 
     async def _export_stats_forever(self) -> None:
         while True:

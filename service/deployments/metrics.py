@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from ray.serve import metrics as serve_metrics
 
-from service.deployments.metric_defs import ENGINE_METRICS, ROUTER_METRICS, MetricDef
+from service.deployments.metric_defs import CANARY_METRICS, ENGINE_METRICS, ROUTER_METRICS, MetricDef
 
 RAY_EXPORT_PREFIX = "ray_"  # Ray's metrics agent namespace, prepended to every application metric
 
@@ -103,3 +103,18 @@ class RouterMetrics:
     def record_decision(self, reason: str, predicted_hit_ratio: float) -> None:
         self.live["hybrid_serve_router_decisions_total"].inc(1, tags={"reason": reason})
         self.live["hybrid_serve_router_predicted_hit_ratio"].observe(predicted_hit_ratio)
+
+
+@dataclass
+class CanaryMetrics:
+    """The accuracy canary's metrics (per engine replica)."""
+    live: dict[str, Any] = field(default_factory=lambda: {d.name: make_metric(d) for d in CANARY_METRICS})
+
+    def record(self, kind: str, mismatch: bool, max_state_rel_error: float, token_agreement: float) -> None:
+        tags = {"kind": kind}
+        self.live["hybrid_serve_canary_checks_total"].inc(1, tags=tags)
+        if mismatch:
+            self.live["hybrid_serve_canary_mismatches_total"].inc(1, tags=tags)
+        if math.isfinite(max_state_rel_error):
+            self.live["hybrid_serve_canary_max_state_rel_error"].set(max_state_rel_error)
+        self.live["hybrid_serve_canary_token_agreement_ratio"].set(token_agreement)

@@ -69,7 +69,9 @@ def deploy(cluster: Cluster, name: str, args: dict[str, Any]) -> App:
 @pytest.fixture(scope="session")
 def main_app(cluster: Cluster, tiny_model_path: str) -> App:
     return deploy(cluster, "main", {"model_path": tiny_model_path, "replicas": 2,
-                                    "reasoning_parser": "nemotron_3", "tool_call_parser": "qwen3_coder"})
+                                    "reasoning_parser": "nemotron_3", "tool_call_parser": "qwen3_coder",
+                                    # no background canary work while the fault tests compare pool usage
+                                    "canary": {"enabled": False}})
 
 
 @pytest.fixture(scope="session")
@@ -109,3 +111,15 @@ def router_runs(cluster: Cluster, tiny_model_path: str) -> dict[str, RouterRun]:
         runs[kind] = RouterRun(app, sum(s["prefix_cache_hit_tokens"] for s in stats),
                                sorted(s["prompt_tokens"] // prompt_len for s in stats))
     return runs
+
+
+@pytest.fixture(scope="session")
+def canary_app(cluster, tiny_model_path):
+    """One replica running the accuracy canary every second and auditing every request."""
+    app = deploy(cluster, "canary", {"model_path": tiny_model_path, "replicas": 1,
+                                     "canary": {"interval_s": 1.0, "audit_sample_rate": 1.0}})
+    with httpx.Client(base_url=app.base_url, timeout=60) as c:
+        prefix = list(range(100, 100 + 70))
+        for tail in (list(range(700, 705)), list(range(800, 809))):   # the second request hits the first's prefix
+            assert c.post("/completions", json={"model": "tiny", "prompt": prefix + tail, "max_tokens": 2}).status_code == 200
+    return app
