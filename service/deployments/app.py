@@ -57,9 +57,10 @@ def engine_deployment_options(args: AppArgs) -> dict[str, Any]:
                                          "target_ongoing_requests": args.target_ongoing_requests}
     else:
         options["num_replicas"] = args.replicas
-    if gpus > 1:   # TP x EP workers: one bundle per GPU, packed on one node; the replica actor takes the first
+    if gpus > 1:   # TP x EP workers: one bundle per GPU; the replica actor takes the first
         options["placement_group_bundles"] = [{"CPU": args.cpus_per_replica, "GPU": 1}] + [{"GPU": 1}] * (gpus - 1)
-        options["placement_group_strategy"] = "STRICT_PACK"
+        # PACK: on one node when it fits, across nodes (e.g. 16 GPUs over two 8-GPU pods) when it does not
+        options["placement_group_strategy"] = "PACK"
         options["ray_actor_options"] = {"num_cpus": args.cpus_per_replica, "num_gpus": 1}
     else:
         options["ray_actor_options"] = {"num_cpus": args.cpus_per_replica, "num_gpus": gpus}

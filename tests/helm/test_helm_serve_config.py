@@ -102,10 +102,7 @@ def place(replica_bundles: list[list[dict]], strict_pack: bool, pods: list[dict[
     return True
 
 
-@pytest.mark.parametrize("config", [
-    pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=(
-        "app.py places a TP x EP replica with STRICT_PACK (one Ray node); 16 GPUs need PACK across two 8-GPU pods")))
-    if c == "super-tp4-ep4" else c for c in CONFIGS])
+@pytest.mark.parametrize("config", CONFIGS)
 def test_worker_pods_can_host_the_apps_replicas(manifests, config):
     """The engine deployment's own Ray options (app.engine_deployment_options) fit the rendered pods."""
     from service.deployments.app import engine_deployment_options
