@@ -14,6 +14,7 @@ Invariants (`check_integrity`):
 """
 from __future__ import annotations
 
+import heapq
 import itertools
 from dataclasses import dataclass, field
 
@@ -141,15 +142,21 @@ class RadixCache:
         return out
 
     def evict_pages(self, num_pages: int) -> int:
-        """Evicts LRU unlocked leaves until num_pages pages became free; returns pages freed."""
+        """Evicts LRU unlocked leaves until num_pages pages became free; returns pages freed.
+        One tree walk builds a heap of leaves; parents that become leaves join it."""
+        heap = [(n.last_access, id(n), n) for n in self._nodes() if self._evictable_leaf(n)]
+        heapq.heapify(heap)
         freed = 0
-        while freed < num_pages:
-            leaves = [n for n in self._nodes() if not n.children and n.lock_ref == 0 and n is not self.root]
-            if not leaves:
-                break
-            leaf = min(leaves, key=lambda n: n.last_access)
+        while freed < num_pages and heap:
+            leaf = heapq.heappop(heap)[2]
+            parent = leaf.parent
             freed += self._remove_leaf(leaf)
+            if self._evictable_leaf(parent):
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
+
+    def _evictable_leaf(self, n: Node) -> bool:
+        return n is not self.root and not n.children and n.lock_ref == 0
 
     def _remove_leaf(self, leaf: Node) -> int:
         if leaf.snapshot_slot is not None:
