@@ -123,3 +123,10 @@ def canary_app(cluster, tiny_model_path):
         for tail in (list(range(700, 705)), list(range(800, 809))):   # the second request hits the first's prefix
             assert c.post("/completions", json={"model": "tiny", "prompt": prefix + tail, "max_tokens": 2}).status_code == 200
     return app
+
+
+@pytest.fixture(scope="session")
+def small_app(cluster, tiny_model_path):
+    """One replica that takes one request at a time (handle queue bound: 4): easy to overload."""
+    return deploy(cluster, "small", {"model_path": tiny_model_path, "replicas": 1, "max_ongoing_requests": 1,
+                                     "canary": {"enabled": False}})
