@@ -66,6 +66,10 @@ class Engine:
             ids = [int(t) for t in prompt]
         if not ids:
             raise ValueError("prompt is empty: give at least one token")
+        capacity = self.runner.pools.pages.num_usable * self.config.page_size
+        if len(ids) >= capacity:
+            raise ValueError(f"prompt has {len(ids)} tokens; the KV pool holds {capacity} tokens "
+                             f"(num_kv_pages x page_size): raise num_kv_pages or shorten the prompt")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
                              f"(prompt plus at least one generated token must fit)")
@@ -90,7 +94,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            return []
+            return [self._retire(r) for r in sched.finished]
         self._capture_hits(sched)
         sampled = self.runner.execute(sched)
         outputs = self._update(sched, sampled)
@@ -99,7 +103,7 @@ class Engine:
         return outputs
 
     def _update(self, sched: SchedulerOutput, sampled: SamplerOutput) -> list[RequestOutput]:
-        outputs, row = [], 0
+        outputs, row = [self._retire(r) for r in sched.finished], 0
         for s in sched.scheduled:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
@@ -116,13 +120,13 @@ class Engine:
             row += 1
             if req.finish_reason is not None:
                 self.scheduler.finish(req)
-                self.requests.pop(req.request_id, None)
                 outputs.append(self._retire(req))
             else:
                 outputs.append(self.output.make_output(req))
         return outputs
 
     def _retire(self, req: Request) -> RequestOutput:
+        self.requests.pop(req.request_id, None)
         out = self.output.make_output(req)
         self.output.release(req.request_id)
         self.runner.release(req.request_id)

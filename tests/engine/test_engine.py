@@ -128,3 +128,15 @@ def test_abort_frees_everything(mixed_ckpt):
 def test_bad_engine_options(mixed_ckpt, kwargs, words):
     with pytest.raises(ValueError, match=words):
         make_engine(mixed_ckpt, **kwargs)
+
+
+def test_kv_pool_too_small_for_one_request(mixed_ckpt):
+    """A prompt larger than the whole pool is refused; a lone request that outgrows the pool ends with
+    "length" instead of preempting itself forever; the engine keeps serving."""
+    engine = make_engine(mixed_ckpt, page_size=4, num_kv_pages=6)       # 24 tokens in all
+    with pytest.raises(ValueError, match="num_kv_pages"):
+        engine.add_request(random_ids(30, 1), greedy(4))
+    out = engine.generate([random_ids(10, 2)], greedy(50))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 24 - 10 + 1
+    assert engine.generate([random_ids(5, 3)], greedy(3))[0].finish_reason == "length"
+    assert engine.runner.pools.pages.num_free == engine.runner.pools.pages.num_usable

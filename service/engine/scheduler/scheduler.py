@@ -6,7 +6,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from service.engine.cache.manager import CacheManager, SnapshotPoint
-from service.engine.request import Request, RequestStatus
+from service.engine.request import FinishReason, Request, RequestStatus
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,7 @@ class SchedulerOutput:
     slot_copies: tuple[tuple[int, int], ...]  # (src snapshot slot, dst live slot) to copy before the forward
     slot_zeros: tuple[int, ...]               # fresh live slots to zero before the forward
     preempted: tuple[str, ...]                # request ids preempted this step (will be recomputed)
+    finished: tuple[Request, ...] = ()        # finished by the scheduler: alone and the KV pool is full ("length")
 
     @property
     def num_tokens(self) -> int:
@@ -51,12 +52,13 @@ class Scheduler:
         copies: list[tuple[int, int]] = []
         zeros: list[int] = []
         preempted: list[str] = []
+        finished: list[Request] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._grow_or_preempt(req, n, preempted):
-                continue  # req itself was preempted: the list shrank
+            if not self._grow_or_preempt(req, n, preempted, finished):
+                continue  # req itself was preempted or finished: the list shrank
             out.append(self._scheduled(req, n))
             budget -= n
             i += 1
@@ -72,16 +74,22 @@ class Scheduler:
             copies.append(copy) if copy else zeros.append(req.live_slot)
             out.append(self._scheduled(req, n))
             budget -= n
-        return SchedulerOutput(tuple(out), tuple(copies), tuple(zeros), tuple(preempted))
+        return SchedulerOutput(tuple(out), tuple(copies), tuple(zeros), tuple(preempted), tuple(finished))
 
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
         sample = req.num_computed_tokens + n == req.num_tokens
         return ScheduledRequest(req, req.num_computed_tokens, n, sample, self.cache.plan_snapshots(req, n))
 
-    def _grow_or_preempt(self, req: Request, n: int, preempted: list[str]) -> bool:
-        """Pages for req's next n tokens, preempting the most recently admitted requests if needed."""
+    def _grow_or_preempt(self, req: Request, n: int, preempted: list[str], finished: list[Request]) -> bool:
+        """Pages for req's next n tokens, preempting the most recently admitted requests if needed.
+        A request that is alone and still does not fit can never progress: it finishes with "length"."""
         while not self.cache.grow(req, req.num_computed_tokens + n):
             victim = self.running[-1]
+            if victim is req and len(self.running) == 1 and req.output_token_ids:
+                req.finish_reason = FinishReason.LENGTH
+                self.finish(req)
+                finished.append(req)
+                return False
             self.preempt(victim)
             preempted.append(victim.request_id)
             if victim is req:
