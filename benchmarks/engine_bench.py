@@ -1,14 +1,18 @@
-"""Engine benchmark: the Nano-30B-A3B config with random bf16 weights created on the GPU, torch vs triton kernels.
+"""Engine benchmark: the Nano-30B-A3B config with random bf16 weights created on the GPU, per engine variant.
 
-Reports prefill tokens/s at ISL 1K and 8K (whole requests, max_tokens=1, token budget 8192 per step) and decode
-tokens/s at batch 1, 32, 128 (prompts of --prompt-len tokens, timed over pure decode steps), for each kernel
-backend, plus the decode weight-bandwidth limit at batch 1 (active bytes per step / measured copy bandwidth).
+Variants: `torch`, `triton` (eager steps) and `triton+graphs` (decode-only steps replayed from CUDA graphs).
+Reports prefill tokens/s at ISL 1K and 8K (whole requests, max_tokens=1, token budget 8192 per step), decode
+tokens/s at concurrency 1, 64, 256 (prompts of --prompt-len tokens, timed over pure decode steps), a random-prompt
+throughput run (--tp-isl in / --tp-osl out, ignore_eos, at most --tp-concurrency requests in flight: a request is
+sent when one finishes; output tok/s, TTFT and TPOT medians), and the decode weight-bandwidth limit at batch 1
+(active bytes per step / measured copy bandwidth) with each variant's fraction of it.
 One model is built (`build_model(load=False)`, default dtype bf16 so no fp32 copy is ever made) and shared;
-`model.kernels` is rebound to each backend's bundle (the Engine takes the model as given).
+`model.kernels` is rebound to each variant's bundle (the Engine takes the model as given).
 
-    PYTHONPATH=. python benchmarks/engine_bench.py [--backends torch,triton] [--out engine.md]
+    PYTHONPATH=. python benchmarks/engine_bench.py [--variants triton,triton+graphs] [--out engine.md]
 CPU smoke run (tiny config, interpreter): TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/engine_bench.py \
-    --device cpu --config <tiny config.json> --isl 40,70 --decode-batches 1,3 --prompt-len 20 --decode-steps 2
+    --device cpu --config <tiny config.json> --variants torch,triton --isl 40,70 --decode-batches 1,3 \
+    --prompt-len 20 --decode-steps 2 --tp-prompts 4 --tp-concurrency 2 --tp-isl 16 --tp-osl 4
 """
 from __future__ import annotations
 
@@ -133,14 +137,81 @@ def decode_tps(engine: Engine, batch: int, prompt_len: int, steps: int, seed: in
     return batch * steps / elapsed
 
 
-def bench_backend(engine: Engine, args: argparse.Namespace) -> dict[str, float]:
+def throughput_run(engine: Engine, num_prompts: int, isl: int, osl: int, concurrency: int,
+                   seed: int) -> dict[str, float]:
+    """Closed loop: at most `concurrency` requests in flight, the next one sent when one finishes.
+    Returns output tok/s over the whole run and TTFT / TPOT medians (ms; TTFT from the request's send)."""
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=osl, temperature=0.0, ignore_eos=True)
+    pending = random_prompts(num_prompts, isl, vocab, seed)[::-1]
+    sent, first, done = {}, {}, {}
+    sync(engine.config.device)
+    t0 = time.perf_counter()
+    while pending or len(done) < len(sent):
+        while pending and len(sent) - len(done) < concurrency:
+            sent[engine.add_request(pending.pop(), params)] = time.perf_counter()
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            first.setdefault(o.request_id, now)
+            if o.finished:
+                done[o.request_id] = now
+    elapsed = time.perf_counter() - t0
+    ttft = sorted(first[r] - sent[r] for r in sent)
+    tpot = sorted((done[r] - first[r]) / (osl - 1) for r in sent) if osl > 1 else [0.0]
+    return {"tp output tok/s": num_prompts * osl / elapsed, "tp TTFT median ms": 1e3 * ttft[len(ttft) // 2],
+            "tp TPOT median ms": 1e3 * tpot[len(tpot) // 2], "tp seconds": elapsed}
+
+
+def graph_replay_ms(engine: Engine, batches: list[int]) -> dict[str, float]:
+    """Device time of one captured decode forward (replays back to back, CUDA events): the GPU side of a step."""
+    g = engine.runner.graphs
+    out = {}
+    for b in batches:
+        bucket = next(x for x in g.buckets if x >= b)
+        for _ in range(3):
+            g.graphs[bucket].replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            g.graphs[bucket].replay()
+        end.record()
+        torch.cuda.synchronize()
+        out[f"graph replay ms B={bucket}"] = start.elapsed_time(end) / 20
+    return out
+
+
+def profile_decode(engine: Engine, batch: int, path: str) -> None:
+    """Kernel device times of eager decode forwards on the graph's static (scratch) inputs, top 25 by time."""
+    g = engine.runner.graphs
+    bucket = next(x for x in g.buckets if x >= batch)
+    g._forward(bucket)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            g._forward(bucket)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(f"eager decode forward, bucket {bucket}, 3 calls\n{table}\n")
+    print(table, flush=True)
+
+
+def bench_variant(engine: Engine, args: argparse.Namespace, throughput: bool) -> dict[str, float]:
     out: dict[str, float] = {}
+    if engine.runner.graphs is not None:
+        out.update(graph_replay_ms(engine, args.decode_batches))
+        if args.profile_out:
+            profile_decode(engine, 1, args.profile_out)
     for isl in args.isl:
         out[f"prefill ISL {isl}"] = prefill_tps(engine, isl, max(2, args.max_batched_tokens // isl * 2), seed=isl)
         print(f"  prefill ISL {isl}: {out[f'prefill ISL {isl}']:.0f} tok/s", flush=True)
     for b in args.decode_batches:
         out[f"decode B={b}"] = decode_tps(engine, b, args.prompt_len, args.decode_steps, seed=1000 + b)
         print(f"  decode B={b}: {out[f'decode B={b}']:.1f} tok/s", flush=True)
+    if throughput:
+        out.update(throughput_run(engine, args.tp_prompts, args.tp_isl, args.tp_osl, args.tp_concurrency, seed=7))
+        print("  " + ", ".join(f"{k}: {v:.1f}" for k, v in out.items() if k.startswith("tp ")), flush=True)
     return out
 
 
@@ -149,14 +220,21 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--config", default=NANO_CONFIG, help="HF config.json of the model to build")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    ap.add_argument("--backends", default="torch,triton")
+    ap.add_argument("--variants", default="triton,triton+graphs",
+                    help="comma list of torch | triton | triton+graphs (CUDA graphs for decode-only steps)")
+    ap.add_argument("--throughput-variants", default="triton+graphs", help="variants that run the throughput test")
     ap.add_argument("--isl", default="1024,8192")
-    ap.add_argument("--decode-batches", default="1,32,128")
+    ap.add_argument("--decode-batches", default="1,64,256")
+    ap.add_argument("--tp-prompts", type=int, default=512, help="throughput run: number of random prompts")
+    ap.add_argument("--tp-concurrency", type=int, default=256)
+    ap.add_argument("--tp-isl", type=int, default=1024)
+    ap.add_argument("--tp-osl", type=int, default=1024)
     ap.add_argument("--prompt-len", type=int, default=512, help="prompt tokens of each decode request")
     ap.add_argument("--decode-steps", type=int, default=12)
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--out", default="")
+    ap.add_argument("--profile-out", default="", help="write a kernel profile of a batch-1 decode forward here")
     args = ap.parse_args()
     args.isl = [int(x) for x in args.isl.split(",") if x]
     args.decode_batches = [int(x) for x in args.decode_batches.split(",") if x]
@@ -168,20 +246,25 @@ def main() -> None:
     model_dir = tempfile.mkdtemp(prefix="engine_bench_")
     shutil.copy(args.config, os.path.join(model_dir, "config.json"))
     dtype = getattr(torch, args.dtype)
+    variants = [v for v in args.variants.split(",") if v]
+    tp_variants = set(args.throughput_variants.split(","))
     base = dict(model_path=model_dir, device=args.device, dtype=args.dtype, page_size=args.page_size,
-                max_num_seqs=max(args.decode_batches), max_num_batched_tokens=args.max_batched_tokens,
-                max_model_len=max(args.isl + [args.prompt_len]) + args.decode_steps + 64)
+                max_num_seqs=max(args.decode_batches + [args.tp_concurrency]),
+                max_num_batched_tokens=args.max_batched_tokens,
+                max_model_len=max(args.isl + [args.prompt_len + args.decode_steps, args.tp_isl + args.tp_osl]) + 64)
     model_cfg = ModelConfig.from_model_path(model_dir)
-    backends = [b for b in args.backends.split(",") if b]
     t0 = time.perf_counter()
-    model = build_random_model(EngineConfig(**base, kernel_backend=backends[0]), model_cfg, dtype, seed=0)
+    model = build_random_model(EngineConfig(**base, kernel_backend=variants[0].split("+")[0]), model_cfg, dtype, seed=0)
     print(f"model built in {time.perf_counter() - t0:.1f} s", flush=True)
     results: dict[str, dict[str, float]] = {}
-    for backend in backends:
+    for variant in variants:
+        backend, _, extra = variant.partition("+")
         model.kernels = get_kernels(backend)
-        engine = Engine(EngineConfig(**base, kernel_backend=backend), model=model)
-        print(f"backend {backend}:", flush=True)
-        results[backend] = bench_backend(engine, args)
+        t0 = time.perf_counter()
+        engine = Engine(EngineConfig(**base, kernel_backend=backend, cuda_graphs=extra == "graphs"), model=model)
+        print(f"variant {variant}: engine ready in {time.perf_counter() - t0:.1f} s "
+              f"(graphs: {engine.runner.graphs.buckets if engine.runner.graphs else None})", flush=True)
+        results[variant] = bench_variant(engine, args, variant in tp_variants)
         del engine
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -189,11 +272,16 @@ def main() -> None:
     shutil.rmtree(model_dir, ignore_errors=True)
 
 
+def _fmt(v: float) -> str:
+    return f"{v:.1f}" if abs(v) >= 100 else f"{v:.3f}"
+
+
 def report(results: dict[str, dict[str, float]], model, model_cfg: ModelConfig, args: argparse.Namespace) -> None:
     backends = list(results)
-    keys = list(results[backends[0]])
-    lines = ["| metric (tok/s) | " + " | ".join(backends) + " |", "| --- |" + " ---: |" * len(backends)]
-    lines += [f"| {k} | " + " | ".join(f"{results[b][k]:.1f}" for b in backends) + " |" for k in keys]
+    keys = list(dict.fromkeys(k for b in backends for k in results[b]))
+    lines = ["| metric (tok/s unless named) | " + " | ".join(backends) + " |", "| --- |" + " ---: |" * len(backends)]
+    lines += [f"| {k} | " + " | ".join(_fmt(results[b][k]) if k in results[b] else "-" for b in backends) + " |"
+              for k in keys]
     active = active_bytes_per_token(model, model_cfg)
     bw = copy_bandwidth_gbs(args.device)
     limit = bw * 1e9 / active
@@ -205,7 +293,9 @@ def report(results: dict[str, dict[str, float]], model, model_cfg: ModelConfig, 
             lines.append(f"  {b}: decode B=1 reaches {100 * results[b]['decode B=1'] / limit:.1f}% of it")
     meta = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
             "torch": torch.__version__, "prompt_len(decode)": args.prompt_len, "decode_steps": args.decode_steps,
-            "max_num_batched_tokens": args.max_batched_tokens, "page_size": args.page_size}
+            "max_num_batched_tokens": args.max_batched_tokens, "page_size": args.page_size,
+            "throughput": f"{args.tp_prompts} prompts, {args.tp_isl} in / {args.tp_osl} out, "
+                          f"concurrency {args.tp_concurrency}, ignore_eos"}
     text = json.dumps(meta) + "\n\n" + "\n".join(lines) + "\n"
     print(text, flush=True)
     if args.out:

@@ -171,7 +171,8 @@ def _attn_case(qlens: list[int], plens: list[int], page: int = 64) -> Case:
         return (torch.randn(sum(qlens), HQ, DH, device=DEV, dtype=BF16),
                 torch.randn(slots, HKV, DH, device=DEV, dtype=BF16),
                 torch.randn(slots, HKV, DH, device=DEV, dtype=BF16),
-                table, qsl, plens, page, DH ** -0.5)
+                table, torch.tensor(qsl, device=DEV), torch.tensor(plens, device=DEV), max(qlens), max(ctx), page,
+                DH ** -0.5)
     moved = sum(ctx) * HKV * DH * 2 * 2 + 2 * sum(qlens) * HQ * DH * 2
     flops = sum(4 * HQ * DH * q * (p + (q + 1) / 2) for p, q in zip(plens, qlens))
     kind = "decode" if all(q == 1 for q in qlens) else "prefill"

@@ -327,6 +327,7 @@ class EngineConfig:
     mamba_track_interval: int | None = None  # decode snapshot interval (multiple of the grid); None: off
     seed: int = 0
     debug_integrity: bool = False            # check_integrity() after every step
+    cuda_graphs: bool = True                 # replay captured decode-only steps (CUDA + triton kernels; else ignored)
     tp: int = 1
     ep: int = 1
     extra: dict[str, Any] = field(default_factory=dict)

@@ -26,7 +26,8 @@ def _setup(qlens, plens, Hq, Hkv, Dh, page_size, dtype, seed):
     qsl = [0]
     for l in qlens:
         qsl.append(qsl[-1] + l)
-    return q, k_cache, v_cache, table.to(DEVICE), qsl, list(plens), page_size, Dh ** -0.5
+    return (q, k_cache, v_cache, table.to(DEVICE), torch.tensor(qsl, device=DEVICE), torch.tensor(plens, device=DEVICE),
+            max(qlens), max(ctx), page_size, Dh ** -0.5)
 
 
 CPU_CASES = [
@@ -49,11 +50,24 @@ def test_paged_attention_matches_ref(case, dtype):
 
 
 def test_paged_attention_rejects_bad_shapes():
-    q, k, v, table, qsl, plens, ps, scale = _setup([2, 1], [0, 3], 4, 2, 16, 4, torch.float32, 0)
+    q, k, v, table, qsl, plens, mq, ms, ps, scale = _setup([2, 1], [0, 3], 4, 2, 16, 4, torch.float32, 0)
     with pytest.raises(ValueError, match="query_start_loc"):
-        paged_attention(q, k, v, table, qsl[:-1], plens, ps, scale)
+        paged_attention(q, k, v, table, qsl[:-1], plens, mq, ms, ps, scale)
     with pytest.raises(ValueError, match="head"):
-        paged_attention(q[:, :3], k, v, table, qsl, plens, ps, scale)
+        paged_attention(q[:, :3], k, v, table, qsl, plens, mq, ms, ps, scale)
+    with pytest.raises(ValueError, match="max_query_len"):
+        paged_attention(q, k, v, table, qsl, plens, 1, ms, ps, scale)
+    with pytest.raises(ValueError, match="max_query_len"):       # the reference checks the bound against the data
+        attention.paged_attention_ref(q, k, v, table, qsl, plens, 1, ms, ps, scale)
+
+
+def test_paged_attention_decode_with_loose_seq_bound():
+    """Decode launched from a bound far above every context (as a CUDA graph does) gives the same result."""
+    qlens, plens = [1, 1, 1, 1], [0, 37, 300, 5]
+    args = list(_setup(qlens, plens, Hq=4, Hkv=2, Dh=16, page_size=4, dtype=torch.float32, seed=7))
+    ref = attention.paged_attention_ref(*args)
+    args[7] = 4096
+    assert_close(paged_attention(*args), ref, torch.float32, "attention")
 
 
 GPU_CASES = [

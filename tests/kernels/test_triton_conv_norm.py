@@ -6,7 +6,7 @@ import torch
 
 from triton_test_util import DEVICE, assert_close, gpu, needs_cuda
 from service.engine.kernels import conv1d, norm
-from service.engine.kernels.triton_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from service.engine.kernels.triton_conv1d import causal_conv1d_update, causal_conv1d_update_slots, causal_conv1d_varlen
 from service.engine.kernels.triton_norm import gated_group_rms_norm, rms_norm
 
 
@@ -43,6 +43,21 @@ def test_conv_update_matches_ref(K, with_bias, dtype):
     assert new.dtype == state.dtype
     assert_close(out, ref, dtype, "conv update")
     assert torch.equal(new, new_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("K,with_bias", [(4, True), (2, False)])
+def test_conv_update_slots_matches_ref(K, with_bias, dtype):
+    """In place on the pool by slot id; other slots untouched."""
+    x, weight, bias, _, _, _ = _conv_inputs([1, 1, 1], 40, K, dtype, seed=K + 10, with_bias=with_bias)
+    pool = torch.randn(6, 40, K - 1).to(DEVICE, dtype)
+    slots = torch.tensor([4, 1, 3], device=DEVICE)
+    pool_ref = pool.clone()
+    out = causal_conv1d_update_slots(x, weight, bias, pool, slots)
+    ref = conv1d.causal_conv1d_update_slots_ref(x, weight, bias, pool_ref, slots)
+    assert_close(out, ref, dtype, "conv update slots")
+    assert torch.equal(pool, pool_ref)
+    assert torch.equal(pool[slots, :, -1], x.to(dtype))     # the newest column is this step's raw input
 
 
 def test_conv_rejects_bad_shapes():

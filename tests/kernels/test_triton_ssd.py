@@ -6,7 +6,7 @@ import torch
 
 from triton_test_util import DEVICE, assert_close, gpu, needs_cuda
 from service.engine.kernels import ssd
-from service.engine.kernels.triton_ssd import selective_state_update, ssd_varlen
+from service.engine.kernels.triton_ssd import selective_state_update, selective_state_update_slots, ssd_varlen
 
 
 def _inputs(qlens, plens, H, P, G, N, chunk, dtype, seed):
@@ -136,3 +136,36 @@ def test_selective_state_update_gpu(dtype):
     y_ref, new_ref = ssd.selective_state_update_ref(state, x, dt, A, Bm, Cm, D)
     assert_close(y, y_ref, dtype, "y")
     assert_close(new, new_ref, dtype, "new_state")
+
+
+def _check_ssu_slots(Bq, H, P, G, N, S, dtype, seed):
+    """In-place pool update by slot id: touched slots advance, every other slot is left bit-identical."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(Bq, H, P, generator=g).to(DEVICE, dtype)
+    Bm, Cm = (torch.randn(Bq, G, N, generator=g).to(DEVICE, dtype) for _ in range(2))
+    dt = torch.rand(Bq, H, generator=g).to(DEVICE) * 0.2
+    A, D = -torch.rand(H, generator=g).to(DEVICE), torch.randn(H, generator=g).to(DEVICE, dtype)
+    pool = torch.randn(S, H, P, N, generator=g).to(DEVICE)
+    slots = (torch.randperm(S - 1, generator=g)[:Bq] + 1).to(DEVICE)
+    pool_ref = pool.clone()
+    y = selective_state_update_slots(pool, slots, x, dt, A, Bm, Cm, D)
+    y_ref = ssd.selective_state_update_slots_ref(pool_ref, slots, x, dt, A, Bm, Cm, D)
+    y_next, _ = ssd.selective_state_update_ref(pool[slots], x, dt, A, Bm, Cm, D)
+    assert_close(y, y_ref, dtype, "y")
+    assert_close(pool[slots], pool_ref[slots], dtype, "pool[slots]")
+    untouched = torch.ones(S, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert torch.equal(pool[untouched], pool_ref[untouched])
+    assert not torch.equal(y_next, y)         # the pool holds the advanced state: a second step differs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_selective_state_update_slots_matches_ref(dtype):
+    _check_ssu_slots(Bq=5, H=4, P=8, G=2, N=16, S=9, dtype=dtype, seed=4)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_selective_state_update_slots_gpu(dtype):
+    _check_ssu_slots(Bq=64, H=64, P=64, G=8, N=128, S=80, dtype=dtype, seed=6)

@@ -15,8 +15,10 @@ class Kernels:
     name: str
     ssd_varlen: Callable               # ssd.ssd_varlen_ref signature
     selective_state_update: Callable   # ssd.selective_state_update_ref signature
+    selective_state_update_slots: Callable  # ssd.selective_state_update_slots_ref signature (pool in place)
     conv_varlen: Callable              # conv1d.causal_conv1d_varlen_ref signature
     conv_update: Callable              # conv1d.causal_conv1d_update_ref signature
+    conv_update_slots: Callable        # conv1d.causal_conv1d_update_slots_ref signature (pool in place)
     conv_windows: Callable             # conv1d.conv_state_windows_ref signature
     write_kv: Callable                 # attention.write_kv_ref signature
     paged_attention: Callable          # attention.paged_attention_ref signature
@@ -29,7 +31,9 @@ class Kernels:
 def torch_kernels() -> Kernels:
     return Kernels(
         name="torch", ssd_varlen=ssd.ssd_varlen_ref, selective_state_update=ssd.selective_state_update_ref,
+        selective_state_update_slots=ssd.selective_state_update_slots_ref,
         conv_varlen=conv1d.causal_conv1d_varlen_ref, conv_update=conv1d.causal_conv1d_update_ref,
+        conv_update_slots=conv1d.causal_conv1d_update_slots_ref,
         conv_windows=conv1d.conv_state_windows_ref, write_kv=attention.write_kv_ref,
         paged_attention=attention.paged_attention_ref, moe_route=moe.moe_route_ref,
         moe_experts=moe.moe_experts_ref, rms_norm=norm.rms_norm_ref, gated_rms_norm=norm.gated_group_rms_norm_ref,

@@ -24,13 +24,26 @@ def _gather_kv(cache: torch.Tensor, page_table: torch.Tensor, length: int, page_
     return cache[slots]
 
 
+def _check_bounds(query_start_loc: list[int], prefix_lens: list[int], max_query_len: int, max_seq_len: int) -> None:
+    lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(prefix_lens))]
+    if lens and max(lens) > max_query_len:
+        raise ValueError(f"max_query_len {max_query_len} is below the longest query ({max(lens)})")
+    if lens and max(p + l for p, l in zip(prefix_lens, lens)) > max_seq_len:
+        raise ValueError(f"max_seq_len {max_seq_len} is below the longest sequence")
+
+
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        page_table: torch.Tensor, query_start_loc: list[int], prefix_lens: list[int],
-                        page_size: int, scale: float) -> torch.Tensor:
+                        page_table: torch.Tensor, query_start_loc: torch.Tensor, prefix_lens: torch.Tensor,
+                        max_query_len: int, max_seq_len: int, page_size: int, scale: float) -> torch.Tensor:
     """q [T, Hq, Dh] for the new tokens; keys/values (already written) read from the caches.
+    query_start_loc [B+1] int64 and prefix_lens [B] int64 (p_i) are tensors; max_query_len (max l_i) and
+    max_seq_len (upper bound on p_i + l_i) are host ints that a fast kernel sizes its launch from; the reference
+    reads the lengths back to the host and checks both bounds.
     Request i's queries sit at absolute positions prefix_lens[i] + [0, l_i) and see keys [0, pos].
     Returns [T, Hq, Dh] in q's dtype (softmax in fp32)."""
+    query_start_loc, prefix_lens = query_start_loc.tolist(), prefix_lens.tolist()
     T, Hq, Dh = q.shape
+    _check_bounds(query_start_loc, prefix_lens, max_query_len, max_seq_len)
     Hkv = k_cache.shape[1]
     out = torch.empty_like(q)
     lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(prefix_lens))]

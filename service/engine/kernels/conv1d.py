@@ -66,3 +66,12 @@ def causal_conv1d_update_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     if bias is not None:
         out = out + bias.float()
     return F.silu(out).to(x.dtype), window[:, :, 1:].to(state.dtype)
+
+
+def causal_conv1d_update_slots_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                   conv_pool: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+    """Decode conv on the pool in place: x [B, D], conv_pool [S, D, K-1], slot_ids [B] int64 (distinct, except
+    padding rows on the scratch slot 0). conv_pool[slot_ids] becomes the new state; returns silu(conv) [B, D]."""
+    out, new = causal_conv1d_update_ref(x, weight, bias, conv_pool[slot_ids])
+    conv_pool[slot_ids] = new
+    return out

@@ -162,3 +162,14 @@ def selective_state_update_ref(state: torch.Tensor, x: torch.Tensor, dt: torch.T
     new = state.float() * dA[:, :, None, None] + (dt.float()[:, :, None] * x.float())[..., None] * Bh[:, :, None, :]
     y = torch.einsum("bhpn,bhn->bhp", new, Ch) + D.float()[None, :, None] * x.float()
     return y, new
+
+
+def selective_state_update_slots_ref(ssm_pool: torch.Tensor, slot_ids: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
+                                     A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor
+                                     ) -> torch.Tensor:
+    """One decode step on the pool in place: ssm_pool [S, H, P, N] fp32, slot_ids [B] int64 (distinct, except that
+    padding rows may all name the scratch slot 0, whose content is then undefined). Rows as in
+    `selective_state_update_ref`; ssm_pool[slot_ids] becomes the new state. Returns y [B, H, P] fp32."""
+    y, new = selective_state_update_ref(ssm_pool[slot_ids], x, dt, A, B, C, D)
+    ssm_pool[slot_ids] = new
+    return y

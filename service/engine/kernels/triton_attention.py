@@ -1,10 +1,12 @@
 """Triton paged causal attention (GQA, no positional encoding) over a packed batch.
 
-Same signature and semantics as `attention.paged_attention_ref`. Two paths, chosen from the host-side
-lengths the caller already passes (no device sync):
-  * every request has one new token (decode): `_decode_kernel`, one program per (request, KV head,
+Same signature and semantics as `attention.paged_attention_ref`. The lengths are device tensors; the launch is
+sized from two host ints the caller passes (`max_query_len`, `max_seq_len`), so no call reads the device and a
+decode step can be captured in a CUDA graph. Two paths:
+  * every request has one new token (max_query_len == 1, decode): `_decode_kernel`, one program per (request, KV head,
     KV split) holding the whole GQA group as the rows of its tile, split-KV partials merged by
-    `_combine_kernel` (flash-decoding) when one split is not enough to fill the GPU;
+    `_combine_kernel` (flash-decoding) when one split is not enough to fill the GPU; the split plan comes from
+    max_seq_len, splits past a request's context store an empty partial;
   * otherwise (prefill, cached prefix, mixed batches): `_prefill_kernel`, flash attention over the
     paged keys [0, p_i + m] per (query block, request, query head).
 Softmax in fp32 (exp2 with the scale folded in). `write_kv` stays the torch reference
@@ -51,14 +53,15 @@ def _load_kv_tile(cache_ptr, pt_row_ptr, offs_n, n_end, kvh, offs_d, s_slot, s_h
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, ctx_ptr, o_ptr, part_o_ptr, part_ml_ptr, qk_scale, Dh, page_size,
-                   keys_per_split, num_splits, s_q_t, s_q_h, s_k_slot, s_k_head, s_v_slot, s_v_head, s_pt, s_o_t, s_o_h,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, prefix_ptr, o_ptr, part_o_ptr, part_ml_ptr, qk_scale, Dh, page_size,
+                   num_splits, s_q_t, s_q_h, s_k_slot, s_k_head, s_v_slot, s_v_head, s_pt, s_o_t, s_o_h,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
-    ctx = tl.load(ctx_ptr + b)
+    ctx = tl.load(prefix_ptr + b) + 1
+    keys_per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N     # this request's keys spread evenly
     lo = sp * keys_per_split
     hi = tl.minimum(lo + keys_per_split, ctx)
     offs_g = tl.arange(0, BLOCK_G)
@@ -169,7 +172,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, qsl_ptr, prefix_ptr, o_ptr, qk_
              mask=mm[:, None] & md[None, :])
 
 
-def _check(q, k_cache, v_cache, page_table, query_start_loc, prefix_lens) -> None:
+def _check(q, k_cache, v_cache, page_table, query_start_loc, prefix_lens, max_query_len, max_seq_len) -> None:
     check_dim("q", q, 3)
     check_dim("k_cache", k_cache, 3)
     if v_cache.shape != k_cache.shape:
@@ -181,67 +184,69 @@ def _check(q, k_cache, v_cache, page_table, query_start_loc, prefix_lens) -> Non
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"q, k_cache, v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     check_dim("page_table", page_table, 2)
-    if len(query_start_loc) != len(prefix_lens) + 1 or page_table.shape[0] < len(prefix_lens):
-        raise ValueError(f"query_start_loc ({len(query_start_loc)}) must have B+1 entries and page_table "
-                         f"({page_table.shape[0]} rows) B rows for B={len(prefix_lens)} prefix_lens")
-    if query_start_loc[-1] != q.shape[0]:
-        raise ValueError(f"query_start_loc ends at {query_start_loc[-1]}, q has {q.shape[0]} tokens")
+    check_dim("prefix_lens", prefix_lens, 1)
+    B = prefix_lens.shape[0]
+    if tuple(query_start_loc.shape) != (B + 1,) or page_table.shape[0] < B:
+        raise ValueError(f"query_start_loc (shape {tuple(query_start_loc.shape)}) must have B+1 entries and "
+                         f"page_table ({page_table.shape[0]} rows) B rows for B={B} prefix_lens")
+    if max_query_len < 1 or not B <= q.shape[0] <= B * max_query_len:
+        raise ValueError(f"q has {q.shape[0]} tokens: not within [B, B * max_query_len] = [{B}, {B * max_query_len}]")
+    if max_query_len == 1 and q.shape[0] != B:
+        raise ValueError(f"max_query_len=1 (decode) needs one query per request: q has {q.shape[0]}, B={B}")
+    if max_seq_len < max_query_len:
+        raise ValueError(f"max_seq_len {max_seq_len} is below max_query_len {max_query_len}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_inner_contiguous(name, t)
-    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table)
+    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, query_start_loc=query_start_loc,
+                      prefix_lens=prefix_lens)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-                    query_start_loc: list[int], prefix_lens: list[int], page_size: int, scale: float) -> torch.Tensor:
+                    query_start_loc: torch.Tensor, prefix_lens: torch.Tensor, max_query_len: int, max_seq_len: int,
+                    page_size: int, scale: float) -> torch.Tensor:
     """Paged causal GQA attention (Triton), see `paged_attention_tiled`."""
     tiles = PrefillTiles() if q.element_size() <= 2 else PrefillTiles(64, 64, 4, 2)   # fp32 tiles: half the smem
-    return paged_attention_tiled(q, k_cache, v_cache, page_table, query_start_loc, prefix_lens, page_size, scale,
-                                 tiles)
+    return paged_attention_tiled(q, k_cache, v_cache, page_table, query_start_loc, prefix_lens, max_query_len,
+                                 max_seq_len, page_size, scale, tiles)
 
 
 def paged_attention_tiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-                          query_start_loc: list[int], prefix_lens: list[int], page_size: int, scale: float,
-                          tiles: PrefillTiles) -> torch.Tensor:
+                          query_start_loc: torch.Tensor, prefix_lens: torch.Tensor, max_query_len: int,
+                          max_seq_len: int, page_size: int, scale: float, tiles: PrefillTiles) -> torch.Tensor:
     """Paged causal GQA attention (Triton). q [T, Hq, Dh]; k/v_cache [S, Hkv, Dh] (new K/V already written);
-    page_table [B, max_pages]; query_start_loc B+1 host ints; prefix_lens B host ints (p_i).
+    page_table [B, max_pages]; query_start_loc [B+1] int64 and prefix_lens [B] int64 (p_i) on q's device;
+    max_query_len >= max l_i and max_seq_len >= max p_i + l_i (host ints, launch sizes).
     Request i's queries sit at positions p_i + [0, l_i) and see keys [0, pos]. Returns [T, Hq, Dh] in q's dtype."""
-    _check(q, k_cache, v_cache, page_table, query_start_loc, prefix_lens)
+    _check(q, k_cache, v_cache, page_table, query_start_loc, prefix_lens, max_query_len, max_seq_len)
     T, Hq, Dh = q.shape
-    B, Hkv = len(prefix_lens), k_cache.shape[1]
+    B, Hkv = prefix_lens.shape[0], k_cache.shape[1]
     out = torch.empty_like(q)
     if T == 0:
         return out
-    lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(B)]
     common = dict(GROUP=Hq // Hkv, BLOCK_D=block_dim(Dh), DOT_PRECISION=dot_precision(q.dtype))
     qk_scale = scale * _LOG2E
-    if all(n == 1 for n in lens):
-        _decode(q, k_cache, v_cache, page_table, prefix_lens, page_size, qk_scale, out, common)
+    if max_query_len == 1:
+        _decode(q, k_cache, v_cache, page_table, prefix_lens, max_seq_len, page_size, qk_scale, out, common)
         return out
-    qsl = torch.tensor(query_start_loc, dtype=torch.int64, device=q.device)
-    pre = torch.tensor(prefix_lens, dtype=torch.int64, device=q.device)
-    bm = 16 if max(lens) <= 16 else tiles.block_m
-    _prefill_kernel[(triton.cdiv(max(lens), bm), B, Hq)](
-        q, k_cache, v_cache, page_table, qsl, pre, out, qk_scale, Dh, page_size, q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
+    bm = 16 if max_query_len <= 16 else tiles.block_m
+    _prefill_kernel[(triton.cdiv(max_query_len, bm), B, Hq)](
+        q, k_cache, v_cache, page_table, query_start_loc, prefix_lens, out, qk_scale, Dh, page_size, q.stride(0),
+        q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
         out.stride(0), out.stride(1), BLOCK_M=bm, BLOCK_N=tiles.block_n,
         num_warps=tiles.warps if bm >= 64 else 4, num_stages=tiles.stages, **common)
     return out
 
 
-def _decode(q, k_cache, v_cache, page_table, prefix_lens, page_size, qk_scale, out, common) -> None:
+def _decode(q, k_cache, v_cache, page_table, prefix_lens, max_seq_len, page_size, qk_scale, out, common) -> None:
     B, Hq, Dh = q.shape
     Hkv = k_cache.shape[1]
     block_n = 64
-    max_ctx = max(prefix_lens) + 1
-    splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, B * Hkv), triton.cdiv(max_ctx, 4 * block_n)))
-    keys_per_split = triton.cdiv(triton.cdiv(max_ctx, splits), block_n) * block_n
-    splits = triton.cdiv(max_ctx, keys_per_split)
-    ctx = torch.tensor([p + 1 for p in prefix_lens], dtype=torch.int64, device=q.device)
+    splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, B * Hkv), triton.cdiv(max_seq_len, 4 * block_n)))
     bd = common["BLOCK_D"]
     part_o = torch.empty(B * Hq * splits * bd if splits > 1 else 1, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(B * Hq * splits * 2 if splits > 1 else 1, dtype=torch.float32, device=q.device)
     _decode_kernel[(B, Hkv, splits)](
-        q, k_cache, v_cache, page_table, ctx, out, part_o, part_ml, qk_scale, Dh, page_size, keys_per_split, splits,
+        q, k_cache, v_cache, page_table, prefix_lens, out, part_o, part_ml, qk_scale, Dh, page_size, splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0), out.stride(0), out.stride(1), BLOCK_G=block_dim(common["GROUP"]), BLOCK_N=block_n,
         SPLIT=splits > 1, num_warps=4, num_stages=2, **common)

@@ -1,6 +1,7 @@
 """The "triton" kernel bundle: Triton ops where written, the torch reference, by name, where not.
 
-Triton ops:  ssd_varlen, selective_state_update (triton_ssd); conv_varlen, conv_update (triton_conv1d);
+Triton ops:  ssd_varlen, selective_state_update(_slots) (triton_ssd); conv_varlen, conv_update(_slots)
+             (triton_conv1d);
              paged_attention (triton_attention: decode with split-KV, prefill with cached prefix);
              moe_experts (triton_moe: sorted-token grouped GEMMs); rms_norm, gated_rms_norm (triton_norm).
 Torch references used on purpose (each a single gather/scatter or a small GEMM + top-k, no Python loop):
@@ -23,8 +24,10 @@ def triton_kernels() -> Kernels:
         name="triton",
         ssd_varlen=triton_ssd.ssd_varlen,
         selective_state_update=triton_ssd.selective_state_update,
+        selective_state_update_slots=triton_ssd.selective_state_update_slots,
         conv_varlen=triton_conv1d.causal_conv1d_varlen,
         conv_update=triton_conv1d.causal_conv1d_update,
+        conv_update_slots=triton_conv1d.causal_conv1d_update_slots,
         conv_windows=conv1d.conv_state_windows_ref,
         write_kv=attention.write_kv_ref,
         paged_attention=triton_attention.paged_attention,

@@ -96,20 +96,27 @@ def causal_conv1d_varlen_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torc
 
 
 @triton.jit
-def _conv_update_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, new_ptr, Dm,
+def _conv_update_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, new_ptr, slot_ptr, Dm,
                         s_x_b, s_w_d, s_w_k, s_s_b, s_s_d, s_s_k, s_n_b, s_n_d, s_n_k, s_o_b,
-                        K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_D: tl.constexpr):
+                        K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SLOTS: tl.constexpr):
+    """HAS_SLOTS: state rows are pool slots slot_ptr[b] and new_ptr is the pool (in place: column k is read
+    before column k-1 is overwritten, each by the thread that owns it)."""
     b = tl.program_id(0).to(tl.int64)
+    row = b
+    dst_ptr = new_ptr
+    if HAS_SLOTS:                      # one base pointer for the in-place read and write
+        row = tl.load(slot_ptr + b).to(tl.int64)
+        dst_ptr = state_ptr
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     md = offs_d < Dm
     xv = tl.load(x_ptr + b * s_x_b + offs_d, mask=md, other=0.0)
     acc = xv.to(tl.float32) * tl.load(w_ptr + offs_d * s_w_d + (K - 1) * s_w_k, mask=md, other=0.0).to(tl.float32)
     for k in tl.static_range(K - 1):
-        sv = tl.load(state_ptr + b * s_s_b + offs_d * s_s_d + k * s_s_k, mask=md, other=0.0).to(xv.dtype)
+        sv = tl.load(state_ptr + row * s_s_b + offs_d * s_s_d + k * s_s_k, mask=md, other=0.0).to(xv.dtype)
         acc += sv.to(tl.float32) * tl.load(w_ptr + offs_d * s_w_d + k * s_w_k, mask=md, other=0.0).to(tl.float32)
         if k > 0:
-            tl.store(new_ptr + b * s_n_b + offs_d * s_n_d + (k - 1) * s_n_k, sv.to(new_ptr.dtype.element_ty), mask=md)
-    tl.store(new_ptr + b * s_n_b + offs_d * s_n_d + (K - 2) * s_n_k, xv.to(new_ptr.dtype.element_ty), mask=md)
+            tl.store(dst_ptr + row * s_n_b + offs_d * s_n_d + (k - 1) * s_n_k, sv.to(dst_ptr.dtype.element_ty), mask=md)
+    tl.store(dst_ptr + row * s_n_b + offs_d * s_n_d + (K - 2) * s_n_k, xv.to(dst_ptr.dtype.element_ty), mask=md)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_d, mask=md, other=0.0).to(tl.float32)
     out = acc * tl.sigmoid(acc)
@@ -136,7 +143,34 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         return out, new
     bd = min(block_dim(Dm), 256)
     _conv_update_kernel[(Bq, triton.cdiv(Dm, bd))](
-        x, weight, bias if bias is not None else weight, state, out, new, Dm, x.stride(0),
+        x, weight, bias if bias is not None else weight, state, out, new, x, Dm, x.stride(0),
         weight.stride(0), weight.stride(1), *state.stride(), *new.stride(), out.stride(0),
-        K=K, HAS_BIAS=bias is not None, BLOCK_D=bd, num_warps=4)
+        K=K, HAS_BIAS=bias is not None, BLOCK_D=bd, HAS_SLOTS=False, num_warps=4)
     return out, new
+
+
+def causal_conv1d_update_slots(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                               conv_pool: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+    """Decode conv on the pool in place (Triton), see `conv1d.causal_conv1d_update_slots_ref`.
+    x [Bq, D] (unit stride in D), conv_pool [S, D, K-1], slot_ids [Bq] int64. Returns silu(conv) [Bq, D]."""
+    check_dim("x", x, 2)
+    Bq, Dm = x.shape
+    check_dim("weight", weight, 2)
+    K = weight.shape[1]
+    check_shape("weight", weight, (Dm, K))
+    if bias is not None:
+        check_shape("bias", bias, (Dm,))
+    check_dim("conv_pool", conv_pool, 3)
+    check_shape("conv_pool", conv_pool[:0], (0, Dm, K - 1))
+    check_shape("slot_ids", slot_ids, (Bq,))
+    check_inner_contiguous("x", x)
+    check_same_device(x=x, weight=weight, conv_pool=conv_pool, slot_ids=slot_ids)
+    out = torch.empty(Bq, Dm, dtype=x.dtype, device=x.device)
+    if Bq == 0:
+        return out
+    bd = min(block_dim(Dm), 256)
+    _conv_update_kernel[(Bq, triton.cdiv(Dm, bd))](
+        x, weight, bias if bias is not None else weight, conv_pool, out, conv_pool, slot_ids, Dm, x.stride(0),
+        weight.stride(0), weight.stride(1), *conv_pool.stride(), *conv_pool.stride(), out.stride(0),
+        K=K, HAS_BIAS=bias is not None, BLOCK_D=bd, HAS_SLOTS=True, num_warps=4)
+    return out

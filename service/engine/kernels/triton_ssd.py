@@ -241,10 +241,11 @@ def ssd_varlen_tiled(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torc
 
 
 @triton.jit
-def _ssu_kernel(state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, new_ptr,
+def _ssu_kernel(state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, new_ptr, slot_ptr,
                 H, P, N, heads_per_group, s_st_b, s_st_h, s_x_b, s_x_h, s_dt_b, s_dt_h,
                 s_b_b, s_b_g, s_c_b, s_c_g, s_y_b, s_y_h,
-                BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+                BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SLOTS: tl.constexpr):
+    """HAS_SLOTS: state rows are pool slots slot_ptr[b] and new_ptr is the pool itself (in place)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     g = h // heads_per_group
@@ -253,14 +254,19 @@ def _ssu_kernel(state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, new
     mp, mn = offs_p < P, offs_n < N
     m2 = mp[:, None] & mn[None, :]
     st_off = offs_p[:, None] * N + offs_n[None, :]
-    st = tl.load(state_ptr + b * s_st_b + h * s_st_h + st_off, mask=m2, other=0.0)
+    row = b
+    dst_ptr = new_ptr
+    if HAS_SLOTS:                      # one base pointer for the in-place read and write
+        row = tl.load(slot_ptr + b).to(tl.int64)
+        dst_ptr = state_ptr
+    st = tl.load(state_ptr + row * s_st_b + h * s_st_h + st_off, mask=m2, other=0.0)
     x = tl.load(x_ptr + b * s_x_b + h * s_x_h + offs_p, mask=mp, other=0.0).to(tl.float32)
     dt = tl.load(dt_ptr + b * s_dt_b + h * s_dt_h).to(tl.float32)
     a = tl.load(A_ptr + h).to(tl.float32)
     bv = tl.load(B_ptr + b * s_b_b + g * s_b_g + offs_n, mask=mn, other=0.0).to(tl.float32)
     cv = tl.load(C_ptr + b * s_c_b + g * s_c_g + offs_n, mask=mn, other=0.0).to(tl.float32)
     new = st * tl.exp(dt * a) + (dt * x)[:, None] * bv[None, :]
-    tl.store(new_ptr + b * s_st_b + h * s_st_h + st_off, new, mask=m2)
+    tl.store(dst_ptr + row * s_st_b + h * s_st_h + st_off, new, mask=m2)
     y = tl.sum(new * cv[None, :], axis=1) + tl.load(D_ptr + h).to(tl.float32) * x
     tl.store(y_ptr + b * s_y_b + h * s_y_h + offs_p, y, mask=mp)
 
@@ -291,7 +297,41 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
         return y, new
     bp = min(block_dim(P, 1), 16)
     _ssu_kernel[(Bq, H, triton.cdiv(P, bp))](
-        state, x, dt, A, B, C, D, y, new, H, P, N, H // G, state.stride(0), state.stride(1),
+        state, x, dt, A, B, C, D, y, new, x, H, P, N, H // G, state.stride(0), state.stride(1),
         x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
-        y.stride(0), y.stride(1), BLOCK_P=bp, BLOCK_N=block_dim(N, 1), num_warps=4)
+        y.stride(0), y.stride(1), BLOCK_P=bp, BLOCK_N=block_dim(N, 1), HAS_SLOTS=False, num_warps=4)
     return y, new
+
+
+def selective_state_update_slots(ssm_pool: torch.Tensor, slot_ids: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
+                                 A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
+    """One decode step on the pool in place (Triton), see `ssd.selective_state_update_slots_ref`.
+    ssm_pool [S, H, P, N] fp32 with unit-stride (P, N) rows, slot_ids [Bq] int64. Returns y [Bq, H, P] fp32."""
+    check_dim("x", x, 3)
+    Bq, H, P = x.shape
+    check_dim("B", B, 3)
+    G, N = B.shape[1], B.shape[2]
+    check_dim("ssm_pool", ssm_pool, 4)
+    check_shape("ssm_pool", ssm_pool[:0], (0, H, P, N))
+    check_dtype("ssm_pool", ssm_pool, (torch.float32,))
+    if ssm_pool.stride(3) != 1 or ssm_pool.stride(2) != N:
+        raise ValueError(f"ssm_pool must have contiguous [P, N] rows, got strides {ssm_pool.stride()}")
+    check_shape("slot_ids", slot_ids, (Bq,))
+    check_shape("dt", dt, (Bq, H))
+    check_shape("A", A, (H,))
+    check_shape("C", C, (Bq, G, N))
+    check_shape("D", D, (H,))
+    if H % G:
+        raise ValueError(f"heads {H} not divisible by groups {G}")
+    for name, t in (("x", x), ("B", B), ("C", C)):
+        check_inner_contiguous(name, t)
+    check_same_device(ssm_pool=ssm_pool, slot_ids=slot_ids, x=x, dt=dt, A=A, B=B, C=C, D=D)
+    y = torch.empty(Bq, H, P, dtype=torch.float32, device=x.device)
+    if Bq == 0:
+        return y
+    bp = min(block_dim(P, 1), 16)
+    _ssu_kernel[(Bq, H, triton.cdiv(P, bp))](
+        ssm_pool, x, dt, A, B, C, D, y, ssm_pool, slot_ids, H, P, N, H // G, ssm_pool.stride(0), ssm_pool.stride(1),
+        x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
+        y.stride(0), y.stride(1), BLOCK_P=bp, BLOCK_N=block_dim(N, 1), HAS_SLOTS=True, num_warps=4)
+    return y

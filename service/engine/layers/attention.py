@@ -26,6 +26,6 @@ class Attention(nn.Module):
         q = self.q_proj(h).view(T, self.hq, self.dh)
         k.write_kv(k_cache, v_cache, self.k_proj(h).view(T, self.hkv, self.dh),
                    self.v_proj(h).view(T, self.hkv, self.dh), meta.kv_slot_mapping)
-        o = k.paged_attention(q, k_cache, v_cache, meta.page_table, list(meta.query_start_loc),
-                              list(meta.prefix_lens), meta.page_size, self.scale)
+        o = k.paged_attention(q, k_cache, v_cache, meta.page_table, meta.query_start_loc, meta.prefix_lens,
+                              meta.max_query_len, meta.max_seq_len, meta.page_size, self.scale)
         return self.o_proj(o.reshape(T, self.hq * self.dh))

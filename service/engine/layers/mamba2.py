@@ -38,15 +38,14 @@ class Mamba2Mixer(nn.Module):
         A = -torch.exp(self.A_log.float())
         dt = dt_softplus_clamp(dt, self.dt_bias, self.cfg.dt_clamp)              # [T, H] fp32
         snaps = meta.snapshots
-        if meta.decode_only:
-            xbc, new_conv = k.conv_update(xbc, weight, self.conv1d.bias, conv_pool[meta.slot_ids])
+        if meta.decode_only:       # recurrence on the pools in place, by slot id (no gather / scatter)
+            xbc = k.conv_update_slots(xbc, weight, self.conv1d.bias, conv_pool, meta.slot_ids)
             x, B, C = self._split(xbc, T)
-            y, new_ssm = k.selective_state_update(ssm_pool[meta.slot_ids], x, dt, A, B, C, self.D)
-            conv_pool[meta.slot_ids] = new_conv
-            ssm_pool[meta.slot_ids] = new_ssm
+            y = k.selective_state_update_slots(ssm_pool, meta.slot_ids, x, dt, A, B, C, self.D)
             if not snaps.empty:
-                conv_pool[snaps.dest_slots] = new_conv[snaps.req_idx]
-                ssm_pool[snaps.dest_slots] = new_ssm[snaps.req_idx]
+                src = meta.slot_ids[snaps.req_idx]
+                conv_pool[snaps.dest_slots] = conv_pool[src]
+                ssm_pool[snaps.dest_slots] = ssm_pool[src]
         else:
             init_conv = conv_pool[meta.slot_ids]
             query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]

@@ -12,8 +12,10 @@ from service.engine.kernels.ssd import ChunkLayout
 class AttentionMeta:
     kv_slot_mapping: torch.Tensor   # [T] int64: flat KV slot (page_id * page_size + offset) of each new token
     page_table: torch.Tensor        # [B, max_pages] int64: page ids of each request (padded with 0)
-    query_start_loc: tuple[int, ...]  # B+1 host ints: flat offset of request i's first new token
-    prefix_lens: tuple[int, ...]    # B host ints: tokens already in the KV cache (p_i)
+    query_start_loc: torch.Tensor   # [B+1] int64 (device): flat offset of request i's first new token
+    prefix_lens: torch.Tensor       # [B] int64 (device): tokens already in the KV cache (p_i)
+    max_query_len: int              # host: max_i l_i (1 for a decode-only step); sizes the prefill grid
+    max_seq_len: int                # host: upper bound on p_i + l_i (the decode split-KV plan is sized from it)
     page_size: int                  # tokens per page
 
 

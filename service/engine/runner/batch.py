@@ -20,7 +20,8 @@ class ForwardBatch:
     sample_rows: tuple[int, ...]   # R batch indices (into scheduled) whose next token is sampled
 
 
-def _ids_of(sched: SchedulerOutput) -> np.ndarray:
+def scheduled_token_ids(sched: SchedulerOutput) -> np.ndarray:
+    """[T] int64 token ids of all scheduled tokens, request-major."""
     parts = []
     for s in sched.scheduled:
         toks = s.request.prompt_token_ids, s.request.output_token_ids
@@ -55,14 +56,16 @@ def build_forward_batch(sched: SchedulerOutput, page_size: int, chunk_size: int,
 
     def dev(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(device)
-    attn = AttentionMeta(dev(slot_mapping), dev(page_table), tuple(qsl.tolist()), tuple(plens.tolist()), page_size)
+    qsl_dev = dev(qsl)
+    attn = AttentionMeta(dev(slot_mapping), dev(page_table), qsl_dev, dev(plens), int(qlens.max()),
+                         int((plens + qlens).max()), page_size)
     decode_only = bool((qlens == 1).all())
     layout = None if decode_only else build_chunk_layout(qlens.tolist(), plens.tolist(), chunk_size, device)
     mamba = MambaMeta(
         slot_ids=dev(np.array([s.request.live_slot for s in reqs], dtype=np.int64)),
-        query_start_loc=dev(qsl), token_req=dev(token_req), decode_only=decode_only, layout=layout,
+        query_start_loc=qsl_dev, token_req=dev(token_req), decode_only=decode_only, layout=layout,
         snapshots=_snapshot_plan(sched, layout, device))
-    return ForwardBatch(dev(_ids_of(sched)), attn, mamba, dev(logits_idx), sample_rows)
+    return ForwardBatch(dev(scheduled_token_ids(sched)), attn, mamba, dev(logits_idx), sample_rows)
 
 
 def _snapshot_plan(sched: SchedulerOutput, layout, device: torch.device) -> SnapshotPlan:

@@ -12,6 +12,7 @@ from service.engine.kernels import get_kernels
 from service.engine.model.nemotron_h import NemotronHForCausalLM
 from service.engine.model.weights import load_weights
 from service.engine.runner.batch import build_forward_batch
+from service.engine.runner.cuda_graph import DecodeGraphs, is_graphable
 from service.engine.runner.sampler import Sampler, SamplerOutput
 from service.engine.scheduler.scheduler import SchedulerOutput
 
@@ -69,17 +70,37 @@ class ModelRunner:
             m.ssm_state_size, self.dtype, self.device)
         self.sampler = Sampler(self.device, cfg.seed)
         self.generators: dict[str, torch.Generator] = {}   # request_id -> seeded generator
+        self.graphs = self._capture_graphs(max_model_len)
+
+    def _capture_graphs(self, max_model_len: int) -> DecodeGraphs | None:
+        """Decode graphs only on CUDA with the triton kernels (the torch reference path reads the device)."""
+        cfg = self.cfg
+        if not (cfg.cuda_graphs and self.device.type == "cuda" and cfg.kernel_backend == "triton"):
+            log.info("cuda graphs: off (cuda_graphs=%s, device=%s, kernel_backend=%s)", cfg.cuda_graphs,
+                     self.device, cfg.kernel_backend)
+            return None
+        graphs = DecodeGraphs(self.model, self.pools, cfg.page_size, math.ceil(max_model_len / cfg.page_size) + 1,
+                              cfg.max_num_seqs, self.device)
+        graphs.capture()
+        log.info("cuda graphs: captured decode buckets %s", graphs.buckets)
+        return graphs
 
     def execute(self, sched: SchedulerOutput) -> SamplerOutput:
         """Slot copies, one forward over the packed batch, sampling of the rows that reached their end."""
         self.pools.copy_slots([s for s, _ in sched.slot_copies], [d for _, d in sched.slot_copies])
         self.pools.zero_slots(list(sched.slot_zeros))
-        batch = build_forward_batch(sched, self.cfg.page_size, self.model_cfg.chunk_size, self.device)
-        logits = self.model(batch.input_ids, batch.attn, batch.mamba, batch.logits_indices,
-                            self.pools.kv, self.pools.conv, self.pools.ssm)
-        if not batch.sample_rows:
+        g = self.graphs
+        if g is not None and is_graphable(sched, g.max_batch, g.max_pages):
+            logits = g.run(sched)
+            sample_rows: tuple[int, ...] = tuple(range(len(sched.scheduled)))
+        else:
+            batch = build_forward_batch(sched, self.cfg.page_size, self.model_cfg.chunk_size, self.device)
+            logits = self.model(batch.input_ids, batch.attn, batch.mamba, batch.logits_indices,
+                                self.pools.kv, self.pools.conv, self.pools.ssm)
+            sample_rows = batch.sample_rows
+        if not sample_rows:
             return SamplerOutput([], None, None)
-        reqs = [sched.scheduled[i].request for i in batch.sample_rows]
+        reqs = [sched.scheduled[i].request for i in sample_rows]
         gens = [self._generator(r.request_id, r.params.seed) for r in reqs]
         return self.sampler(logits, [r.params for r in reqs], gens)
 

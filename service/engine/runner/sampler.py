@@ -26,6 +26,8 @@ class Sampler:
                  generators: list[torch.Generator | None]) -> SamplerOutput:
         """logits [R, V] fp32; one SamplingParams and optional seeded generator per row."""
         R, V = logits.shape
+        if all(p.temperature == 0 and not (p.logprobs or p.top_logprobs) for p in params):
+            return SamplerOutput(torch.argmax(logits, dim=-1).tolist(), None, None)   # all greedy: one kernel
         logprobs_all = torch.log_softmax(logits, dim=-1)
         temps = torch.tensor([p.temperature for p in params], device=self.device, dtype=torch.float32)
         greedy = temps == 0

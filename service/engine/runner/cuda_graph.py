@@ -1,0 +1,122 @@
+"""CUDA-graph capture and replay of decode-only steps (DESIGN §4).
+
+At start, the model's forward for a decode-only batch is captured once per batch-size bucket (largest first, one
+shared memory pool). A step whose requests all decode one token, all sample and take no snapshot, and that fits a
+bucket, is replayed: its inputs are copied into the static buffers (two host-to-device copies), padding rows point
+at the scratch mamba slot 0 and the scratch KV page 0 (both reserved in cache/pools.py, never handed out), and the
+graph writes the bucket's logits buffer. Sampling stays outside the graph.
+
+The attention split plan of a captured step is sized from the page table's width (`max_seq_len` =
+max_pages * page_size), not from the step's lengths, so one graph serves every context length up to
+max_model_len.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from service.engine.cache.pools import StatePools
+from service.engine.layers.meta import AttentionMeta, MambaMeta, SnapshotPlan
+from service.engine.model.nemotron_h import NemotronHForCausalLM
+from service.engine.runner.batch import scheduled_token_ids
+from service.engine.scheduler.scheduler import SchedulerOutput
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_FIELDS = 4     # rows of the small static buffer: input ids, slot ids, kv slot mapping, prefix lens
+
+
+def graph_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """Buckets up to the first one that holds max_num_seqs (at most the largest bucket)."""
+    out = []
+    for b in BATCH_BUCKETS:
+        out.append(b)
+        if b >= max_num_seqs:
+            break
+    return tuple(out)
+
+
+def is_graphable(sched: SchedulerOutput, max_batch: int, max_pages: int) -> bool:
+    """Decode-only (one new token each), every row sampled, no snapshot this step, fits the largest bucket and
+    the static page table."""
+    reqs = sched.scheduled
+    return 0 < len(reqs) <= max_batch and all(
+        s.num_new_tokens == 1 and s.sample and not s.snapshots and len(s.request.page_ids) <= max_pages for s in reqs)
+
+
+class DecodeGraphs:
+    """Captured decode forwards per bucket; `run(sched)` -> logits [B, vocab] fp32 (a view valid until next run)."""
+
+    def __init__(self, model: NemotronHForCausalLM, pools: StatePools, page_size: int, max_pages: int,
+                 max_num_seqs: int, device: torch.device):
+        self.model, self.pools, self.page_size, self.max_pages = model, pools, page_size, max_pages
+        self.buckets = graph_buckets(max_num_seqs)
+        nb = self.buckets[-1]
+        self.device = device
+        # static device inputs: small [_FIELDS, nb] (ids, slots, kv slots, prefix lens) and the page table
+        self.small = torch.zeros(_FIELDS, nb, dtype=torch.int64, device=device)
+        self.page_table = torch.zeros(nb, max_pages, dtype=torch.int64, device=device)
+        self.arange = torch.arange(nb + 1, dtype=torch.int64, device=device)   # query_start_loc, logits rows
+        self.host_small = torch.zeros(_FIELDS, nb, dtype=torch.int64).pin_memory()
+        self.host_table = torch.zeros(nb * max_pages, dtype=torch.int64).pin_memory()   # [b, w] rows, packed
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        self.no_snapshots = SnapshotPlan(empty, empty, empty, empty)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}     # bucket -> captured graph
+        self.logits: dict[int, torch.Tensor] = {}             # bucket -> its static logits [bucket, vocab]
+        self.num_replays = 0                                  # decode steps served by a graph
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def _forward(self, b: int) -> torch.Tensor:
+        ids, slots, kv_slots, prefix = self.small[0, :b], self.small[1, :b], self.small[2, :b], self.small[3, :b]
+        qsl = self.arange[:b + 1]
+        attn = AttentionMeta(kv_slots, self.page_table[:b], qsl, prefix, 1, self.max_pages * self.page_size,
+                             self.page_size)
+        mamba = MambaMeta(slots, qsl, self.arange[:b], True, None, self.no_snapshots)
+        p = self.pools
+        return self.model(ids, attn, mamba, self.arange[:b], p.kv, p.conv, p.ssm)
+
+    def capture(self) -> None:
+        """Warm up (compiles the kernels) and capture every bucket, largest first, in one memory pool.
+        The static inputs are all zero: scratch slot 0 and page 0 only are touched."""
+        mem_pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device=self.device)
+        for b in reversed(self.buckets):
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._forward(b)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=mem_pool, stream=stream):
+                self.logits[b] = self._forward(b)
+            self.graphs[b] = graph
+        torch.cuda.synchronize(self.device)
+
+    def run(self, sched: SchedulerOutput) -> torch.Tensor:
+        """Replay the smallest bucket that holds the step (`is_graphable(sched)` must hold)."""
+        reqs = sched.scheduled
+        B = len(reqs)
+        b = next(x for x in self.buckets if x >= B)
+        ps = self.page_size
+        # only the first w page columns are written: attention never reads a page past a request's context,
+        # so stale columns are harmless; padding rows (context 1) read column 0 = scratch page 0
+        w = max(len(s.request.page_ids) for s in reqs)
+        small = self.host_small.numpy()
+        table = self.host_table[:b * w].view(b, w).numpy()
+        small[:, B:b] = 0
+        table[B:, :] = 0
+        prefix = np.fromiter((s.prefix_len for s in reqs), dtype=np.int64, count=B)
+        for i, s in enumerate(reqs):
+            pages = s.request.page_ids
+            table[i, :len(pages)] = pages
+            table[i, len(pages):] = 0
+        small[0, :B] = scheduled_token_ids(sched)
+        small[1, :B] = [s.request.live_slot for s in reqs]
+        small[2, :B] = table[np.arange(B), prefix // ps] * ps + prefix % ps
+        small[3, :B] = prefix
+        self.small[:, :b].copy_(self.host_small[:, :b], non_blocking=True)
+        self.page_table[:b, :w].copy_(self.host_table[:b * w].view(b, w), non_blocking=True)
+        self.graphs[b].replay()
+        self.num_replays += 1
+        return self.logits[b][:B]

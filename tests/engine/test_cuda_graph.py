@@ -1,0 +1,96 @@
+"""CUDA-graph decode: replayed steps give the same greedy tokens as eager steps (GPU), and the routing rules (CPU)."""
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from service.engine import Engine, EngineConfig, SamplingParams
+from service.engine.runner.cuda_graph import BATCH_BUCKETS, graph_buckets, is_graphable
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _sched(*rows):
+    """rows: (num_new_tokens, sample, snapshots, num_pages)."""
+    return SimpleNamespace(scheduled=[SimpleNamespace(num_new_tokens=n, sample=s, snapshots=snaps,
+                                                      request=SimpleNamespace(page_ids=[1] * pages))
+                                      for n, s, snaps, pages in rows])
+
+
+def test_buckets_cover_max_num_seqs():
+    assert graph_buckets(1) == (1,)
+    assert graph_buckets(5) == (1, 2, 4, 8)
+    assert graph_buckets(256) == BATCH_BUCKETS
+    assert graph_buckets(10_000) == BATCH_BUCKETS
+
+
+def test_only_plain_decode_steps_are_replayed():
+    decode = (1, True, (), 3)
+    assert is_graphable(_sched(decode, decode), max_batch=4, max_pages=8)
+    assert not is_graphable(_sched(decode, (5, True, (), 3)), 4, 8)          # a prefill row
+    assert not is_graphable(_sched(decode, (1, False, (), 3)), 4, 8)         # a row not sampled
+    assert not is_graphable(_sched(decode, (1, True, ("snap",), 3)), 4, 8)   # a snapshot this step
+    assert not is_graphable(_sched(*[decode] * 5), 4, 8)                     # larger than the largest bucket
+    assert not is_graphable(_sched(decode, (1, True, (), 9)), 4, 8)          # wider than the static page table
+    assert not is_graphable(_sched(), 4, 8)
+
+
+def test_cpu_ignores_the_flag(tiny_model_dir):
+    engine = Engine(EngineConfig(model_path=tiny_model_dir, device="cpu", cuda_graphs=True, max_num_seqs=4))
+    assert engine.runner.graphs is None
+
+
+def _generate(path: str, graphs: bool, prompt_lens, max_tokens: int, model=None, **cfg):
+    engine = Engine(EngineConfig(model_path=path, device="cuda", kernel_backend="triton", cuda_graphs=graphs, **cfg),
+                    model=model)
+    vocab = engine.model_config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in prompt_lens]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=True)
+    outs = engine.generate(prompts, params)
+    replays = engine.runner.graphs.num_replays if engine.runner.graphs is not None else 0
+    return outs, replays
+
+
+def _assert_same(eager, graphed, logprob_tol: float) -> None:
+    for e, g in zip(eager, graphed):
+        assert g.token_ids == e.token_ids
+        assert max(abs(a - b) for a, b in zip(g.logprobs, e.logprobs)) <= logprob_tol
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graph_decode_equals_eager_tiny(tiny_model_dir):
+    """5 requests of different lengths (bucket 8 with 3 padding rows, then smaller buckets as they finish)."""
+    lens, cfg = (35, 7, 16, 33, 64), dict(dtype="float32", page_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    eager, n0 = _generate(tiny_model_dir, False, lens, 20, **cfg)
+    graphed, n1 = _generate(tiny_model_dir, True, lens, 20, **cfg)
+    assert n0 == 0 and n1 >= 15, n1
+    _assert_same(eager, graphed, 1e-3)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graph_decode_equals_eager_nano_slice(tmp_path):
+    """A random Nano-30B-A3B-shaped slice (mamba, attention, MoE layers), fp32."""
+    from benchmarks.engine_bench import NANO_CONFIG, build_random_model
+    from service.engine.config import ModelConfig
+    with open(NANO_CONFIG, encoding="utf-8") as f:
+        config = json.load(f)
+    config.update(hybrid_override_pattern="M*E", num_hidden_layers=3)
+    with open(tmp_path / "config.json", "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    cfg = dict(dtype="float32", page_size=16, max_num_seqs=4, max_num_batched_tokens=512, max_model_len=512)
+    model_cfg = ModelConfig.from_model_path(str(tmp_path))
+    model = build_random_model(EngineConfig(model_path=str(tmp_path), device="cuda", kernel_backend="triton", **cfg),
+                               model_cfg, torch.float32, seed=0)
+    lens = (100, 37, 250)
+    eager, _ = _generate(str(tmp_path), False, lens, 12, model=model, **cfg)
+    graphed, n = _generate(str(tmp_path), True, lens, 12, model=model, **cfg)
+    assert n >= 10, n
+    _assert_same(eager, graphed, 1e-3)
