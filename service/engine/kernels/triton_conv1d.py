@@ -56,6 +56,18 @@ def _conv_varlen_kernel(x_ptr, w_ptr, bias_ptr, init_ptr, qsl_ptr, token_req_ptr
              mask=mt[:, None] & md[None, :])
 
 
+def _check_conv_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, int]:
+    """Shared checks of the conv launchers: x [rows, D], weight [D, K], bias [D] or None; returns (rows, D, K)."""
+    check_dim("x", x, 2)
+    rows, Dm = x.shape
+    check_dim("weight", weight, 2)
+    K = weight.shape[1]
+    check_shape("weight", weight, (Dm, K))
+    if bias is not None:
+        check_shape("bias", bias, (Dm,))
+    return rows, Dm, K
+
+
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          init_states: torch.Tensor, query_start_loc: torch.Tensor,
                          token_req: torch.Tensor) -> torch.Tensor:
@@ -69,13 +81,7 @@ def causal_conv1d_varlen_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torc
     """Varlen causal conv (Triton). x [T, D] (rows may be strided, unit stride in D), weight [D, K],
     bias [D] or None, init_states [Bq, D, K-1], query_start_loc [Bq+1], token_req [T].
     Returns silu(conv(x) + bias) [T, D] in x's dtype."""
-    check_dim("x", x, 2)
-    T, Dm = x.shape
-    check_dim("weight", weight, 2)
-    K = weight.shape[1]
-    check_shape("weight", weight, (Dm, K))
-    if bias is not None:
-        check_shape("bias", bias, (Dm,))
+    T, Dm, K = _check_conv_args(x, weight, bias)
     check_dim("init_states", init_states, 3)
     Bq = init_states.shape[0]
     check_shape("init_states", init_states, (Bq, Dm, K - 1))
@@ -127,13 +133,7 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                          state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode conv (Triton). x [Bq, D] (unit stride in D), weight [D, K], bias [D] or None,
     state [Bq, D, K-1]. Returns (silu(conv) [Bq, D] in x's dtype, new_state [Bq, D, K-1] in state's dtype)."""
-    check_dim("x", x, 2)
-    Bq, Dm = x.shape
-    check_dim("weight", weight, 2)
-    K = weight.shape[1]
-    check_shape("weight", weight, (Dm, K))
-    if bias is not None:
-        check_shape("bias", bias, (Dm,))
+    Bq, Dm, K = _check_conv_args(x, weight, bias)
     check_shape("state", state, (Bq, Dm, K - 1))
     check_inner_contiguous("x", x)
     check_same_device(x=x, weight=weight, state=state)
@@ -153,13 +153,7 @@ def causal_conv1d_update_slots(x: torch.Tensor, weight: torch.Tensor, bias: torc
                                conv_pool: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
     """Decode conv on the pool in place (Triton), see `conv1d.causal_conv1d_update_slots_ref`.
     x [Bq, D] (unit stride in D), conv_pool [S, D, K-1], slot_ids [Bq] int64. Returns silu(conv) [Bq, D]."""
-    check_dim("x", x, 2)
-    Bq, Dm = x.shape
-    check_dim("weight", weight, 2)
-    K = weight.shape[1]
-    check_shape("weight", weight, (Dm, K))
-    if bias is not None:
-        check_shape("bias", bias, (Dm,))
+    Bq, Dm, K = _check_conv_args(x, weight, bias)
     check_dim("conv_pool", conv_pool, 3)
     check_shape("conv_pool", conv_pool[:0], (0, Dm, K - 1))
     check_shape("slot_ids", slot_ids, (Bq,))

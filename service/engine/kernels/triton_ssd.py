@@ -271,16 +271,12 @@ def _ssu_kernel(state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, new
     tl.store(y_ptr + b * s_y_b + h * s_y_h + offs_p, y, mask=mp)
 
 
-def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
-                           B: torch.Tensor, C: torch.Tensor, D: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode step (Triton). state [Bq, H, P, N] fp32, x [Bq, H, P], dt [Bq, H] fp32, A [H],
-    B/C [Bq, G, N] (unit stride in N), D [H]. Returns (y [Bq, H, P] fp32, new_state [Bq, H, P, N] fp32)."""
+def _check_ssu_args(x, dt, A, B, C, D) -> tuple[int, int, int, int, int]:
+    """Shared checks of the decode launchers; returns (Bq, H, P, G, N)."""
     check_dim("x", x, 3)
     Bq, H, P = x.shape
     check_dim("B", B, 3)
     G, N = B.shape[1], B.shape[2]
-    check_shape("state", state, (Bq, H, P, N))
-    check_dtype("state", state, (torch.float32,))
     check_shape("dt", dt, (Bq, H))
     check_shape("A", A, (H,))
     check_shape("C", C, (Bq, G, N))
@@ -289,6 +285,16 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
         raise ValueError(f"heads {H} not divisible by groups {G}")
     for name, t in (("x", x), ("B", B), ("C", C)):
         check_inner_contiguous(name, t)
+    return Bq, H, P, G, N
+
+
+def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                           B: torch.Tensor, C: torch.Tensor, D: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step (Triton). state [Bq, H, P, N] fp32, x [Bq, H, P], dt [Bq, H] fp32, A [H],
+    B/C [Bq, G, N] (unit stride in N), D [H]. Returns (y [Bq, H, P] fp32, new_state [Bq, H, P, N] fp32)."""
+    Bq, H, P, G, N = _check_ssu_args(x, dt, A, B, C, D)
+    check_shape("state", state, (Bq, H, P, N))
+    check_dtype("state", state, (torch.float32,))
     check_same_device(state=state, x=x, dt=dt, A=A, B=B, C=C, D=D)
     state = state.contiguous()
     new = torch.empty_like(state)
@@ -307,24 +313,13 @@ def selective_state_update_slots(ssm_pool: torch.Tensor, slot_ids: torch.Tensor,
                                  A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
     """One decode step on the pool in place (Triton), see `ssd.selective_state_update_slots_ref`.
     ssm_pool [S, H, P, N] fp32 with unit-stride (P, N) rows, slot_ids [Bq] int64. Returns y [Bq, H, P] fp32."""
-    check_dim("x", x, 3)
-    Bq, H, P = x.shape
-    check_dim("B", B, 3)
-    G, N = B.shape[1], B.shape[2]
+    Bq, H, P, G, N = _check_ssu_args(x, dt, A, B, C, D)
     check_dim("ssm_pool", ssm_pool, 4)
     check_shape("ssm_pool", ssm_pool[:0], (0, H, P, N))
     check_dtype("ssm_pool", ssm_pool, (torch.float32,))
     if ssm_pool.stride(3) != 1 or ssm_pool.stride(2) != N:
         raise ValueError(f"ssm_pool must have contiguous [P, N] rows, got strides {ssm_pool.stride()}")
     check_shape("slot_ids", slot_ids, (Bq,))
-    check_shape("dt", dt, (Bq, H))
-    check_shape("A", A, (H,))
-    check_shape("C", C, (Bq, G, N))
-    check_shape("D", D, (H,))
-    if H % G:
-        raise ValueError(f"heads {H} not divisible by groups {G}")
-    for name, t in (("x", x), ("B", B), ("C", C)):
-        check_inner_contiguous(name, t)
     check_same_device(ssm_pool=ssm_pool, slot_ids=slot_ids, x=x, dt=dt, A=A, B=B, C=C, D=D)
     y = torch.empty(Bq, H, P, dtype=torch.float32, device=x.device)
     if Bq == 0:
