@@ -1,6 +1,7 @@
 """Engine benchmark: the Nano-30B-A3B config with random bf16 weights created on the GPU, per engine variant.
 
-Variants: `torch`, `triton` (eager steps) and `triton+graphs` (decode-only steps replayed from CUDA graphs).
+Variants: `torch`, `triton` (eager steps), `triton+graphs` (decode-only steps replayed from CUDA graphs; a mixed
+step replays its plain decode rows and runs the rest eagerly) and `triton+graphs+nosplit` (mixed steps all eager).
 Reports prefill tokens/s at ISL 1K and 8K (whole requests, max_tokens=1, token budget 8192 per step), decode
 tokens/s at concurrency 1, 64, 256 (prompts of --prompt-len tokens, timed over pure decode steps), a random-prompt
 throughput run (--tp-isl in / --tp-osl out, ignore_eos, at most --tp-concurrency requests in flight: a request is
@@ -145,6 +146,7 @@ def throughput_run(engine: Engine, num_prompts: int, isl: int, osl: int, concurr
     params = SamplingParams(max_tokens=osl, temperature=0.0, ignore_eos=True)
     pending = random_prompts(num_prompts, isl, vocab, seed)[::-1]
     sent, first, done = {}, {}, {}
+    split0 = engine.runner.num_split_steps
     sync(engine.config.device)
     t0 = time.perf_counter()
     while pending or len(done) < len(sent):
@@ -160,7 +162,8 @@ def throughput_run(engine: Engine, num_prompts: int, isl: int, osl: int, concurr
     ttft = sorted(first[r] - sent[r] for r in sent)
     tpot = sorted((done[r] - first[r]) / (osl - 1) for r in sent) if osl > 1 else [0.0]
     return {"tp output tok/s": num_prompts * osl / elapsed, "tp TTFT median ms": 1e3 * ttft[len(ttft) // 2],
-            "tp TPOT median ms": 1e3 * tpot[len(tpot) // 2], "tp seconds": elapsed}
+            "tp TPOT median ms": 1e3 * tpot[len(tpot) // 2], "tp seconds": elapsed,
+            "tp split steps": float(engine.runner.num_split_steps - split0)}
 
 
 def graph_replay_ms(engine: Engine, batches: list[int]) -> dict[str, float]:
@@ -209,7 +212,8 @@ def bench_variant(engine: Engine, args: argparse.Namespace, throughput: bool) ->
     for b in args.decode_batches:
         out[f"decode B={b}"] = decode_tps(engine, b, args.prompt_len, args.decode_steps, seed=1000 + b)
         print(f"  decode B={b}: {out[f'decode B={b}']:.1f} tok/s", flush=True)
-    if throughput:
+    if throughput:   # warm-up: compiles the kernels of mixed prefill+decode steps outside the timed run
+        throughput_run(engine, 8, args.tp_isl, 8, 4, seed=6)
         out.update(throughput_run(engine, args.tp_prompts, args.tp_isl, args.tp_osl, args.tp_concurrency, seed=7))
         print("  " + ", ".join(f"{k}: {v:.1f}" for k, v in out.items() if k.startswith("tp ")), flush=True)
     return out
@@ -221,7 +225,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--variants", default="triton,triton+graphs",
-                    help="comma list of torch | triton | triton+graphs (CUDA graphs for decode-only steps)")
+                    help="comma list of torch | triton | triton+graphs (CUDA graphs for decode-only steps, and for "
+                         "the plain decode rows of mixed steps) | triton+graphs+nosplit (mixed steps all eager)")
     ap.add_argument("--throughput-variants", default="triton+graphs", help="variants that run the throughput test")
     ap.add_argument("--isl", default="1024,8192")
     ap.add_argument("--decode-batches", default="1,64,256")
@@ -261,7 +266,9 @@ def main() -> None:
         backend, _, extra = variant.partition("+")
         model.kernels = get_kernels(backend)
         t0 = time.perf_counter()
-        engine = Engine(EngineConfig(**base, kernel_backend=backend, cuda_graphs=extra == "graphs"), model=model)
+        engine = Engine(EngineConfig(**base, kernel_backend=backend, cuda_graphs=extra.startswith("graphs")),
+                        model=model)
+        engine.runner.split_steps = engine.runner.graphs is not None and "nosplit" not in extra
         print(f"variant {variant}: engine ready in {time.perf_counter() - t0:.1f} s "
               f"(graphs: {engine.runner.graphs.buckets if engine.runner.graphs else None})", flush=True)
         results[variant] = bench_variant(engine, args, variant in tp_variants)

@@ -14,6 +14,7 @@ from service.engine.model.weights import load_weights
 from service.engine.runner.batch import build_forward_batch
 from service.engine.runner.cuda_graph import DecodeGraphs, is_graphable
 from service.engine.runner.sampler import Sampler, SamplerOutput
+from service.engine.runner.split import StepSplit, restore_batch_order, split_step, sub_schedule
 from service.engine.scheduler.scheduler import SchedulerOutput
 
 log = logging.getLogger("hybrid_serve.engine")
@@ -71,6 +72,9 @@ class ModelRunner:
         self.sampler = Sampler(self.device, cfg.seed)
         self.generators: dict[str, torch.Generator] = {}   # request_id -> seeded generator
         self.graphs = self._capture_graphs(max_model_len)
+        # split mixed steps: plain decode rows replayed from a graph, the rest eager (tests may set it on CPU)
+        self.split_steps = self.graphs is not None
+        self.num_split_steps = 0     # steps run as a graph part plus an eager part
 
     def _capture_graphs(self, max_model_len: int) -> DecodeGraphs | None:
         """Decode graphs only on CUDA with the triton kernels (the torch reference path reads the device)."""
@@ -86,23 +90,63 @@ class ModelRunner:
         return graphs
 
     def execute(self, sched: SchedulerOutput) -> SamplerOutput:
-        """Slot copies, one forward over the packed batch, sampling of the rows that reached their end."""
+        """Slot copies, the forward (plain decode rows replayed from a graph, the rest in one eager forward),
+        sampling of the rows that reached their end (one sampler call, results in batch order)."""
         self.pools.copy_slots([s for s, _ in sched.slot_copies], [d for _, d in sched.slot_copies])
         self.pools.zero_slots(list(sched.slot_zeros))
-        g = self.graphs
-        if g is not None and is_graphable(sched, g.max_batch, g.max_pages):
-            logits = g.run(sched)
-            sample_rows: tuple[int, ...] = tuple(range(len(sched.scheduled)))
-        else:
-            batch = build_forward_batch(sched, self.cfg.page_size, self.model_cfg.chunk_size, self.device)
-            logits = self.model(batch.input_ids, batch.attn, batch.mamba, batch.logits_indices,
-                                self.pools.kv, self.pools.conv, self.pools.ssm)
-            sample_rows = batch.sample_rows
-        if not sample_rows:
+        logits, rows = self.forward(sched, self._split(sched))
+        if not rows:
             return SamplerOutput([], None, None)
-        reqs = [sched.scheduled[i].request for i in sample_rows]
+        reqs = [sched.scheduled[i].request for i in rows]
         gens = [self._generator(r.request_id, r.params.seed) for r in reqs]
-        return self.sampler(logits, [r.params for r in reqs], gens)
+        out = self.sampler(logits, [r.params for r in reqs], gens)
+        return SamplerOutput(restore_batch_order(out.token_ids, rows),
+                             None if out.logprobs is None else restore_batch_order(out.logprobs, rows),
+                             None if out.top_logprobs is None else restore_batch_order(out.top_logprobs, rows))
+
+    def _split(self, sched: SchedulerOutput) -> StepSplit | None:
+        """How to run the step: None = one eager forward (no graphs, or no plain decode row)."""
+        if not self.split_steps:
+            return None
+        g = self.graphs
+        split = split_step(sched, g.max_batch if g else self.cfg.max_num_seqs, g.max_pages if g else 1 << 62)
+        if not split.graph_rows:
+            return None
+        self.num_split_steps += bool(split.eager_rows)
+        return split
+
+    def forward(self, sched: SchedulerOutput, split: StepSplit | None) -> tuple[torch.Tensor, list[int]]:
+        """Runs the step (slot copies already applied). Returns logits [R, vocab] fp32 and, for each of its R rows,
+        the index into sched.scheduled of the request it samples for. With a split, the graph rows run first
+        (replayed, or one eager forward of their own without graphs), then the eager rows; without one, one eager
+        forward of everything."""
+        parts: list[tuple[torch.Tensor, list[int]]] = []
+        if split is not None and split.graph_rows:
+            sub = sub_schedule(sched, split.graph_rows)
+            g = self.graphs
+            logits = g.run(sub) if g is not None else self._run_one(sub)[0]
+            parts.append((logits, list(split.graph_rows)))
+        eager_rows = split.eager_rows if split is not None else tuple(range(len(sched.scheduled)))
+        if eager_rows:
+            # a split's eager part never replays: it would overwrite the graph part's static logits
+            logits, sample_rows = self._run_one(sub_schedule(sched, eager_rows), may_replay=split is None)
+            parts.append((logits, [eager_rows[i] for i in sample_rows]))
+        parts = [p for p in parts if p[1]]
+        if not parts:
+            return torch.empty(0, device=self.device), []
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([p[0] for p in parts]), parts[0][1] + parts[1][1]
+
+    def _run_one(self, sched: SchedulerOutput, may_replay: bool = True) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """One forward (a graph replay if allowed and the whole step is a plain decode step, else eager):
+        logits [R, vocab] and the R sampled rows (indices into sched.scheduled)."""
+        if may_replay and self.graphs is not None and is_graphable(sched, self.graphs.max_batch, self.graphs.max_pages):
+            return self.graphs.run(sched), tuple(range(len(sched.scheduled)))
+        batch = build_forward_batch(sched, self.cfg.page_size, self.model_cfg.chunk_size, self.device)
+        logits = self.model(batch.input_ids, batch.attn, batch.mamba, batch.logits_indices,
+                            self.pools.kv, self.pools.conv, self.pools.ssm)
+        return logits, batch.sample_rows
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
