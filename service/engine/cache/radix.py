@@ -48,6 +48,8 @@ class RadixCache:
         self.root = Node(tokens=(), page_ids=[], parent=None, depth=0)
         self.root.lock_ref = 1                 # the root is never evicted
         self._clock = itertools.count(1)
+        # (last_access, id, node) of nodes that got a snapshot; stale entries are re-keyed or dropped lazily
+        self._snapshot_heap: list[tuple[int, int, Node]] = []
         self.num_evicted_pages = 0             # KV pages freed by eviction
         self.num_evicted_snapshots = 0         # snapshots dropped by eviction
 
@@ -107,6 +109,7 @@ class RadixCache:
         if snapshot_slot is None or node is self.root or node.snapshot_slot is not None:
             return False
         node.snapshot_slot = snapshot_slot
+        heapq.heappush(self._snapshot_heap, (node.last_access, id(node), node))
         return True
 
     def _split(self, node: Node, n: int) -> Node:
@@ -169,13 +172,28 @@ class RadixCache:
         return freed
 
     def evict_snapshot(self) -> bool:
-        """Drops the LRU unlocked snapshot (inner nodes become tombstones). False if none can go."""
-        cands = [n for n in self._nodes() if n.snapshot_slot is not None and n.lock_ref == 0]
-        if not cands:
+        """Drops the LRU unlocked snapshot (inner nodes become tombstones). False if none can go.
+        Amortised O(log n): heap entries whose node was touched since are re-keyed, freed ones dropped."""
+        locked: list[tuple[int, int, Node]] = []
+        victim = None
+        while self._snapshot_heap:
+            entry = heapq.heappop(self._snapshot_heap)
+            node = entry[2]
+            if node.snapshot_slot is None:
+                continue
+            if entry[0] != node.last_access:
+                heapq.heappush(self._snapshot_heap, (node.last_access, id(node), node))
+            elif node.lock_ref > 0:
+                locked.append(entry)
+            else:
+                victim = node
+                break
+        for entry in locked:
+            heapq.heappush(self._snapshot_heap, entry)
+        if victim is None:
             return False
-        node = min(cands, key=lambda n: n.last_access)
-        self.pools.snapshots.free(node.snapshot_slot)
-        node.snapshot_slot = None
+        self.pools.snapshots.free(victim.snapshot_slot)
+        victim.snapshot_slot = None
         self.num_evicted_snapshots += 1
         return True
 
