@@ -49,6 +49,8 @@ class AsyncEngine:
         params = sampling_params or SamplingParams()
         ids = self.engine._prompt_ids(prompt)        # validation only reads immutable state
         rid = request_id or uuid.uuid4().hex
+        if rid in self._streams:
+            raise ValueError(f"request_id {rid!r} is already in use")
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         added: Future = Future()
@@ -57,7 +59,11 @@ class AsyncEngine:
                      added)
         finished = False
         try:
-            await asyncio.wrap_future(added)
+            try:
+                await asyncio.wrap_future(added)
+            except BaseException:
+                finished = True       # never added (or refused): there is nothing to abort
+                raise
             while True:
                 item = await sink.get()
                 if isinstance(item, BaseException):

@@ -59,3 +59,14 @@ def test_bad_prompt_raises_before_streaming(async_engine):
             await _collect(async_engine, [], greedy(4))
         return await _collect(async_engine, random_ids(5, 3), greedy(3))
     assert asyncio.run(main())[-1].finish_reason == "length"
+
+
+def test_duplicate_request_id_is_refused_without_touching_the_first(async_engine):
+    async def main():
+        first = asyncio.create_task(_collect(async_engine, random_ids(10, 4), greedy(300), rid="dup"))
+        await asyncio.sleep(0.1)
+        with pytest.raises(ValueError, match="already in use"):
+            await _collect(async_engine, random_ids(10, 5), greedy(3), rid="dup")
+        return await first
+    outs = asyncio.run(main())
+    assert outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 300
