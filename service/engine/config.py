@@ -25,7 +25,7 @@ _LEGACY_ALIASES = {  # legacy key -> canonical key
 }
 
 
-def _parse_layer_types(cfg: dict[str, Any], list_key: str = "layers_block_type",
+def parse_layer_types(cfg: dict[str, Any], list_key: str = "layers_block_type",
                        pattern_key: str = "hybrid_override_pattern") -> tuple[str, ...] | None:
     """Layer letters from the list encoding (`list_key`) or the pattern string (`pattern_key`).
 
@@ -184,10 +184,10 @@ class ModelConfig:
         cfg = _resolve_legacy_aliases(raw)
         if cfg.get("hidden_size") is None:
             raise ValueError("config needs hidden_size")
-        layer_types = _parse_layer_types(cfg)
+        layer_types = parse_layer_types(cfg)
         if layer_types is None:
             raise ValueError("config needs hybrid_override_pattern or layers_block_type")
-        mtp_types = _parse_layer_types(cfg, "mtp_layers_block_type", "mtp_hybrid_override_pattern")
+        mtp_types = parse_layer_types(cfg, "mtp_layers_block_type", "mtp_hybrid_override_pattern")
         eos = cfg.get("eos_token_id", 2)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         n_heads = int(cfg.get("num_attention_heads", 32))

@@ -28,6 +28,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from service.engine.config import parse_layer_types
+
 # (content, special): special tokens are dropped by skip_special_tokens; the reasoning/tool markers
 # are added tokens that stay in decoded text, so reasoning and tool-call parsers can see them.
 SPECIAL_TOKENS: tuple[tuple[str, bool], ...] = (
@@ -38,8 +40,6 @@ SPECIAL_TOKENS: tuple[tuple[str, bool], ...] = (
 )
 TOKENIZER_VOCAB_SIZE = 1000       # target BPE vocab incl. special tokens and the 256-byte alphabet
 _CORPUS_SEED = 1234               # the tokenizer is the same for every weight seed
-_LAYER_LETTERS = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*",
-                  "moe": "E", "mlp": "-"}
 
 # ChatML in the Nemotron-3 style. Written with explicit string pieces so trim/lstrip_blocks never
 # change the output. Tool-call arguments must be JSON objects (dicts), not JSON strings.
@@ -244,16 +244,10 @@ def tiny_config(tokenizer: Tokenizer, **overrides: Any) -> dict[str, Any]:
 
 def layer_letters(config: dict[str, Any]) -> str:
     """Layer types as M/*/E/- letters, from `layers_block_type` or `hybrid_override_pattern`."""
-    blocks = config.get("layers_block_type")
-    if blocks is not None:
-        unknown = sorted({b for b in blocks if b not in _LAYER_LETTERS})
-        if unknown:
-            raise ValueError(f"layers_block_type: unknown layer types {unknown}")
-        return "".join(_LAYER_LETTERS[b] for b in blocks)
-    pattern = config.get("hybrid_override_pattern")
-    if not isinstance(pattern, str) or not pattern or set(pattern) - set("M*E-"):
-        raise ValueError(f"hybrid_override_pattern: must be a non-empty string of M, *, E, -; got {pattern!r}")
-    return pattern
+    letters = parse_layer_types(config)
+    if not letters:
+        raise ValueError("config needs a non-empty hybrid_override_pattern or layers_block_type")
+    return "".join(letters)
 
 
 def _normal(gen: torch.Generator, *shape: int, std: float) -> torch.Tensor:
