@@ -101,7 +101,8 @@ def router_runs(cluster: Cluster, tiny_model_path: str) -> dict[str, RouterRun]:
     runs = {}
     for kind in ("prefix_aware", "default"):
         app = deploy(cluster, f"router-{kind.replace('_', '-')}",
-                     {"model_path": tiny_model_path, **ROUTER_CACHE_ARGS, "router": {"kind": kind}})
+                     {"model_path": tiny_model_path, **ROUTER_CACHE_ARGS, "router": {"kind": kind},
+                      "canary": {"enabled": False}})   # the test counts every request a replica served
         with httpx.Client(base_url=app.base_url, timeout=REQUEST_TIMEOUT_S) as c:
             for req in workload:
                 resp = c.post("/completions", json={"model": "tiny", "prompt": req.prompt_token_ids, "max_tokens": 1,
