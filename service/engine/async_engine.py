@@ -47,7 +47,7 @@ class AsyncEngine:
         if self._stopping:
             raise EngineDeadError("engine is shutting down")
         params = sampling_params or SamplingParams()
-        ids = self.engine._prompt_ids(prompt)        # validation only reads immutable state
+        ids = self.engine.validate_prompt(prompt)
         rid = request_id or uuid.uuid4().hex
         if rid in self._streams:
             raise ValueError(f"request_id {rid!r} is already in use")

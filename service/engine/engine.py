@@ -46,7 +46,7 @@ class Engine:
         """bypass_cache: a cold run that neither reads nor writes the prefix cache. capture_states: keep
         copies of the hit snapshot and of the state after the prompt (see `pop_captured_states`)."""
         params = params or SamplingParams()
-        ids = self._prompt_ids(prompt)
+        ids = self.validate_prompt(prompt)
         rid = request_id or uuid.uuid4().hex
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
@@ -57,7 +57,8 @@ class Engine:
         self.num_prompt_tokens += len(ids)
         return rid
 
-    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+    def validate_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a prompt, or ValueError naming what to change. Reads only immutable state (thread-safe)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt is text but the model folder has no tokenizer.json; pass token ids")

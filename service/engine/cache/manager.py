@@ -60,19 +60,18 @@ class CacheManager:
                 if m.num_kv_matched_tokens > num_cached else 0
         n = min(req.num_tokens - num_cached, num_new_tokens_budget)
         need = self._pages_for(num_cached + n) - len(hit_pages)
-        if node is not None:
-            self.tree.lock(node)      # protects the hit's pages and snapshot while we may evict
+        hit_node = node if num_cached > 0 else None
+        if hit_node is not None:
+            self.tree.lock(hit_node)  # protects the hit's pages and snapshot while we may evict
         if not self._reserve_pages(need):
-            if node is not None:
-                self.tree.unlock(node)
+            if hit_node is not None:
+                self.tree.unlock(hit_node)
             return None
         self.pools.pages.incref(hit_pages)
         req.page_ids = hit_pages + self.pools.pages.alloc(need)
         req.live_slot = self.pools.live.alloc()
         req.num_computed_tokens = num_cached
-        req.cache_node = node if num_cached > 0 else None
-        if node is not None and num_cached == 0:
-            self.tree.unlock(node)
+        req.cache_node = hit_node
         self._count_lookup(req, num_cached)
         return n
 

@@ -161,16 +161,22 @@ def _chunk_scan_kernel(x_ptr, B_ptr, C_ptr, dt_ptr, cs_ptr, D_ptr, prev_ptr, chu
     tl.store(y_ptr + tok_m[:, None] * s_y_t + h * s_y_h + offs_p[None, :], acc, mask=mm[:, None] & mp[None, :])
 
 
-def _check_ssd_args(x, dt, A, B, C, D, initial_states, layout) -> None:
+def _check_scan_inputs(x, dt, A, B, C, D) -> tuple[int, int, int, int, int]:
+    """x [rows, H, P], dt [rows, H], A/D [H], B/C [rows, G, N]; returns (rows, H, P, G, N)."""
     check_dim("x", x, 3)
-    T, H, P = x.shape
+    rows, H, P = x.shape
     check_dim("B", B, 3)
     G, N = B.shape[1], B.shape[2]
-    check_shape("dt", dt, (T, H))
+    check_shape("dt", dt, (rows, H))
     check_shape("A", A, (H,))
-    check_shape("B", B, (T, G, N))
-    check_shape("C", C, (T, G, N))
+    check_shape("B", B, (rows, G, N))
+    check_shape("C", C, (rows, G, N))
     check_shape("D", D, (H,))
+    return rows, H, P, G, N
+
+
+def _check_ssd_args(x, dt, A, B, C, D, initial_states, layout) -> None:
+    T, H, P, G, N = _check_scan_inputs(x, dt, A, B, C, D)
     check_dim("initial_states", initial_states, 4)
     check_shape("initial_states", initial_states, (initial_states.shape[0], H, P, N))
     check_dtype("initial_states", initial_states, (torch.float32,))
@@ -273,14 +279,7 @@ def _ssu_kernel(state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, new
 
 def _check_ssu_args(x, dt, A, B, C, D) -> tuple[int, int, int, int, int]:
     """Shared checks of the decode launchers; returns (Bq, H, P, G, N)."""
-    check_dim("x", x, 3)
-    Bq, H, P = x.shape
-    check_dim("B", B, 3)
-    G, N = B.shape[1], B.shape[2]
-    check_shape("dt", dt, (Bq, H))
-    check_shape("A", A, (H,))
-    check_shape("C", C, (Bq, G, N))
-    check_shape("D", D, (H,))
+    Bq, H, P, G, N = _check_scan_inputs(x, dt, A, B, C, D)
     if H % G:
         raise ValueError(f"heads {H} not divisible by groups {G}")
     for name, t in (("x", x), ("B", B), ("C", C)):

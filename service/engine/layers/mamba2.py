@@ -8,6 +8,7 @@ from service.engine.config import ModelConfig
 from service.engine.kernels import Kernels
 from service.engine.kernels.ssd import dt_softplus_clamp, final_chunk_indices
 from service.engine.layers.meta import MambaMeta
+from service.engine.layers.norm import rms_norm_module
 
 
 class Mamba2Mixer(nn.Module):
@@ -25,8 +26,7 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.zeros(self.num_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_heads))
         self.D = nn.Parameter(torch.ones(self.num_heads))
-        self.norm = nn.Module()
-        self.norm.weight = nn.Parameter(torch.ones(self.di))
+        self.norm = rms_norm_module(self.di)          # gated group RMSNorm weight
         self.out_proj = nn.Linear(self.di, cfg.hidden_size, bias=cfg.use_bias)
 
     def forward(self, h: torch.Tensor, meta: MambaMeta, conv_pool: torch.Tensor, ssm_pool: torch.Tensor,

@@ -58,10 +58,3 @@ class MoE(nn.Module):
         if c.moe_latent_size:
             routed = self.fc2_latent_proj(routed)
         return routed + self.shared_experts(h)
-
-
-def rms_norm_module(hidden: int) -> nn.Module:
-    m = nn.Module()
-    m.weight = nn.Parameter(torch.ones(hidden))
-    return m
-

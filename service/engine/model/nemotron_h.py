@@ -12,7 +12,8 @@ from service.engine.kernels import Kernels
 from service.engine.layers.attention import Attention
 from service.engine.layers.mamba2 import Mamba2Mixer
 from service.engine.layers.meta import AttentionMeta, MambaMeta
-from service.engine.layers.moe import MLP, MoE, rms_norm_module
+from service.engine.layers.moe import MLP, MoE
+from service.engine.layers.norm import rms_norm_module
 
 
 class Block(nn.Module):

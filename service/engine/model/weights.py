@@ -39,11 +39,7 @@ def load_weights(model: nn.Module, model_path: str, tie_word_embeddings: bool = 
     params = dict(model.named_parameters())
     expected: set[str] = set()
     for name, p in params.items():
-        if name.endswith("experts.up_proj") or name.endswith("experts.down_proj"):
-            expected.update(f"{name[:-len('.up_proj')] if name.endswith('up_proj') else name[:-len('.down_proj')]}"
-                            f".{j}.{name.rsplit('.', 1)[1]}.weight" for j in range(p.shape[0]))
-        else:
-            expected.add(name)
+        expected.update(_per_expert_names(name, p.shape[0]) if _is_stacked_experts(name) else [name])
     if tie_word_embeddings:
         expected.discard("lm_head.weight")
     loaded: set[str] = set()
@@ -78,12 +74,19 @@ def _resolve(name: str, params: dict[str, nn.Parameter]) -> tuple[nn.Parameter |
     return None, None
 
 
+def _is_stacked_experts(name: str) -> bool:
+    return name.endswith("experts.up_proj") or name.endswith("experts.down_proj")
+
+
+def _per_expert_names(stacked_name: str, num_experts: int) -> list[str]:
+    """`...experts.up_proj` -> the checkpoint's `...experts.{j}.up_proj.weight` names."""
+    base, proj = stacked_name.rsplit(".", 1)
+    return [f"{base}.{j}.{proj}.weight" for j in range(num_experts)]
+
+
 def _loaded_names(name: str, index: int | None, target: nn.Parameter) -> list[str]:
-    if index is not None:
-        return [name]
-    if name.endswith("experts.up_proj") or name.endswith("experts.down_proj"):  # stacked form
-        base, proj = name.rsplit(".", 1)
-        return [f"{base}.{j}.{proj}.weight" for j in range(target.shape[0])]
+    if index is None and _is_stacked_experts(name):   # stacked form in the checkpoint
+        return _per_expert_names(name, target.shape[0])
     return [name]
 
 
