@@ -66,12 +66,13 @@ def engine_config_from_args(args: AppArgs) -> EngineConfig:
 def _delta_chunk(out: Any, sent_tokens: int, sent_text: str, num_prompt_tokens: int) -> GenerateChunk:
     """The part of a cumulative RequestOutput beyond what was already sent."""
     new_text = out.text[len(sent_text):] if out.text.startswith(sent_text) else ""
+    token_ids, logprobs, top_logprobs = out.tokens_since(sent_tokens)
     return GenerateChunk(
         request_id=out.request_id,
-        token_ids=tuple(out.token_ids[sent_tokens:]),
+        token_ids=token_ids,
         text=new_text,
-        logprobs=tuple(out.logprobs[sent_tokens:]) if out.logprobs is not None else None,
-        top_logprobs=tuple(out.top_logprobs[sent_tokens:]) if out.top_logprobs is not None else None,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
         finish_reason=out.finish_reason,
         num_prompt_tokens=num_prompt_tokens,
         num_cached_tokens=out.num_cached_tokens)
@@ -117,7 +118,7 @@ class EngineDeployment:
                     else:
                         gaps.extend([(now - last) / len(chunk.token_ids)] * len(chunk.token_ids))
                     last = now
-                sent_tokens, sent_text = len(out.token_ids), sent_text + chunk.text
+                sent_tokens, sent_text = out.num_output_tokens, sent_text + chunk.text
                 finished = out.finish_reason is not None
                 yield chunk
         except ValueError as exc:   # refused before any output: empty or too-long prompt, bad ids

@@ -61,12 +61,11 @@ class OutputProcessor:
         text = req.text
         if req.finish_reason is None and req.params.stop:
             text = text[:len(text) - _partial_stop_len(text, req.params.stop)]
+        p = req.params
         return RequestOutput(
-            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, token_ids=list(req.output_token_ids),
-            text=text, finish_reason=req.finish_reason.value if req.finish_reason else None,
-            logprobs=list(req.output_logprobs) if req.params.logprobs else None,
-            num_cached_tokens=req.num_cached_tokens,
-            top_logprobs=list(req.output_top_logprobs) if req.params.top_logprobs else None)
+            req.request_id, req.prompt_token_ids, text, req.finish_reason.value if req.finish_reason else None,
+            req.num_cached_tokens, len(req.output_token_ids), req.output_token_ids,
+            req.output_logprobs if p.logprobs else None, req.output_top_logprobs if p.top_logprobs else None)
 
     def release(self, request_id: str) -> None:
         self.text.pop(request_id, None)

@@ -107,16 +107,45 @@ class CapturedState:
     ssm: Any       # torch.Tensor [L_mamba, H, P, N] fp32
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RequestOutput:
+    """One request's progress after a step. The token and logprob lists are read from the request's
+    append-only lists when accessed (making an output costs O(1), not O(tokens so far) per step): each
+    property returns a new list of the first `num_output_tokens` entries."""
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]                       # generated so far (cumulative)
     text: str                                  # detokenised generated text so far
     finish_reason: str | None                  # None while running; "stop" | "length" | "abort"
-    logprobs: list[float] | None               # chosen token's logprob per generated token, if asked
     num_cached_tokens: int                     # prompt tokens served from the prefix cache
-    top_logprobs: list[dict[int, float]] | None = None  # per generated token: token id -> logprob
+    num_output_tokens: int                     # tokens generated when this output was made
+    output_token_ids: list[int] = field(repr=False)                 # the request's list (append-only)
+    output_logprobs: list[float] | None = field(repr=False)         # the request's list, None if not asked
+    output_top_logprobs: list[dict[int, float]] | None = field(repr=False)  # likewise
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Generated token ids so far (cumulative)."""
+        return self.output_token_ids[:self.num_output_tokens]
+
+    @property
+    def logprobs(self) -> list[float] | None:
+        """Chosen token's logprob per generated token, if asked."""
+        src = self.output_logprobs
+        return None if src is None else src[:self.num_output_tokens]
+
+    @property
+    def top_logprobs(self) -> list[dict[int, float]] | None:
+        """Per generated token: token id -> logprob, if asked."""
+        src = self.output_top_logprobs
+        return None if src is None else src[:self.num_output_tokens]
+
+    def tokens_since(self, start: int) -> tuple[tuple[int, ...], tuple[float, ...] | None,
+                                                 tuple[dict[int, float], ...] | None]:
+        """(token ids, logprobs, top logprobs) generated after the first `start` tokens, up to this output."""
+        n = self.num_output_tokens
+        lp, top = self.output_logprobs, self.output_top_logprobs
+        return (tuple(self.output_token_ids[start:n]), None if lp is None else tuple(lp[start:n]),
+                None if top is None else tuple(top[start:n]))
 
     @property
     def finished(self) -> bool:

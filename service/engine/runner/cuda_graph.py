@@ -12,13 +12,14 @@ max_model_len.
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
 from service.engine.cache.pools import StatePools
 from service.engine.layers.meta import AttentionMeta, MambaMeta, SnapshotPlan
 from service.engine.model.nemotron_h import NemotronHForCausalLM
-from service.engine.runner.batch import scheduled_token_ids
 from service.engine.scheduler.scheduler import SchedulerOutput
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -94,29 +95,46 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
 
     def run(self, sched: SchedulerOutput) -> torch.Tensor:
-        """Replay the smallest bucket that holds the step (`is_graphable(sched)` must hold)."""
+        """Replay the smallest bucket that holds the step (`is_graphable(sched)` must hold). Only the first w
+        page columns are written: attention never reads a page past a request's context, so stale columns are
+        harmless; padding rows (context 1) read column 0 = scratch page 0."""
         reqs = sched.scheduled
         B = len(reqs)
         b = next(x for x in self.buckets if x >= B)
-        ps = self.page_size
-        # only the first w page columns are written: attention never reads a page past a request's context,
-        # so stale columns are harmless; padding rows (context 1) read column 0 = scratch page 0
         w = max(len(s.request.page_ids) for s in reqs)
         small = self.host_small.numpy()
         table = self.host_table[:b * w].view(b, w).numpy()
-        small[:, B:b] = 0
-        table[B:, :] = 0
-        prefix = np.fromiter((s.prefix_len for s in reqs), dtype=np.int64, count=B)
-        for i, s in enumerate(reqs):
-            pages = s.request.page_ids
-            table[i, :len(pages)] = pages
-            table[i, len(pages):] = 0
-        small[0, :B] = scheduled_token_ids(sched)
-        small[1, :B] = [s.request.live_slot for s in reqs]
-        small[2, :B] = table[np.arange(B), prefix // ps] * ps + prefix % ps
-        small[3, :B] = prefix
+        pack_decode_inputs(sched, self.page_size, small[:, :b], table)
         self.small[:, :b].copy_(self.host_small[:, :b], non_blocking=True)
         self.page_table[:b, :w].copy_(self.host_table[:b * w].view(b, w), non_blocking=True)
         self.graphs[b].replay()
         self.num_replays += 1
         return self.logits[b][:B]
+
+
+def decode_token_ids(sched: SchedulerOutput) -> np.ndarray:
+    """[B] int64: the one token each request of a decode-only step feeds (the token at its prefix length)."""
+    def token(s) -> int:
+        req, p = s.request, s.prefix_len
+        lp = len(req.prompt_token_ids)
+        return req.prompt_token_ids[p] if p < lp else req.output_token_ids[p - lp]
+    return np.fromiter(map(token, sched.scheduled), dtype=np.int64, count=len(sched.scheduled))
+
+
+def pack_decode_inputs(sched: SchedulerOutput, page_size: int, small: np.ndarray, table: np.ndarray) -> None:
+    """Fills the host buffers of a decode-only step of B requests for a bucket of b >= B rows:
+    small [_FIELDS, b] (token ids, live slots, KV slot of the new token, prefix lengths), table [b, w] page ids
+    (w >= every request's page count). Rows past B (padding) are all zero: scratch slot 0, scratch page 0."""
+    reqs = sched.scheduled
+    B = len(reqs)
+    pages = [s.request.page_ids for s in reqs]
+    lens = np.fromiter(map(len, pages), dtype=np.int64, count=B)
+    table[:] = 0
+    table[:B][np.arange(table.shape[1]) < lens[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(pages), dtype=np.int64, count=int(lens.sum()))
+    prefix = np.fromiter((s.prefix_len for s in reqs), dtype=np.int64, count=B)
+    small[:, B:] = 0
+    small[0, :B] = decode_token_ids(sched)
+    small[1, :B] = np.fromiter((s.request.live_slot for s in reqs), dtype=np.int64, count=B)
+    small[2, :B] = table[np.arange(B), prefix // page_size] * page_size + prefix % page_size
+    small[3, :B] = prefix
