@@ -119,7 +119,18 @@ def prefill_tps(engine: Engine, isl: int, num_reqs: int, seed: int) -> float:
     return isl * num_reqs / (time.perf_counter() - t0)
 
 
-def decode_tps(engine: Engine, batch: int, prompt_len: int, steps: int, seed: int) -> float:
+def step_phases(engine: Engine) -> tuple[int, dict[str, float]]:
+    return engine.num_steps, dict(engine.step_seconds)
+
+
+def phase_ms(engine: Engine, before: tuple[int, dict[str, float]], prefix: str) -> dict[str, float]:
+    """Mean host milliseconds per step in each engine phase since `before` ("execute" includes device waits)."""
+    n = max(engine.num_steps - before[0], 1)
+    return {f"{prefix} {k} ms/step": 1e3 * (v - before[1][k]) / n for k, v in engine.step_seconds.items()}
+
+
+def decode_tps(engine: Engine, batch: int, prompt_len: int, steps: int, seed: int) -> tuple[float, dict[str, float]]:
+    """(decode tok/s over `steps` pure decode steps at `batch`, host ms per step by engine phase)."""
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in random_prompts(batch, prompt_len, vocab, seed)]
@@ -128,14 +139,16 @@ def decode_tps(engine: Engine, batch: int, prompt_len: int, steps: int, seed: in
     for _ in range(3):                                                                 # warm-up decode steps
         engine.step()
     sync(engine.config.device)
+    phases0 = step_phases(engine)
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
     sync(engine.config.device)
     elapsed = time.perf_counter() - t0
+    phases = phase_ms(engine, phases0, f"decode B={batch}")
     for i in ids:
         engine.abort(i)
-    return batch * steps / elapsed
+    return batch * steps / elapsed, phases
 
 
 def throughput_run(engine: Engine, num_prompts: int, isl: int, osl: int, concurrency: int,
@@ -147,6 +160,7 @@ def throughput_run(engine: Engine, num_prompts: int, isl: int, osl: int, concurr
     pending = random_prompts(num_prompts, isl, vocab, seed)[::-1]
     sent, first, done = {}, {}, {}
     split0 = engine.runner.num_split_steps
+    phases0 = step_phases(engine)
     sync(engine.config.device)
     t0 = time.perf_counter()
     while pending or len(done) < len(sent):
@@ -163,7 +177,8 @@ def throughput_run(engine: Engine, num_prompts: int, isl: int, osl: int, concurr
     tpot = sorted((done[r] - first[r]) / (osl - 1) for r in sent) if osl > 1 else [0.0]
     return {"tp output tok/s": num_prompts * osl / elapsed, "tp TTFT median ms": 1e3 * ttft[len(ttft) // 2],
             "tp TPOT median ms": 1e3 * tpot[len(tpot) // 2], "tp seconds": elapsed,
-            "tp split steps": float(engine.runner.num_split_steps - split0)}
+            "tp split steps": float(engine.runner.num_split_steps - split0), "tp steps": float(engine.num_steps - phases0[0]),
+            **phase_ms(engine, phases0, "tp")}
 
 
 def graph_replay_ms(engine: Engine, batches: list[int]) -> dict[str, float]:
@@ -210,7 +225,8 @@ def bench_variant(engine: Engine, args: argparse.Namespace, throughput: bool) ->
         out[f"prefill ISL {isl}"] = prefill_tps(engine, isl, max(2, args.max_batched_tokens // isl * 2), seed=isl)
         print(f"  prefill ISL {isl}: {out[f'prefill ISL {isl}']:.0f} tok/s", flush=True)
     for b in args.decode_batches:
-        out[f"decode B={b}"] = decode_tps(engine, b, args.prompt_len, args.decode_steps, seed=1000 + b)
+        out[f"decode B={b}"], phases = decode_tps(engine, b, args.prompt_len, args.decode_steps, seed=1000 + b)
+        out.update(phases)
         print(f"  decode B={b}: {out[f'decode B={b}']:.1f} tok/s", flush=True)
     if throughput:   # warm-up: compiles the kernels of mixed prefill+decode steps outside the timed run
         throughput_run(engine, 8, args.tp_isl, 8, 4, seed=6)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 import uuid
 from typing import Sequence
 
@@ -39,6 +40,9 @@ class Engine:
         self._order = itertools.count()
         self.num_prompt_tokens = 0               # prompt tokens of admitted requests
         self.num_generation_tokens = 0           # tokens sampled
+        self.num_steps = 0                       # steps that ran a forward
+        # phase -> host seconds spent in it over all steps ("execute" includes waiting for the device)
+        self.step_seconds = {"schedule": 0.0, "execute": 0.0, "update": 0.0}
 
     # ---------- requests ----------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -93,15 +97,26 @@ class Engine:
 
     # ---------- the step ----------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return [self._retire(r) for r in sched.finished]
         self._capture_hits(sched)
+        t1 = time.perf_counter()
         sampled = self.runner.execute(sched)
+        t2 = time.perf_counter()
         outputs = self._update(sched, sampled)
         if self.config.debug_integrity:
             self.check_integrity()
+        self._time_step(t0, t1, t2, time.perf_counter())
         return outputs
+
+    def _time_step(self, t0: float, t1: float, t2: float, t3: float) -> None:
+        s = self.step_seconds
+        s["schedule"] += t1 - t0
+        s["execute"] += t2 - t1
+        s["update"] += t3 - t2
+        self.num_steps += 1
 
     def _update(self, sched: SchedulerOutput, sampled: SamplerOutput) -> list[RequestOutput]:
         outputs, row = [self._retire(r) for r in sched.finished], 0
