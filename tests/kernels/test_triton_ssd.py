@@ -6,7 +6,8 @@ import torch
 
 from triton_test_util import DEVICE, assert_close, gpu, needs_cuda
 from service.engine.kernels import ssd
-from service.engine.kernels.triton_ssd import selective_state_update, selective_state_update_slots, ssd_varlen
+from service.engine.kernels.triton_ssd import (selective_state_update, selective_state_update_slots,
+                                               selective_state_update_slots_raw_dt, ssd_varlen)
 
 
 def _inputs(qlens, plens, H, P, G, N, chunk, dtype, seed):
@@ -169,3 +170,85 @@ def test_selective_state_update_slots_matches_ref(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_selective_state_update_slots_gpu(dtype):
     _check_ssu_slots(Bq=64, H=64, P=64, G=8, N=128, S=80, dtype=dtype, seed=6)
+
+
+# ---------------- decode step from the raw dt / A_log (softplus, clamp, -exp inside the kernel) ----------------
+CLAMPS = [(0.0, float("inf")), (1e-3, float("inf")), (1e-2, 0.1), (1e-3, 1e9)]   # off, Nano's, both sides, tiny's
+
+
+def _raw_dt_inputs(Bq, H, P, G, N, S, dtype, seed):
+    """x/B/C/dt as strided splits of one in_proj-like row [x | B | C | dt | pad] in the model dtype."""
+    g = torch.Generator().manual_seed(seed)
+    di, gn = H * P, G * N
+    packed = torch.randn(Bq, di + 2 * gn + H + 5, generator=g)
+    packed[:, di + 2 * gn:di + 2 * gn + H] *= 12.0                   # raw dt + bias spans softplus' regimes
+    packed = packed.to(DEVICE, dtype)
+    x = packed[:, :di].reshape(Bq, H, P)
+    Bm = packed[:, di:di + gn].reshape(Bq, G, N)
+    Cm = packed[:, di + gn:di + 2 * gn].reshape(Bq, G, N)
+    dt = packed[:, di + 2 * gn:di + 2 * gn + H]
+    dt_bias = (torch.randn(H, generator=g) * 2.0).to(DEVICE, dtype)
+    A_log = (torch.rand(H, generator=g) * 2.5).to(DEVICE)
+    D = torch.randn(H, generator=g).to(DEVICE, dtype)
+    pool = torch.randn(S, H, P, N, generator=g).to(DEVICE)
+    slots = (torch.randperm(S - 1, generator=g)[:Bq] + 1).to(DEVICE)
+    return pool, slots, x, dt, A_log, Bm, Cm, D, dt_bias
+
+
+def _check_ssu_raw_dt(Bq, H, P, G, N, S, dtype, clamp, seed):
+    pool, slots, x, dt, A_log, Bm, Cm, D, dt_bias = _raw_dt_inputs(Bq, H, P, G, N, S, dtype, seed)
+    assert dt.stride(-1) == 1 and dt.stride(0) > H                  # a strided split, not a copy
+    pool_ref, pool_old = pool.clone(), pool.clone()
+    y = selective_state_update_slots_raw_dt(pool, slots, x, dt, A_log, Bm, Cm, D, dt_bias, clamp)
+    y_ref = ssd.selective_state_update_slots_raw_dt_ref(pool_ref, slots, x, dt, A_log, Bm, Cm, D, dt_bias, clamp)
+    # the ref is the mixer's former decode path: torch dt/A preprocessing, then the slot step
+    dt_f = ssd.dt_softplus_clamp(dt, dt_bias, clamp)
+    y_old = ssd.selective_state_update_slots_ref(pool_old, slots, x, dt_f, -torch.exp(A_log.float()), Bm, Cm, D)
+    assert torch.equal(y_ref, y_old) and torch.equal(pool_ref, pool_old)
+    assert_close(y, y_ref, dtype, "y")
+    assert_close(pool[slots], pool_ref[slots], dtype, "pool[slots]")
+    untouched = torch.ones(S, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert torch.equal(pool[untouched], pool_ref[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("clamp", CLAMPS)
+def test_ssu_slots_raw_dt_matches_ref(clamp, dtype):
+    _check_ssu_raw_dt(Bq=5, H=4, P=8, G=2, N=16, S=9, dtype=dtype, clamp=clamp, seed=8)
+
+
+@pytest.mark.parametrize("clamp", CLAMPS)
+def test_ssu_slots_raw_dt_softplus_per_element(clamp):
+    """Zero state, x = B = 1: every new state element is the kernel's dt, compared one by one (fp32) with
+    `dt_softplus_clamp` over raw values from -40 to 40 (log1p regime, exp regime, the threshold-20 branch)."""
+    Bq, H, P, G, N = 6, 16, 4, 1, 16
+    raw = torch.linspace(-40.0, 40.0, Bq * H).reshape(Bq, H).to(DEVICE)
+    dt_bias = torch.zeros(H, device=DEVICE)
+    pool = torch.zeros(Bq + 1, H, P, N, device=DEVICE)
+    slots = torch.arange(1, Bq + 1, device=DEVICE)
+    ones = torch.ones(Bq, G, N, device=DEVICE)
+    selective_state_update_slots_raw_dt(pool, slots, torch.ones(Bq, H, P, device=DEVICE), raw,
+                                        torch.zeros(H, device=DEVICE), ones, ones, torch.zeros(H, device=DEVICE),
+                                        dt_bias, clamp)
+    got, want = pool[1:], ssd.dt_softplus_clamp(raw, dt_bias, clamp)[:, :, None, None].expand(Bq, H, P, N)
+    rel = ((got - want).abs() / want.abs().clamp_min(1e-30)).max().item()
+    assert rel <= 1e-5, rel              # GPU exp/log are approximate (ex2/lg2.approx); a naive log(1 + exp(v)) fails
+
+
+def test_ssu_slots_raw_dt_rejects_bad_shapes():
+    pool, slots, x, dt, A_log, Bm, Cm, D, dt_bias = _raw_dt_inputs(3, 4, 8, 2, 16, 6, torch.float32, seed=2)
+    with pytest.raises(ValueError, match="dt_bias"):
+        selective_state_update_slots_raw_dt(pool, slots, x, dt, A_log, Bm, Cm, D, dt_bias[:3], (0.0, 1.0))
+    with pytest.raises(ValueError, match="dt"):
+        selective_state_update_slots_raw_dt(pool, slots, x, dt[:, :3], A_log, Bm, Cm, D, dt_bias, (0.0, 1.0))
+    with pytest.raises(ValueError, match="A"):
+        selective_state_update_slots_raw_dt(pool, slots, x, dt, A_log[:2], Bm, Cm, D, dt_bias, (0.0, 1.0))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("clamp", CLAMPS)
+def test_ssu_slots_raw_dt_gpu_nano_shapes(clamp, dtype):
+    _check_ssu_raw_dt(Bq=64, H=64, P=64, G=8, N=128, S=80, dtype=dtype, clamp=clamp, seed=9)

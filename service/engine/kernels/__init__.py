@@ -15,7 +15,7 @@ class Kernels:
     name: str
     ssd_varlen: Callable               # ssd.ssd_varlen_ref signature
     selective_state_update: Callable   # ssd.selective_state_update_ref signature
-    selective_state_update_slots: Callable  # ssd.selective_state_update_slots_ref signature (pool in place)
+    selective_state_update_slots_raw_dt: Callable  # ssd.selective_state_update_slots_raw_dt_ref (pool in place)
     conv_varlen: Callable              # conv1d.causal_conv1d_varlen_ref signature
     conv_update: Callable              # conv1d.causal_conv1d_update_ref signature
     conv_update_slots: Callable        # conv1d.causal_conv1d_update_slots_ref signature (pool in place)
@@ -25,18 +25,21 @@ class Kernels:
     moe_route: Callable                # moe.moe_route_ref signature
     moe_experts: Callable              # moe.moe_experts_ref signature
     rms_norm: Callable                 # norm.rms_norm_ref signature
+    add_rms_norm: Callable             # norm.add_rms_norm_ref signature (residual add + the next RMSNorm)
     gated_rms_norm: Callable           # norm.gated_group_rms_norm_ref signature
+    relu2: Callable                    # moe.relu2 signature (dense MLP / shared expert activation)
 
 
 def torch_kernels() -> Kernels:
     return Kernels(
         name="torch", ssd_varlen=ssd.ssd_varlen_ref, selective_state_update=ssd.selective_state_update_ref,
-        selective_state_update_slots=ssd.selective_state_update_slots_ref,
+        selective_state_update_slots_raw_dt=ssd.selective_state_update_slots_raw_dt_ref,
         conv_varlen=conv1d.causal_conv1d_varlen_ref, conv_update=conv1d.causal_conv1d_update_ref,
         conv_update_slots=conv1d.causal_conv1d_update_slots_ref,
         conv_windows=conv1d.conv_state_windows_ref, write_kv=attention.write_kv_ref,
         paged_attention=attention.paged_attention_ref, moe_route=moe.moe_route_ref,
-        moe_experts=moe.moe_experts_ref, rms_norm=norm.rms_norm_ref, gated_rms_norm=norm.gated_group_rms_norm_ref,
+        moe_experts=moe.moe_experts_ref, rms_norm=norm.rms_norm_ref, add_rms_norm=norm.add_rms_norm_ref,
+        gated_rms_norm=norm.gated_group_rms_norm_ref, relu2=moe.relu2,
     )
 
 

@@ -1,4 +1,4 @@
-"""RMSNorm and gated group RMSNorm (mamba output norm). Pure torch reference, fp32 math."""
+"""RMSNorm, residual add + RMSNorm, and gated group RMSNorm (mamba output norm). Pure torch reference, fp32 math."""
 from __future__ import annotations
 
 import torch
@@ -10,6 +10,15 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (weight.float() * xf).to(x.dtype)
+
+
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add fused with the next RMSNorm. x, residual [..., d] -> (normed, new_residual), both in residual's
+    dtype: new_residual = residual + x added in fp32 and rounded once (bit-equal to torch's `residual + x` when the
+    dtypes agree), normed = rms_norm_ref(new_residual). Out of place: neither input is written."""
+    new_residual = (residual.float() + x.float()).to(residual.dtype)
+    return rms_norm_ref(new_residual, weight, eps), new_residual
 
 
 def gated_group_rms_norm_ref(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,

@@ -173,3 +173,14 @@ def selective_state_update_slots_ref(ssm_pool: torch.Tensor, slot_ids: torch.Ten
     y, new = selective_state_update_ref(ssm_pool[slot_ids], x, dt, A, B, C, D)
     ssm_pool[slot_ids] = new
     return y
+
+
+def selective_state_update_slots_raw_dt_ref(ssm_pool: torch.Tensor, slot_ids: torch.Tensor, x: torch.Tensor,
+                                            dt: torch.Tensor, A_log: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                                            D: torch.Tensor, dt_bias: torch.Tensor, dt_clamp: tuple[float, float]
+                                            ) -> torch.Tensor:
+    """`selective_state_update_slots_ref` from the raw parameters, as the mamba decode step holds them: dt [B, H] is
+    in_proj's raw dt (any float dtype, rows may be strided), A_log [H], dt_bias [H]. The step uses
+    `dt_softplus_clamp(dt, dt_bias, dt_clamp)` and A = -exp(A_log) in fp32. Returns y [B, H, P] fp32."""
+    return selective_state_update_slots_ref(ssm_pool, slot_ids, x, dt_softplus_clamp(dt, dt_bias, dt_clamp),
+                                            -torch.exp(A_log.float()), B, C, D)

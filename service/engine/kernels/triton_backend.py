@@ -1,9 +1,11 @@
 """The "triton" kernel bundle: Triton ops where written, the torch reference, by name, where not.
 
-Triton ops:  ssd_varlen, selective_state_update(_slots) (triton_ssd); conv_varlen, conv_update(_slots)
+Triton ops:  ssd_varlen, selective_state_update, selective_state_update_slots_raw_dt (triton_ssd: the decode
+             step with dt softplus/clamp and A = -exp(A_log) inside); conv_varlen, conv_update(_slots)
              (triton_conv1d);
              paged_attention (triton_attention: decode with split-KV, prefill with cached prefix);
-             moe_experts (triton_moe: sorted-token grouped GEMMs); rms_norm, gated_rms_norm (triton_norm).
+             moe_experts (triton_moe: sorted-token grouped GEMMs); rms_norm, add_rms_norm (residual add
+             + RMSNorm), gated_rms_norm (triton_norm); relu2 (triton_activation).
 Torch references used on purpose (each a single gather/scatter or a small GEMM + top-k, no Python loop):
              conv_windows = conv1d.conv_state_windows_ref, write_kv = attention.write_kv_ref,
              moe_route = moe.moe_route_ref.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 from service.engine.kernels import Kernels, attention, conv1d, moe
 from service.engine.kernels import triton_attention, triton_conv1d, triton_moe, triton_norm, triton_ssd
+from service.engine.kernels import triton_activation
 
 TORCH_REFERENCE_OPS = ("conv_windows", "write_kv", "moe_route")   # fields that hold the torch reference
 
@@ -24,7 +27,7 @@ def triton_kernels() -> Kernels:
         name="triton",
         ssd_varlen=triton_ssd.ssd_varlen,
         selective_state_update=triton_ssd.selective_state_update,
-        selective_state_update_slots=triton_ssd.selective_state_update_slots,
+        selective_state_update_slots_raw_dt=triton_ssd.selective_state_update_slots_raw_dt,
         conv_varlen=triton_conv1d.causal_conv1d_varlen,
         conv_update=triton_conv1d.causal_conv1d_update,
         conv_update_slots=triton_conv1d.causal_conv1d_update_slots,
@@ -34,5 +37,7 @@ def triton_kernels() -> Kernels:
         moe_route=moe.moe_route_ref,
         moe_experts=triton_moe.moe_experts,
         rms_norm=triton_norm.rms_norm,
+        add_rms_norm=triton_norm.add_rms_norm,
         gated_rms_norm=triton_norm.gated_group_rms_norm,
+        relu2=triton_activation.relu2,
     )

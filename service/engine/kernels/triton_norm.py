@@ -1,6 +1,6 @@
-"""Triton RMSNorm and gated group RMSNorm (the Mamba-2 output norm), fp32 math.
+"""Triton RMSNorm, residual add + RMSNorm, and gated group RMSNorm (the Mamba-2 output norm), fp32 math.
 
-Same signatures and semantics as `norm.rms_norm_ref` / `norm.gated_group_rms_norm_ref`.
+Same signatures and semantics as `norm.rms_norm_ref` / `norm.add_rms_norm_ref` / `norm.gated_group_rms_norm_ref`.
 """
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from service.engine.kernels.triton_common import block_dim, check_dim, check_inner_contiguous, check_shape
+from service.engine.kernels.triton_common import (block_dim, check_dim, check_inner_contiguous, check_same_device,
+                                                  check_shape)
 
 
 @triton.jit
@@ -37,6 +38,48 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, d, x2.stride(0), out.stride(0), eps, BLOCK_D=bd,
                                      num_warps=min(max(bd // 512, 1), 8))
     return out.view(x.shape)
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, d, s_x, s_r, s_o, s_n, eps,
+                         BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    m = offs < d
+    x = tl.load(x_ptr + row * s_x + offs, mask=m, other=0.0).to(tl.float32)
+    res = tl.load(res_ptr + row * s_r + offs, mask=m, other=0.0).to(tl.float32)
+    h = (res + x).to(new_res_ptr.dtype.element_ty)          # rounded once, like torch's `residual + x`
+    tl.store(new_res_ptr + row * s_n + offs, h, mask=m)
+    hf = h.to(tl.float32)
+    r = tl.rsqrt(tl.sum(hf * hf, axis=0) / d + eps)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * s_o + offs, (w * (hf * r)).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add + RMSNorm in one launch (Triton), see `norm.add_rms_norm_ref`. x, residual [..., d] (same shape
+    and dtype, unit stride in d), weight [d] -> (normed, new_residual), two new tensors in residual's dtype
+    (out of place: inputs are not written, so a captured CUDA graph's buffers keep their meaning)."""
+    if residual.dim() < 1:
+        raise ValueError(f"residual must have at least 1 dim, got shape {tuple(residual.shape)}")
+    d = residual.shape[-1]
+    check_shape("x", x, tuple(residual.shape))
+    check_shape("weight", weight, (d,))
+    if x.dtype != residual.dtype:
+        raise ValueError(f"x must have residual's dtype {residual.dtype}, got {x.dtype}")
+    check_inner_contiguous("x", x)
+    check_inner_contiguous("residual", residual)
+    check_same_device(x=x, residual=residual, weight=weight)
+    x2, r2 = x.reshape(-1, d), residual.reshape(-1, d)
+    out = torch.empty(r2.shape, dtype=residual.dtype, device=residual.device)
+    new_res = torch.empty_like(out)
+    if r2.shape[0] > 0:
+        bd = block_dim(d, 1)
+        _add_rms_norm_kernel[(r2.shape[0],)](x2, r2, weight, out, new_res, d, x2.stride(0), r2.stride(0),
+                                             out.stride(0), new_res.stride(0), eps, BLOCK_D=bd,
+                                             num_warps=min(max(bd // 512, 1), 8))
+    return out.view(residual.shape), new_res.view(residual.shape)
 
 
 @triton.jit

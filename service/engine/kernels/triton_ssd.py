@@ -13,6 +13,9 @@ fall on absolute multiples of C, so `chunk_states[k]` is exactly the state a sna
   4. `_chunk_scan_kernel`    y[l] = sum_{s<=l} (C_l.B_s) exp(cs_l - cs_s) dt_s x_s
                                     + exp(cs_l) C_l . S_{c-1} + D x_l                            [T, H, P] fp32
 States stay fp32 in memory; matrix products take the operands' dtype (bf16/fp16) or exact fp32.
+
+The decode step `_ssu_kernel` is one launch; `selective_state_update_slots_raw_dt` also folds the mamba layer's
+dt preprocessing (softplus(dt + dt_bias), clamp) and A = -exp(A_log) into it.
 """
 from __future__ import annotations
 
@@ -247,11 +250,25 @@ def ssd_varlen_tiled(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torc
 
 
 @triton.jit
-def _ssu_kernel(state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, new_ptr, slot_ptr,
-                H, P, N, heads_per_group, s_st_b, s_st_h, s_x_b, s_x_h, s_dt_b, s_dt_h,
+def _softplus(v):
+    """torch's F.softplus (threshold 20) in fp32: max(v, 0) + log1p(exp(-|v|)). log1p(u), u in (0, 1], is a series
+    below 1/16 (truncation < 3e-11 relative): on the GPU tl.log is lg2.approx, whose absolute error would swamp
+    log(1 + u) for small u; above it log(1 + u) >= 0.06 and the approximation is good to ~2e-6 relative."""
+    u = tl.exp(-tl.abs(v))
+    series = u * (1.0 - u * (0.5 - u * (1.0 / 3 - u * (0.25 - u * (0.2 - u * (1.0 / 6 - u * (1.0 / 7 - u * 0.125)))))))
+    lp = tl.where(u < 0.0625, series, tl.log(1.0 + u))
+    return tl.where(v > 20.0, v, tl.maximum(v, 0.0) + lp)
+
+
+@triton.jit
+def _ssu_kernel(state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, new_ptr, slot_ptr, dt_bias_ptr,
+                dt_lo, dt_hi, H, P, N, heads_per_group, s_st_b, s_st_h, s_x_b, s_x_h, s_dt_b, s_dt_h,
                 s_b_b, s_b_g, s_c_b, s_c_g, s_y_b, s_y_h,
-                BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SLOTS: tl.constexpr):
-    """HAS_SLOTS: state rows are pool slots slot_ptr[b] and new_ptr is the pool itself (in place)."""
+                BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SLOTS: tl.constexpr, RAW_DT: tl.constexpr,
+                DT_CLAMP: tl.constexpr):
+    """HAS_SLOTS: state rows are pool slots slot_ptr[b] and new_ptr is the pool itself (in place).
+    RAW_DT: dt is in_proj's raw dt and A_ptr holds A_log: dt <- softplus(dt + dt_bias) (clamped to [dt_lo, dt_hi]
+    if DT_CLAMP), A = -exp(A_log), all fp32."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     g = h // heads_per_group
@@ -269,6 +286,11 @@ def _ssu_kernel(state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, new
     x = tl.load(x_ptr + b * s_x_b + h * s_x_h + offs_p, mask=mp, other=0.0).to(tl.float32)
     dt = tl.load(dt_ptr + b * s_dt_b + h * s_dt_h).to(tl.float32)
     a = tl.load(A_ptr + h).to(tl.float32)
+    if RAW_DT:
+        dt = _softplus(dt + tl.load(dt_bias_ptr + h).to(tl.float32))
+        if DT_CLAMP:
+            dt = tl.minimum(tl.maximum(dt, dt_lo), dt_hi)
+        a = -tl.exp(a)
     bv = tl.load(B_ptr + b * s_b_b + g * s_b_g + offs_n, mask=mn, other=0.0).to(tl.float32)
     cv = tl.load(C_ptr + b * s_c_b + g * s_c_g + offs_n, mask=mn, other=0.0).to(tl.float32)
     new = st * tl.exp(dt * a) + (dt * x)[:, None] * bv[None, :]
@@ -302,9 +324,10 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
         return y, new
     bp = min(block_dim(P, 1), 16)
     _ssu_kernel[(Bq, H, triton.cdiv(P, bp))](
-        state, x, dt, A, B, C, D, y, new, x, H, P, N, H // G, state.stride(0), state.stride(1),
+        state, x, dt, A, B, C, D, y, new, x, dt, 0.0, 0.0, H, P, N, H // G, state.stride(0), state.stride(1),
         x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
-        y.stride(0), y.stride(1), BLOCK_P=bp, BLOCK_N=block_dim(N, 1), HAS_SLOTS=False, num_warps=4)
+        y.stride(0), y.stride(1), BLOCK_P=bp, BLOCK_N=block_dim(N, 1), HAS_SLOTS=False, RAW_DT=False,
+        DT_CLAMP=False, num_warps=4)
     return y, new
 
 
@@ -312,6 +335,26 @@ def selective_state_update_slots(ssm_pool: torch.Tensor, slot_ids: torch.Tensor,
                                  A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
     """One decode step on the pool in place (Triton), see `ssd.selective_state_update_slots_ref`.
     ssm_pool [S, H, P, N] fp32 with unit-stride (P, N) rows, slot_ids [Bq] int64. Returns y [Bq, H, P] fp32."""
+    _check_ssu_slots_args(ssm_pool, slot_ids, x, dt, A, B, C, D)
+    return _launch_ssu_slots(ssm_pool, slot_ids, x, dt, A, B, C, D, None, None)
+
+
+def selective_state_update_slots_raw_dt(ssm_pool: torch.Tensor, slot_ids: torch.Tensor, x: torch.Tensor,
+                                        dt: torch.Tensor, A_log: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                                        D: torch.Tensor, dt_bias: torch.Tensor, dt_clamp: tuple[float, float]
+                                        ) -> torch.Tensor:
+    """One decode step on the pool in place from the raw parameters, in one launch (Triton), see
+    `ssd.selective_state_update_slots_raw_dt_ref`: dt [Bq, H] raw (any float dtype, rows may be strided, e.g. a split
+    of in_proj's output), A_log [H], dt_bias [H]; softplus(dt + dt_bias), the clamp and A = -exp(A_log) are computed
+    in fp32 inside the kernel. Other arguments as `selective_state_update_slots`. Returns y [Bq, H, P] fp32."""
+    _check_ssu_slots_args(ssm_pool, slot_ids, x, dt, A_log, B, C, D)
+    check_shape("dt_bias", dt_bias, (x.shape[1],))
+    check_dtype("dt", dt, _FLOATS)
+    check_same_device(x=x, dt_bias=dt_bias)
+    return _launch_ssu_slots(ssm_pool, slot_ids, x, dt, A_log, B, C, D, dt_bias, dt_clamp)
+
+
+def _check_ssu_slots_args(ssm_pool, slot_ids, x, dt, A, B, C, D) -> None:
     Bq, H, P, G, N = _check_ssu_args(x, dt, A, B, C, D)
     check_dim("ssm_pool", ssm_pool, 4)
     check_shape("ssm_pool", ssm_pool[:0], (0, H, P, N))
@@ -320,12 +363,23 @@ def selective_state_update_slots(ssm_pool: torch.Tensor, slot_ids: torch.Tensor,
         raise ValueError(f"ssm_pool must have contiguous [P, N] rows, got strides {ssm_pool.stride()}")
     check_shape("slot_ids", slot_ids, (Bq,))
     check_same_device(ssm_pool=ssm_pool, slot_ids=slot_ids, x=x, dt=dt, A=A, B=B, C=C, D=D)
+
+
+def _launch_ssu_slots(ssm_pool, slot_ids, x, dt, A, B, C, D, dt_bias, dt_clamp) -> torch.Tensor:
+    """dt_bias None: dt and A are final (fp32 dt, A); else dt is raw, A is A_log and dt_clamp = (lo, hi)."""
+    Bq, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
     y = torch.empty(Bq, H, P, dtype=torch.float32, device=x.device)
     if Bq == 0:
         return y
+    raw = dt_bias is not None
+    lo, hi = dt_clamp if raw else (0.0, float("inf"))
+    clamp = raw and (lo > 0.0 or hi != float("inf"))          # exactly when `ssd.dt_softplus_clamp` clamps
+    hi = min(float(hi), torch.finfo(torch.float32).max)       # a finite scalar argument; same clamp on finite dt
     bp = min(block_dim(P, 1), 16)
     _ssu_kernel[(Bq, H, triton.cdiv(P, bp))](
-        ssm_pool, x, dt, A, B, C, D, y, ssm_pool, slot_ids, H, P, N, H // G, ssm_pool.stride(0), ssm_pool.stride(1),
-        x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
-        y.stride(0), y.stride(1), BLOCK_P=bp, BLOCK_N=block_dim(N, 1), HAS_SLOTS=True, num_warps=4)
+        ssm_pool, x, dt, A, B, C, D, y, ssm_pool, slot_ids, dt_bias if raw else dt, float(lo), hi, H, P, N, H // G,
+        ssm_pool.stride(0), ssm_pool.stride(1), x.stride(0), x.stride(1), dt.stride(0), dt.stride(1),
+        B.stride(0), B.stride(1), C.stride(0), C.stride(1), y.stride(0), y.stride(1),
+        BLOCK_P=bp, BLOCK_N=block_dim(N, 1), HAS_SLOTS=True, RAW_DT=raw, DT_CLAMP=clamp, num_warps=4)
     return y

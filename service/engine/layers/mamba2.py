@@ -35,18 +35,20 @@ class Mamba2Mixer(nn.Module):
         T = h.shape[0]
         z, xbc, dt = self.in_proj(h).split([self.di, self.conv_dim, self.num_heads], dim=-1)
         weight = self.conv1d.weight[:, 0, :]                                     # [D, K]
-        A = -torch.exp(self.A_log.float())
-        dt = dt_softplus_clamp(dt, self.dt_bias, self.cfg.dt_clamp)              # [T, H] fp32
         snaps = meta.snapshots
         if meta.decode_only:       # recurrence on the pools in place, by slot id (no gather / scatter)
             xbc = k.conv_update_slots(xbc, weight, self.conv1d.bias, conv_pool, meta.slot_ids)
             x, B, C = self._split(xbc, T)
-            y = k.selective_state_update_slots(ssm_pool, meta.slot_ids, x, dt, A, B, C, self.D)
+            # raw dt [T, H] (a strided split): softplus(dt + dt_bias), the clamp and -exp(A_log) happen in the step
+            y = k.selective_state_update_slots_raw_dt(ssm_pool, meta.slot_ids, x, dt, self.A_log, B, C, self.D,
+                                                      self.dt_bias, self.cfg.dt_clamp)
             if not snaps.empty:
                 src = meta.slot_ids[snaps.req_idx]
                 conv_pool[snaps.dest_slots] = conv_pool[src]
                 ssm_pool[snaps.dest_slots] = ssm_pool[src]
         else:
+            A = -torch.exp(self.A_log.float())
+            dt = dt_softplus_clamp(dt, self.dt_bias, self.cfg.dt_clamp)          # [T, H] fp32
             init_conv = conv_pool[meta.slot_ids]
             query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
             all_reqs = torch.arange(init_conv.shape[0], device=h.device)

@@ -6,7 +6,6 @@ from torch import nn
 
 from service.engine.config import ModelConfig
 from service.engine.kernels import Kernels
-from service.engine.kernels.moe import relu2
 
 
 class MLP(nn.Module):
@@ -15,8 +14,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
-    def forward(self, h: torch.Tensor, k: Kernels | None = None) -> torch.Tensor:
-        return self.down_proj(relu2(self.up_proj(h)))
+    def forward(self, h: torch.Tensor, k: Kernels) -> torch.Tensor:
+        return self.down_proj(k.relu2(self.up_proj(h)))
 
 
 class Router(nn.Module):
@@ -57,4 +56,4 @@ class MoE(nn.Module):
         routed = k.moe_experts(x, self.experts.up_proj, self.experts.down_proj, weights, ids)
         if c.moe_latent_size:
             routed = self.fc2_latent_proj(routed)
-        return routed + self.shared_experts(h)
+        return routed + self.shared_experts(h, k)

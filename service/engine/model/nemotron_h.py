@@ -1,6 +1,7 @@
 """NemotronH forward over one flat packed batch (prefill chunks and decode tokens mixed).
 
-Every layer is `h = h + mixer(RMSNorm(h))`; logits = `lm_head(RMSNorm_f(h))` at the requested rows.
+Every layer is `h = h + mixer(RMSNorm(h))`; logits = `lm_head(RMSNorm_f(h))` at the requested rows. Each residual
+add runs fused with the norm that follows it (`Kernels.add_rms_norm`).
 Module names equal the HF checkpoint names under `backbone.` so weights load by name."""
 from __future__ import annotations
 
@@ -57,10 +58,10 @@ class NemotronHForCausalLM(nn.Module):
                 kv_cache: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> torch.Tensor:
         """input_ids [T]; kv_cache [L_attn, 2, num_slots, Hkv, Dh]; conv_pool [L_mamba, S, conv_dim, K-1];
         ssm_pool [L_mamba, S, H, P, N] fp32. Returns logits [len(logits_indices), vocab] fp32."""
-        k, eps = self.kernels, self.cfg.layer_norm_epsilon
+        k, eps, layers = self.kernels, self.cfg.layer_norm_epsilon, self.backbone.layers
         h = self.backbone.embeddings(input_ids)
-        for lid, block in enumerate(self.backbone.layers):
-            x = k.rms_norm(h, block.norm.weight, eps)
+        x = k.rms_norm(h, layers[0].norm.weight, eps)
+        for lid, block in enumerate(layers):
             if block.layer_type == MAMBA:
                 j = self.mamba_pool_index[lid]
                 out = block.mixer(x, mamba, conv_pool[j], ssm_pool[j], k)
@@ -69,6 +70,8 @@ class NemotronHForCausalLM(nn.Module):
                 out = block.mixer(x, attn, kv_cache[j, 0], kv_cache[j, 1], k)
             else:
                 out = block.mixer(x, k)
-            h = h + out
-        h = h[logits_indices]
-        return self.lm_head(k.rms_norm(h, self.backbone.norm_f.weight, eps)).float()
+            # h = h + out, fused with the next norm (the next layer's, or norm_f after the last layer)
+            next_norm = layers[lid + 1].norm if lid + 1 < len(layers) else self.backbone.norm_f
+            x, h = k.add_rms_norm(out, h, next_norm.weight, eps)
+        # norm_f ran on every row (row-wise, so equal to norming the picked rows only)
+        return self.lm_head(x[logits_indices]).float()
