@@ -5,8 +5,7 @@ Triton ops:  ssd_varlen, selective_state_update, selective_state_update_slots_ra
              (triton_conv1d);
              paged_attention (triton_attention: decode with split-KV, prefill with cached prefix);
              moe_experts (triton_moe: sorted-token grouped GEMMs); rms_norm, add_rms_norm (residual add
-             + RMSNorm), gated_rms_norm (triton_norm); relu2 (triton_activation);
-             linear (triton_linear: one-launch skinny GEMV for <= 8 rows, cuBLAS above).
+             + RMSNorm), gated_rms_norm (triton_norm); relu2 (triton_activation).
 Torch references used on purpose (each a single gather/scatter or a small GEMM + top-k, no Python loop):
              conv_windows = conv1d.conv_state_windows_ref, write_kv = attention.write_kv_ref,
              moe_route = moe.moe_route_ref.
@@ -18,7 +17,7 @@ from __future__ import annotations
 
 from service.engine.kernels import Kernels, attention, conv1d, moe
 from service.engine.kernels import triton_attention, triton_conv1d, triton_moe, triton_norm, triton_ssd
-from service.engine.kernels import triton_activation, triton_linear
+from service.engine.kernels import triton_activation
 
 TORCH_REFERENCE_OPS = ("conv_windows", "write_kv", "moe_route")   # fields that hold the torch reference
 
@@ -41,5 +40,4 @@ def triton_kernels() -> Kernels:
         add_rms_norm=triton_norm.add_rms_norm,
         gated_rms_norm=triton_norm.gated_group_rms_norm,
         relu2=triton_activation.relu2,
-        linear=triton_linear.linear,
     )

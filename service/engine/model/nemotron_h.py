@@ -74,4 +74,4 @@ class NemotronHForCausalLM(nn.Module):
             next_norm = layers[lid + 1].norm if lid + 1 < len(layers) else self.backbone.norm_f
             x, h = k.add_rms_norm(out, h, next_norm.weight, eps)
         # norm_f ran on every row (row-wise, so equal to norming the picked rows only)
-        return k.linear(x[logits_indices], self.lm_head.weight).float()
+        return self.lm_head(x[logits_indices]).float()
