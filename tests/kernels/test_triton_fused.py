@@ -128,7 +128,7 @@ class _AtenCounter(TorchDispatchMode):
 def _count_decode_forward(path: str) -> tuple[collections.Counter, collections.Counter]:
     """(aten ops outside Kernels ops, Kernels op calls) of the last decode-only forward of a short greedy run."""
     engine = Engine(EngineConfig(model_path=path, device=DEVICE, dtype="float32", page_size=4, max_num_seqs=4,
-                                 kernel_backend="triton"))
+                                 kernel_backend="triton", cuda_graphs=False))   # eager: the hooks see the forward
     model = engine.runner.model
     counter, calls, seen = _AtenCounter(), collections.Counter(), []
 
