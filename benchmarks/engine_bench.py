@@ -129,8 +129,10 @@ def phase_ms(engine: Engine, before: tuple[int, dict[str, float]], prefix: str) 
     return {f"{prefix} {k} ms/step": 1e3 * (v - before[1][k]) / n for k, v in engine.step_seconds.items()}
 
 
-def decode_tps(engine: Engine, batch: int, prompt_len: int, steps: int, seed: int) -> tuple[float, dict[str, float]]:
-    """(decode tok/s over `steps` pure decode steps at `batch`, host ms per step by engine phase)."""
+def decode_tps(engine: Engine, batch: int, prompt_len: int, steps: int, seed: int,
+               trace_dir: str = "") -> tuple[float, dict[str, float]]:
+    """(decode tok/s over `steps` pure decode steps at `batch`, host ms per step by engine phase and, with graphs,
+    the device ms of a replay on the last step's real inputs). trace_dir: also write a CPU+CUDA trace of 4 steps."""
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in random_prompts(batch, prompt_len, vocab, seed)]
@@ -146,6 +148,11 @@ def decode_tps(engine: Engine, batch: int, prompt_len: int, steps: int, seed: in
     sync(engine.config.device)
     elapsed = time.perf_counter() - t0
     phases = phase_ms(engine, phases0, f"decode B={batch}")
+    g = engine.runner.graphs
+    if g is not None:
+        phases[f"decode B={batch} replay ms (real inputs)"] = replay_ms(engine, next(x for x in g.buckets if x >= batch))
+    if trace_dir:
+        profile_steps(engine, os.path.join(trace_dir, f"trace_decode_b{batch}.json"))
     for i in ids:
         engine.abort(i)
     return batch * steps / elapsed, phases
@@ -181,22 +188,40 @@ def throughput_run(engine: Engine, num_prompts: int, isl: int, osl: int, concurr
             **phase_ms(engine, phases0, "tp")}
 
 
+def replay_ms(engine: Engine, bucket: int, n: int = 20) -> float:
+    """Device ms of one replay of a bucket's graph on whatever its static inputs hold (replays back to back)."""
+    graph = engine.runner.graphs.graphs[bucket]
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
 def graph_replay_ms(engine: Engine, batches: list[int]) -> dict[str, float]:
-    """Device time of one captured decode forward (replays back to back, CUDA events): the GPU side of a step."""
+    """Device time of one captured decode forward on the all-zero capture inputs (every row the same token, so
+    the MoE touches only top_k experts: a lower bound; `decode_tps` also times replays on real inputs)."""
     g = engine.runner.graphs
-    out = {}
-    for b in batches:
-        bucket = next(x for x in g.buckets if x >= b)
-        for _ in range(3):
-            g.graphs[bucket].replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            g.graphs[bucket].replay()
-        end.record()
-        torch.cuda.synchronize()
-        out[f"graph replay ms B={bucket}"] = start.elapsed_time(end) / 20
-    return out
+    return {f"graph replay ms B={b} (zero inputs)": replay_ms(engine, next(x for x in g.buckets if x >= b))
+            for b in batches}
+
+
+def profile_steps(engine: Engine, path: str) -> None:
+    """Chrome trace (CPU + CUDA) of 4 engine steps of whatever is running: host gaps and device time per step."""
+    sync(engine.config.device)
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(4):
+            with torch.profiler.record_function("engine.step"):
+                engine.step()
+        sync(engine.config.device)
+    prof.export_chrome_trace(path)
+    with open(path + ".txt", "w", encoding="utf-8") as f:
+        f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
 
 
 def profile_decode(engine: Engine, batch: int, path: str) -> None:
@@ -225,7 +250,8 @@ def bench_variant(engine: Engine, args: argparse.Namespace, throughput: bool) ->
         out[f"prefill ISL {isl}"] = prefill_tps(engine, isl, max(2, args.max_batched_tokens // isl * 2), seed=isl)
         print(f"  prefill ISL {isl}: {out[f'prefill ISL {isl}']:.0f} tok/s", flush=True)
     for b in args.decode_batches:
-        out[f"decode B={b}"], phases = decode_tps(engine, b, args.prompt_len, args.decode_steps, seed=1000 + b)
+        out[f"decode B={b}"], phases = decode_tps(engine, b, args.prompt_len, args.decode_steps, seed=1000 + b,
+                                                  trace_dir=args.trace_dir)
         out.update(phases)
         print(f"  decode B={b}: {out[f'decode B={b}']:.1f} tok/s", flush=True)
     if throughput:   # warm-up: compiles the kernels of mixed prefill+decode steps outside the timed run
@@ -255,6 +281,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--out", default="")
+    ap.add_argument("--trace-dir", default="", help="write CPU+CUDA chrome traces of 4 decode steps per batch here")
     ap.add_argument("--profile-out", default="", help="write a kernel profile of a batch-1 decode forward here")
     args = ap.parse_args()
     args.isl = [int(x) for x in args.isl.split(",") if x]
