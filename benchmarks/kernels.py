@@ -24,6 +24,7 @@ from service.engine.kernels.triton_attention import PrefillTiles, paged_attentio
 from service.engine.kernels.triton_conv1d import (ConvTiles, causal_conv1d_update, causal_conv1d_varlen,
                                                   causal_conv1d_varlen_tiled)
 from service.engine.kernels.triton_moe import MoeTiles, moe_experts, moe_experts_tiled
+from service.engine.kernels.triton_moe import align_by_expert, align_by_expert_ref, default_tiles, moe_route
 from service.engine.kernels.triton_norm import gated_group_rms_norm, rms_norm
 from service.engine.kernels.triton_ssd import SsdTiles, selective_state_update, ssd_varlen, ssd_varlen_tiled
 
@@ -195,6 +196,31 @@ def _moe_case(T: int) -> Case:
                 T * TOPK * 4 * HIDDEN * INTER)
 
 
+def _moe_route_case(T: int) -> Case:
+    """The router (fp32 h @ W^T, sigmoid, bias, top-6, weights) at Nano shapes; a fresh gate per input set."""
+    def make():
+        return (torch.randn(T, HIDDEN, device=DEV, dtype=BF16), torch.randn(E, HIDDEN, device=DEV) * HIDDEN ** -0.5,
+                torch.randn(E, device=DEV) * 0.1, TOPK, 1, 1, True, 2.5)
+    moved = E * HIDDEN * 4 + T * HIDDEN * 2 + T * TOPK * (4 + 8)
+    return Case(f"moe_route T={T}", make, moe_route, moe.moe_route_ref, moved, 2 * T * E * HIDDEN)
+
+
+def _alignment_tensors(al) -> tuple:
+    return al.sorted_pairs, al.block_expert          # rel err column: sorted_pairs vs the oracle's (must be 0)
+
+
+def _align_case(T: int) -> Case:
+    """Expert alignment of T*6 routed pairs (distinct experts per token) at the block_m moe_experts uses for T."""
+    bm = default_tiles(T * TOPK / E, 2).block_m
+
+    def make():
+        return (torch.rand(T, E, device=DEV).argsort(dim=1)[:, :TOPK].contiguous(),)
+    moved = T * TOPK * 8 + (triton.cdiv(T * TOPK, bm) + E) * (bm + 1) * 4
+    return Case(f"align_by_expert T={T} block_m={bm}", make,
+                lambda ids: _alignment_tensors(align_by_expert(ids, E, bm)),
+                lambda ids: _alignment_tensors(align_by_expert_ref(ids, E, bm)), moved, 0.0)
+
+
 def all_cases(only: set[str]) -> list[Case]:
     groups = {
         "ssd": lambda: [_ssd_case([8192], [0]), _ssd_case([1024 + 37] * 7 + [1024 - 7 * 37], [91] * 8)],
@@ -205,6 +231,7 @@ def all_cases(only: set[str]) -> list[Case]:
                          _attn_case([1] * 128, [1023] * 128),
                          _attn_case([8192], [0]), _attn_case([1024] * 4, [512, 0, 300, 2000])],
         "moe": lambda: [_moe_case(t) for t in (1, 32, 128, 8192)],
+        "route": lambda: [_moe_route_case(t) for t in (1, 256, 8192)] + [_align_case(t) for t in (1, 256, 8192)],
         "tune": tune_cases,
     }
     return [c for name, make in groups.items() if (not only and name != "tune") or name in only for c in make()]
@@ -260,8 +287,9 @@ def tune_cases() -> list[Case]:
 def compiled_kernel_report() -> list[str]:
     """Registers, spills and shared memory of every compiled Triton kernel of the Triton backend modules."""
     from service.engine.kernels import triton_attention, triton_conv1d, triton_moe, triton_norm, triton_ssd
+    from service.engine.kernels import triton_moe_route
     out = []
-    for mod in (triton_ssd, triton_conv1d, triton_attention, triton_moe, triton_norm):
+    for mod in (triton_ssd, triton_conv1d, triton_attention, triton_moe, triton_moe_route, triton_norm):
         for name, fn in vars(mod).items():
             for cache in getattr(fn, "device_caches", {}).values():
                 kernels = cache[0] if isinstance(cache, tuple) and isinstance(cache[0], dict) else {}
@@ -275,7 +303,7 @@ def compiled_kernel_report() -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default="", help="comma list of groups: ssd,ssu,conv,norm,attn,moe")
+    ap.add_argument("--only", default="", help="comma list of groups: ssd,ssu,conv,norm,attn,moe,route")
     ap.add_argument("--out", default="", help="also write the table to this file")
     ap.add_argument("--log", default="", help="write per-kernel device-time breakdowns and register use here")
     args = ap.parse_args()

@@ -4,11 +4,11 @@ Triton ops:  ssd_varlen, selective_state_update, selective_state_update_slots_ra
              step with dt softplus/clamp and A = -exp(A_log) inside); conv_varlen, conv_update(_slots)
              (triton_conv1d);
              paged_attention (triton_attention: decode with split-KV, prefill with cached prefix);
-             moe_experts (triton_moe: sorted-token grouped GEMMs); rms_norm, add_rms_norm (residual add
+             moe_route (triton_moe_route: router GEMV + top-k in one launch), moe_experts (triton_moe:
+             sorted-token grouped GEMMs); rms_norm, add_rms_norm (residual add
              + RMSNorm), gated_rms_norm (triton_norm); relu2 (triton_activation).
-Torch references used on purpose (each a single gather/scatter or a small GEMM + top-k, no Python loop):
-             conv_windows = conv1d.conv_state_windows_ref, write_kv = attention.write_kv_ref,
-             moe_route = moe.moe_route_ref.
+Torch references used on purpose (each a single gather/scatter, no Python loop):
+             conv_windows = conv1d.conv_state_windows_ref, write_kv = attention.write_kv_ref.
 There is no runtime fallback: every field is fixed here.
 
 On a machine without CUDA the Triton ops run only under TRITON_INTERPRET=1 (set before triton is imported).
@@ -19,7 +19,7 @@ from service.engine.kernels import Kernels, attention, conv1d, moe
 from service.engine.kernels import triton_attention, triton_conv1d, triton_moe, triton_norm, triton_ssd
 from service.engine.kernels import triton_activation
 
-TORCH_REFERENCE_OPS = ("conv_windows", "write_kv", "moe_route")   # fields that hold the torch reference
+TORCH_REFERENCE_OPS = ("conv_windows", "write_kv")   # fields that hold the torch reference
 
 
 def triton_kernels() -> Kernels:
@@ -34,7 +34,7 @@ def triton_kernels() -> Kernels:
         conv_windows=conv1d.conv_state_windows_ref,
         write_kv=attention.write_kv_ref,
         paged_attention=triton_attention.paged_attention,
-        moe_route=moe.moe_route_ref,
+        moe_route=triton_moe.moe_route,
         moe_experts=triton_moe.moe_experts,
         rms_norm=triton_norm.rms_norm,
         add_rms_norm=triton_norm.add_rms_norm,

@@ -1,12 +1,13 @@
 """Triton MoE experts: sorted-token grouped GEMMs (bf16 operands, fp32 accumulation), ReLU² between.
 
 Same signature and semantics as `moe.moe_experts_ref`. Steps (no host sync, so a step can be graph-captured):
-  1. `align_by_expert` (torch): the T*k (token, slot) pairs sorted by expert, each expert's run padded
-     to a multiple of BLOCK_M with the sentinel T*k; `block_expert[b]` = expert of block b (-1 past the end).
+  1. `align_by_expert` (one Triton launch; `align_by_expert_ref` is the torch oracle): the T*k (token, slot)
+     pairs sorted by expert (stable), each expert's run padded to a multiple of BLOCK_M with the sentinel T*k;
+     `block_expert[b]` = expert of block b (-1 past the end).
   2. `_up_kernel`:   H[r] = relu(x[pair_r // k] @ up[e]^T)^2 for every sorted row r         [rows, I]
   3. `_down_kernel`: Y[pair_r] = w[pair_r] * (H[r] @ down[e]^T)                             [T*k, d_in]
   4. `_sum_slots_kernel`: out[t] = sum over the k slots of Y, in fp32, cast to x's dtype.
-`moe_route` stays the torch reference (`moe.moe_route_ref`): an fp32 [T, d] x [d, E] product and a top-k.
+`moe_route` (re-exported here) is the one-launch Triton router of `triton_moe_route`.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import triton.language as tl
 
 from service.engine.kernels.triton_common import (block_dim, check_dim, check_inner_contiguous, check_same_device,
                                                   check_shape, dot_precision)
+from service.engine.kernels.triton_moe_route import moe_route  # noqa: F401  (the backend's moe_route)
 
 
 @dataclass(frozen=True)
@@ -27,8 +29,8 @@ class ExpertAlignment:
     block_m: int                 # rows per block
 
 
-def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertAlignment:
-    """topk_ids [T, k] -> pairs grouped by expert, each group padded to a multiple of block_m (device ops only)."""
+def align_by_expert_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertAlignment:
+    """Torch oracle of `align_by_expert` (about 20 device ops, no host sync)."""
     flat = topk_ids.flatten()
     tk = flat.numel()
     dev = flat.device
@@ -46,6 +48,116 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
     block_expert = torch.searchsorted(ends_p, block_start, right=True)
     block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
     return ExpertAlignment(sorted_pairs, block_expert, block_m)
+
+
+@triton.jit
+def _expert_counts(ids_ptr, num_pairs, E, CHUNK: tl.constexpr, HIST: tl.constexpr):
+    """Pairs per expert over all ids: [HIST] int32 (bins >= E are 0)."""
+    counts = tl.zeros((HIST,), tl.int32)
+    for c0 in range(0, num_pairs, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=E).to(tl.int32)   # E: an in-range spare bin
+        counts += tl.histogram(ids, HIST)
+    return tl.where(tl.arange(0, HIST) < E, counts, 0)
+
+
+@triton.jit
+def _write_expert_pairs(ids_ptr, pairs_ptr, num_pairs, mine, start, EPP: tl.constexpr, CHUNK: tl.constexpr):
+    """Pair indices of experts `mine` [EPP] at start[e] + (stable rank among that expert's pairs)."""
+    run = tl.zeros((EPP,), tl.int32)
+    for c0 in range(0, num_pairs, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
+        match = (ids[:, None] == mine[None, :]).to(tl.int32)                          # [CHUNK, EPP]
+        rank = run[None, :] + tl.cumsum(match, axis=0) - 1
+        tl.store(pairs_ptr + start[None, :] + rank, tl.broadcast_to(offs[:, None], (CHUNK, EPP)), mask=match != 0)
+        run += tl.sum(match, axis=0)
+
+
+@triton.jit
+def _write_expert_padding(pairs_ptr, block_expert_ptr, num_pairs, block_m, mine, start, count, padded,
+                          EPP: tl.constexpr, BM_PAD: tl.constexpr, FILL: tl.constexpr):
+    """Runs [start, start + padded) of experts `mine`: sentinels after their pairs, block_expert of their blocks."""
+    offs = tl.arange(0, BM_PAD)
+    tl.store(pairs_ptr + (start + count)[:, None] + offs[None, :], num_pairs,
+             mask=offs[None, :] < (padded - count)[:, None])
+    nb = padded // block_m
+    for b0 in range(0, tl.max(nb, axis=0), FILL):
+        offs_b = b0 + tl.arange(0, FILL)
+        tl.store(block_expert_ptr + (start // block_m)[:, None] + offs_b[None, :],
+                 tl.broadcast_to(mine[:, None], (EPP, FILL)), mask=offs_b[None, :] < nb[:, None])
+
+
+@triton.jit
+def _fill_tail(pairs_ptr, block_expert_ptr, num_pairs, block_m, num_blocks, total, FILL: tl.constexpr):
+    """This program's 1/num_programs share of the tail past the last run: sentinel pairs, block_expert -1."""
+    nprog = tl.num_programs(0)
+    span = tl.cdiv(num_blocks * block_m - total, nprog)
+    lo = total + tl.program_id(0) * span
+    hi = tl.minimum(lo + span, num_blocks * block_m)
+    for r0 in range(lo, hi, FILL):
+        offs = r0 + tl.arange(0, FILL)
+        tl.store(pairs_ptr + offs, num_pairs, mask=offs < hi)
+    span_b = tl.cdiv(num_blocks - total // block_m, nprog)
+    lo_b = total // block_m + tl.program_id(0) * span_b
+    hi_b = tl.minimum(lo_b + span_b, num_blocks)
+    for b0 in range(lo_b, hi_b, FILL):
+        offs = b0 + tl.arange(0, FILL)
+        tl.store(block_expert_ptr + offs, -1, mask=offs < hi_b)
+
+
+@triton.jit
+def _align_kernel(ids_ptr, pairs_ptr, block_expert_ptr, num_pairs, E, block_m, num_blocks,
+                  EPP: tl.constexpr, CHUNK: tl.constexpr, HIST: tl.constexpr, BM_PAD: tl.constexpr,
+                  FILL: tl.constexpr):
+    """Program p owns experts [p*EPP, (p+1)*EPP): every program counts all pairs per expert (a histogram), takes
+    its experts' starts from the exclusive cumsum of the padded counts, writes their pairs, sentinels and blocks,
+    and a 1/num_programs share of the tail past the last expert's run (sentinels, block_expert -1)."""
+    counts = _expert_counts(ids_ptr, num_pairs, E, CHUNK, HIST)
+    padded = (counts + block_m - 1) // block_m * block_m
+    starts = tl.cumsum(padded, axis=0) - padded
+    mine = tl.program_id(0) * EPP + tl.arange(0, EPP)
+    sel = tl.arange(0, HIST)[None, :] == mine[:, None]                                 # [EPP, HIST]
+    my_start = tl.sum(tl.where(sel, starts[None, :], 0), axis=1)
+    _write_expert_pairs(ids_ptr, pairs_ptr, num_pairs, mine, my_start, EPP, CHUNK)
+    _write_expert_padding(pairs_ptr, block_expert_ptr, num_pairs, block_m, mine, my_start,
+                          tl.sum(tl.where(sel, counts[None, :], 0), axis=1),
+                          tl.sum(tl.where(sel, padded[None, :], 0), axis=1), EPP, BM_PAD, FILL)
+    _fill_tail(pairs_ptr, block_expert_ptr, num_pairs, block_m, num_blocks, tl.sum(padded, axis=0), FILL)
+
+
+def align_into(topk_ids: torch.Tensor, num_experts: int, block_m: int, sorted_pairs: torch.Tensor,
+               block_expert: torch.Tensor) -> ExpertAlignment:
+    """`align_by_expert` into given buffers (every element is written)."""
+    tk = topk_ids.numel()
+    num_blocks = triton.cdiv(tk, block_m) + num_experts
+    check_shape("sorted_pairs", sorted_pairs, (num_blocks * block_m,))
+    check_shape("block_expert", block_expert, (num_blocks,))
+    if sorted_pairs.dtype != torch.int32 or block_expert.dtype != torch.int32:
+        raise ValueError("sorted_pairs and block_expert must be int32")
+    hist = max(32, triton.next_power_of_2(num_experts + 1))           # bins: the experts + a spare one (>= 32)
+    # experts per program: about 16 programs for decode-sized inputs, 128 beyond (each program reads every id
+    # twice); [EPP, HIST] tiles stay <= 8192 elements, [CHUNK, EPP] ones <= 4096 (CHUNK >= 128: 4 warps' lanes)
+    epp = min(triton.next_power_of_2(triton.cdiv(num_experts, 16 if tk <= 4096 else 128)), max(1, 8192 // hist))
+    _align_kernel[(triton.cdiv(num_experts, epp),)](
+        topk_ids.reshape(-1), sorted_pairs, block_expert, tk, num_experts, block_m, num_blocks,
+        EPP=epp, CHUNK=max(128, min(1024, triton.next_power_of_2(tk), 4096 // epp)), HIST=hist,
+        BM_PAD=triton.next_power_of_2(block_m), FILL=256, num_warps=4)
+    return ExpertAlignment(sorted_pairs, block_expert, block_m)
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertAlignment:
+    """topk_ids [T, k] (ids in [0, num_experts)) -> the (token, slot) pairs grouped by expert in a
+    stable order, each group padded to a multiple of block_m with the sentinel T*k, `cdiv(T*k, block_m) +
+    num_experts` blocks (a fixed bound, no host sync); one Triton launch, equal to `align_by_expert_ref`."""
+    check_dim("topk_ids", topk_ids, 2)
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int32/int64, got {topk_ids.dtype}")
+    topk_ids = topk_ids.contiguous()          # the router's output already is: no copy
+    num_blocks = triton.cdiv(topk_ids.numel(), block_m) + num_experts
+    dev = topk_ids.device
+    return align_into(topk_ids, num_experts, block_m, torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev),
+                      torch.empty(num_blocks, dtype=torch.int32, device=dev))
 
 
 @triton.jit
