@@ -5,8 +5,9 @@ sized from two host ints the caller passes (`max_query_len`, `max_seq_len`), so 
 decode step can be captured in a CUDA graph. Two paths:
   * every request has one new token (max_query_len == 1, decode): `_decode_kernel`, one program per (request, KV head,
     KV split) holding the whole GQA group as the rows of its tile, split-KV partials merged by
-    `_combine_kernel` (flash-decoding) when one split is not enough to fill the GPU; the split plan comes from
-    max_seq_len, splits past a request's context store an empty partial;
+    `_combine_kernel` (flash-decoding, log-sum-exp) when one split is not enough to fill the GPU; the split plan
+    (`decode_splits`, `DecodeTiles`) comes from the batch size and max_seq_len, splits past a request's context
+    store an empty partial that the merge skips;
   * otherwise (prefill, cached prefix, mixed batches): `_prefill_kernel`, flash attention over the
     paged keys [0, p_i + m] per (query block, request, query head).
 Softmax in fp32 (exp2 with the scale folded in). `write_kv` stays the torch reference
@@ -35,13 +36,43 @@ class PrefillTiles:
     stages: int = 2               # software-pipelining depth
 
 
+@dataclass(frozen=True)
+class DecodeTiles:
+    """Launch shape and split plan of `_decode_kernel`. Splits per (request, KV head): about `programs` programs in
+    all (floor, at least 1 split), at most max_seq_len / min_split; a request's keys are spread evenly over them in
+    multiples of block_n, at least min_split keys each (splits past its context stay empty). fp32 operands take
+    half the keys per step (twice the bytes per key)."""
+    block_n: int = 64             # keys per inner step (may span pages)
+    warps: int = 4                # warps per program
+    stages: int = 5               # software pipelining (triton 3.x: 5 double-buffers the K/V tiles, 2-4 one buffer)
+    programs: int = TARGET_PROGRAMS   # programs the split plan aims for
+    min_split: int = 128          # fewest keys per split (rounded up to a multiple of block_n)
+
+
+# Launch shapes the `tune` benchmark compares at decode sizes (the GPU tests check each); the first is the default.
+DECODE_TILE_VARIANTS = (DecodeTiles(), DecodeTiles(128, 4, 3), DecodeTiles(128, 8, 5, min_split=256),
+                        DecodeTiles(64, 4, 5, programs=132, min_split=512),
+                        DecodeTiles(64, 4, 5, programs=2 * TARGET_PROGRAMS, min_split=64))
+
+
+def decode_splits(batch: int, kv_heads: int, max_seq_len: int, tiles: DecodeTiles) -> int:
+    """KV splits per (request, KV head) from host ints only (a captured decode graph replays it for any lengths)."""
+    return max(1, min(tiles.programs // (batch * kv_heads), triton.cdiv(max_seq_len, tiles.min_split)))
+
+
+@triton.jit
+def _kv_slots(pt_row_ptr, offs_n, mn, page_size):
+    """Cache slots of keys offs_n of one request (page 0's slots where masked)."""
+    page = tl.load(pt_row_ptr + offs_n // page_size, mask=mn, other=0).to(tl.int64)
+    return page * page_size + offs_n % page_size
+
+
 @triton.jit
 def _load_kv_tile(cache_ptr, pt_row_ptr, offs_n, n_end, kvh, offs_d, s_slot, s_head, page_size, Dh,
                   TRANSPOSED: tl.constexpr):
     """Keys/values at positions offs_n of one request: [BLOCK_D, BLOCK_N] if TRANSPOSED else [BLOCK_N, BLOCK_D]."""
     mn = offs_n < n_end
-    page = tl.load(pt_row_ptr + offs_n // page_size, mask=mn, other=0).to(tl.int64)
-    slot = page * page_size + offs_n % page_size
+    slot = _kv_slots(pt_row_ptr, offs_n, mn, page_size)
     md = offs_d < Dh
     if TRANSPOSED:
         tile = tl.load(cache_ptr + slot[None, :] * s_slot + kvh * s_head + offs_d[:, None],
@@ -54,14 +85,17 @@ def _load_kv_tile(cache_ptr, pt_row_ptr, offs_n, n_end, kvh, offs_d, s_slot, s_h
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, prefix_ptr, o_ptr, part_o_ptr, part_ml_ptr, qk_scale, Dh, page_size,
-                   num_splits, s_q_t, s_q_h, s_k_slot, s_k_head, s_v_slot, s_v_head, s_pt, s_o_t, s_o_h,
+                   num_splits, min_split, s_q_t, s_q_h, s_k_slot, s_k_head, s_v_slot, s_v_head, s_pt, s_o_t, s_o_h,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One program: request b, KV head kvh, keys [lo, hi) of split sp, the GROUP query heads of kvh as the rows of
+    one [BLOCK_G, BLOCK_D] x [BLOCK_D, BLOCK_N] dot per step. SPLIT: store the unnormalised partial and (m, l);
+    an empty split stores only m = -inf, l = 0."""
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
     ctx = tl.load(prefix_ptr + b) + 1
-    keys_per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N     # this request's keys spread evenly
+    keys_per_split = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N, min_split)
     lo = sp * keys_per_split
     hi = tl.minimum(lo + keys_per_split, ctx)
     offs_g = tl.arange(0, BLOCK_G)
@@ -76,19 +110,24 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, prefix_ptr, o_ptr, part_o_ptr, p
     pt_row = pt_ptr + b * s_pt
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        kt = _load_kv_tile(k_ptr, pt_row, offs_n, hi, kvh, offs_d, s_k_slot, s_k_head, page_size, Dh, True)
+        mn = offs_n < hi
+        slot = _kv_slots(pt_row, offs_n, mn, page_size)
+        kt = tl.load(k_ptr + slot[None, :] * s_k_slot + kvh * s_k_head + offs_d[:, None],
+                     mask=mn[None, :] & md[:, None], other=0.0)
         s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where((offs_n < hi)[None, :], s, float("-inf"))
+        s = tl.where(mn[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _load_kv_tile(v_ptr, pt_row, offs_n, hi, kvh, offs_d, s_v_slot, s_v_head, page_size, Dh, False)
+        v = tl.load(v_ptr + slot[:, None] * s_v_slot + kvh * s_v_head + offs_d[None, :],
+                    mask=mn[:, None] & md[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     if SPLIT:
         row = (b * (GROUP * tl.num_programs(1)) + heads) * num_splits + sp          # [(b, head), split]
-        tl.store(part_o_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=mg[:, None])
+        nonempty = offs_g < tl.where(lo < hi, GROUP, 0)          # (a scalar & vector mask trips the interpreter)
+        tl.store(part_o_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=nonempty[:, None])
         tl.store(part_ml_ptr + row * 2, m_i, mask=mg)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=mg)
     else:
@@ -100,6 +139,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, prefix_ptr, o_ptr, part_o_ptr, p
 @triton.jit
 def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, Hq, Dh, num_splits, s_o_t, s_o_h,
                     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Merge the split partials of (request b, query head h) by log-sum-exp; empty splits (l = 0) are not read."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -109,8 +149,8 @@ def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, Hq, Dh, num_splits, s_o_t, s
     m = tl.load(part_ml_ptr + row * 2, mask=ms, other=float("-inf"))
     l = tl.load(part_ml_ptr + row * 2 + 1, mask=ms, other=0.0)
     m_max = tl.max(m, axis=0)
-    w = tl.where(ms, tl.exp2(m - m_max), 0.0)
-    acc = tl.load(part_o_ptr + row[:, None] * BLOCK_D + offs_d[None, :], mask=ms[:, None], other=0.0)
+    w = tl.where(l > 0, tl.exp2(m - m_max), 0.0)
+    acc = tl.load(part_o_ptr + row[:, None] * BLOCK_D + offs_d[None, :], mask=(l > 0)[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
     tl.store(o_ptr + b * s_o_t + h * s_o_h + offs_d, out.to(o_ptr.dtype.element_ty), mask=offs_d < Dh)
 
@@ -212,11 +252,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def paged_attention_tiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                           query_start_loc: torch.Tensor, prefix_lens: torch.Tensor, max_query_len: int,
-                          max_seq_len: int, page_size: int, scale: float, tiles: PrefillTiles) -> torch.Tensor:
+                          max_seq_len: int, page_size: int, scale: float, tiles: PrefillTiles,
+                          decode: DecodeTiles = DECODE_TILE_VARIANTS[0]) -> torch.Tensor:
     """Paged causal GQA attention (Triton). q [T, Hq, Dh]; k/v_cache [S, Hkv, Dh] (new K/V already written);
     page_table [B, max_pages]; query_start_loc [B+1] int64 and prefix_lens [B] int64 (p_i) on q's device;
     max_query_len >= max l_i and max_seq_len >= max p_i + l_i (host ints, launch sizes).
-    Request i's queries sit at positions p_i + [0, l_i) and see keys [0, pos]. Returns [T, Hq, Dh] in q's dtype."""
+    Request i's queries sit at positions p_i + [0, l_i) and see keys [0, pos]. Returns [T, Hq, Dh] in q's dtype.
+    `tiles` shapes the prefill path, `decode` the decode path (max_query_len == 1)."""
     _check(q, k_cache, v_cache, page_table, query_start_loc, prefix_lens, max_query_len, max_seq_len)
     T, Hq, Dh = q.shape
     B, Hkv = prefix_lens.shape[0], k_cache.shape[1]
@@ -226,7 +268,7 @@ def paged_attention_tiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     common = dict(GROUP=Hq // Hkv, BLOCK_D=block_dim(Dh), DOT_PRECISION=dot_precision(q.dtype))
     qk_scale = scale * _LOG2E
     if max_query_len == 1:
-        _decode(q, k_cache, v_cache, page_table, prefix_lens, max_seq_len, page_size, qk_scale, out, common)
+        _decode(q, k_cache, v_cache, page_table, prefix_lens, max_seq_len, page_size, qk_scale, out, common, decode)
         return out
     bm = 16 if max_query_len <= 16 else tiles.block_m
     _prefill_kernel[(triton.cdiv(max_query_len, bm), B, Hq)](
@@ -237,19 +279,22 @@ def paged_attention_tiled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return out
 
 
-def _decode(q, k_cache, v_cache, page_table, prefix_lens, max_seq_len, page_size, qk_scale, out, common) -> None:
+def _decode(q, k_cache, v_cache, page_table, prefix_lens, max_seq_len, page_size, qk_scale, out, common,
+            tiles: DecodeTiles) -> None:
+    """Split-KV decode: `_decode_kernel` over (request, KV head, split), then `_combine_kernel` when split."""
     B, Hq, Dh = q.shape
     Hkv = k_cache.shape[1]
-    block_n = 64
-    splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, B * Hkv), triton.cdiv(max_seq_len, 4 * block_n)))
+    block_n = tiles.block_n if q.element_size() <= 2 else max(16, tiles.block_n // 2)
+    splits = decode_splits(B, Hkv, max_seq_len, tiles)
     bd = common["BLOCK_D"]
     part_o = torch.empty(B * Hq * splits * bd if splits > 1 else 1, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(B * Hq * splits * 2 if splits > 1 else 1, dtype=torch.float32, device=q.device)
     _decode_kernel[(B, Hkv, splits)](
         q, k_cache, v_cache, page_table, prefix_lens, out, part_o, part_ml, qk_scale, Dh, page_size, splits,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        page_table.stride(0), out.stride(0), out.stride(1), BLOCK_G=block_dim(common["GROUP"]), BLOCK_N=block_n,
-        SPLIT=splits > 1, num_warps=4, num_stages=2, **common)
+        triton.cdiv(tiles.min_split, block_n) * block_n, q.stride(0), q.stride(1), k_cache.stride(0),
+        k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), page_table.stride(0), out.stride(0), out.stride(1),
+        BLOCK_G=block_dim(common["GROUP"]), BLOCK_N=block_n, SPLIT=splits > 1, num_warps=tiles.warps,
+        num_stages=tiles.stages, **common)
     if splits > 1:
         _combine_kernel[(B, Hq)](part_o, part_ml, out, Hq, Dh, splits, out.stride(0), out.stride(1),
                                  BLOCK_S=block_dim(splits, 1), BLOCK_D=bd, num_warps=4)

@@ -19,41 +19,125 @@ from service.engine.kernels.triton_common import (block_dim, check_dim, check_in
 
 @dataclass(frozen=True)
 class ConvTiles:
-    """Launch shape of `_conv_varlen_kernel`."""
-    block_t: int = 16             # tokens per program
-    block_d: int = 128            # channels per program
+    """Launch shape of `_conv_varlen_kernel`: a program slides over `block_t` tokens of `block_d` channels, `rows`
+    tokens per step (the next step's rows load while a step computes); each thread holds block_d / (32 * warps)
+    channels of every row of a step."""
+    block_t: int = 64             # tokens per program (a multiple of rows)
+    block_d: int = 512            # channels per program
     warps: int = 4                # warps per program
+    rows: int = 8                 # tokens per step
+
+
+# Launch shapes the `tune` benchmark compares at Nano shapes (the GPU tests check each); the first is the default.
+CONV_TILE_VARIANTS = (ConvTiles(64, 512, 4, 8), ConvTiles(64, 512, 4, 4), ConvTiles(32, 512, 4, 8),
+                      ConvTiles(64, 256, 2, 8), ConvTiles(128, 512, 4, 16))
+
+
+@triton.jit
+def _window_col(x_ptr, init_ptr, t, j, req, offs_d, Dm, s_x_t, s_i_b, s_i_d, s_i_k, s: tl.constexpr,
+                K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """fp32 input s rows before token t, at position j of request req: x[t - s] when j >= s, else column
+    j - s + K - 1 of req's initial state rounded to x's dtype; zeros when s >= K (the conv has no such tap)."""
+    out = tl.zeros((BLOCK_D,), tl.float32)
+    if s < K:                       # masks as channel limits (a scalar & vector mask trips the interpreter)
+        xv = tl.load(x_ptr + tl.cast(t - s, tl.int64) * s_x_t + offs_d, mask=offs_d < tl.where(j >= s, Dm, 0),
+                     other=0.0)
+        sv = tl.load(init_ptr + req.to(tl.int64) * s_i_b + offs_d * s_i_d + (j - s + K - 1) * s_i_k,
+                     mask=offs_d < tl.where(j < s, Dm, 0), other=0.0)
+        out = xv.to(tl.float32) + sv.to(xv.dtype).to(tl.float32)
+    return out
+
+
+@triton.jit
+def _window(x_ptr, init_ptr, t, j, req, offs_d, Dm, s_x_t, s_i_b, s_i_d, s_i_k, K: tl.constexpr,
+            BLOCK_D: tl.constexpr):
+    """The inputs 1, 2 and 3 rows before token t (see `_window_col`)."""
+    w1 = _window_col(x_ptr, init_ptr, t, j, req, offs_d, Dm, s_x_t, s_i_b, s_i_d, s_i_k, 1, K, BLOCK_D)
+    w2 = _window_col(x_ptr, init_ptr, t, j, req, offs_d, Dm, s_x_t, s_i_b, s_i_d, s_i_k, 2, K, BLOCK_D)
+    w3 = _window_col(x_ptr, init_ptr, t, j, req, offs_d, Dm, s_x_t, s_i_b, s_i_d, s_i_k, 3, K, BLOCK_D)
+    return w1, w2, w3
+
+
+@triton.jit
+def _weight_col(w_ptr, offs_d, md, s_w_d, s_w_k, k: tl.constexpr, BLOCK_D: tl.constexpr):
+    """fp32 weight column k; zeros for k < 0 (a tap the conv does not have)."""
+    w = tl.zeros((BLOCK_D,), tl.float32)
+    if k >= 0:
+        w = tl.load(w_ptr + offs_d * s_w_d + k * s_w_k, mask=md, other=0.0).to(tl.float32)
+    return w
+
+
+@triton.jit
+def _load_rows(x_ptr, rows, t_end, s_x_t, offs_d, md):
+    """x rows [ROWS, BLOCK_D] (zeros at rows >= t_end)."""
+    return tl.load(x_ptr + rows.to(tl.int64)[:, None] * s_x_t + offs_d[None, :],
+                   mask=(rows < t_end)[:, None] & md[None, :], other=0.0)
+
+
+@triton.jit
+def _silu_store(out_ptr, row, s_o_t, offs_d, lim, y):
+    """Store silu(y) as output row `row`, channels below lim."""
+    tl.store(out_ptr + tl.cast(row, tl.int64) * s_o_t + offs_d, (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty),
+             mask=offs_d < lim)
+
+
+@triton.jit
+def _rows_one_request(out_ptr, xs, t, t_end, s_o_t, offs_d, Dm, w1, w2, w3, wx, wa, wb, wc, bias,
+                      ROWS: tl.constexpr):
+    """Conv of a step's rows t + [0, ROWS) (xs [ROWS, BLOCK_D] fp32, all of one request), each stored as soon as
+    it is done; returns the slid window."""
+    offs_r = tl.arange(0, ROWS)
+    for u in tl.static_range(ROWS):
+        xu = tl.sum(tl.where(offs_r[:, None] == u, xs, 0.0), axis=0)       # row u: in-thread, no shuffle
+        _silu_store(out_ptr, t + u, s_o_t, offs_d, tl.where(t + u < t_end, Dm, 0),
+                    bias + wx * xu + wa * w1 + wb * w2 + wc * w3)
+        w3, w2, w1 = w2, w1, xu
+    return w1, w2, w3
 
 
 @triton.jit
 def _conv_varlen_kernel(x_ptr, w_ptr, bias_ptr, init_ptr, qsl_ptr, token_req_ptr, out_ptr, T, Dm,
                         s_x_t, s_w_d, s_w_k, s_i_b, s_i_d, s_i_k, s_o_t,
-                        K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    mt, md = offs_t < T, offs_d < Dm
-    req = tl.load(token_req_ptr + offs_t, mask=mt, other=0)
-    j = offs_t - tl.load(qsl_ptr + req, mask=mt, other=0)        # position inside the request's extend
-    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    needs_state = tl.min(tl.where(mt, j, K)) < K - 1              # some row reads its request's initial state
-    for k in tl.static_range(K):
-        m = j + k                                                 # column of ext_i
-        rows = (offs_t + (k - (K - 1))).to(tl.int64)
-        xv = tl.load(x_ptr + rows[:, None] * s_x_t + offs_d[None, :],
-                     mask=(mt & (m >= K - 1))[:, None] & md[None, :], other=0.0)
-        w = tl.load(w_ptr + offs_d * s_w_d + k * s_w_k, mask=md, other=0.0).to(tl.float32)
-        xf = xv.to(tl.float32)
-        if k < K - 1:
-            if needs_state:
-                sv = tl.load(init_ptr + req.to(tl.int64)[:, None] * s_i_b + offs_d[None, :] * s_i_d
-                             + m[:, None] * s_i_k, mask=(mt & (m < K - 1))[:, None] & md[None, :], other=0.0)
-                xf += sv.to(xv.dtype).to(tl.float32)
-        acc += xf * w[None, :]
+                        K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                        ROWS: tl.constexpr, VEC: tl.constexpr):
+    """w1, w2, w3: the inputs 1, 2, 3 rows back in the current request's ext (fp32), slid along the tokens. A step
+    of ROWS tokens inside one request (token_req is non-decreasing, so: its last token has the request of the
+    token before the step) runs unrolled; a step where a request starts goes token by token, and at a request's
+    first token the window becomes its initial state."""
+    t0 = tl.program_id(0) * BLOCK_T
+    # at most VEC = BLOCK_D / threads contiguous channels per access: each thread then holds whole columns of a
+    # [ROWS, BLOCK_D] step (rows in-thread) instead of the compiler spreading rows over warps for wider vectors
+    offs_d = tl.max_contiguous(tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D), VEC)
+    md = offs_d < Dm
+    offs_r = tl.arange(0, ROWS)
+    t_end = tl.minimum(t0 + BLOCK_T, T)
+    wx = _weight_col(w_ptr, offs_d, md, s_w_d, s_w_k, K - 1, BLOCK_D)
+    wa = _weight_col(w_ptr, offs_d, md, s_w_d, s_w_k, K - 2, BLOCK_D)
+    wb = _weight_col(w_ptr, offs_d, md, s_w_d, s_w_k, K - 3, BLOCK_D)
+    wc = _weight_col(w_ptr, offs_d, md, s_w_d, s_w_k, K - 4, BLOCK_D)
+    bias = tl.zeros((BLOCK_D,), tl.float32)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_d, mask=md, other=0.0).to(tl.float32)[None, :]
-    out = acc * tl.sigmoid(acc)
-    tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * s_o_t + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=mt[:, None] & md[None, :])
+        bias = tl.load(bias_ptr + offs_d, mask=md, other=0.0).to(tl.float32)
+    r_prev = tl.load(token_req_ptr + t0)
+    w1, w2, w3 = _window(x_ptr, init_ptr, t0, t0 - tl.load(qsl_ptr + r_prev), r_prev, offs_d, Dm, s_x_t, s_i_b,
+                         s_i_d, s_i_k, K, BLOCK_D)
+    xs = _load_rows(x_ptr, t0 + offs_r, t_end, s_x_t, offs_d, md)
+    for t in range(t0, t_end, ROWS):
+        xs_next = _load_rows(x_ptr, t + ROWS + offs_r, t_end, s_x_t, offs_d, md)   # in flight during this step
+        r_last = tl.load(token_req_ptr + tl.minimum(t + ROWS - 1, T - 1))
+        if r_last == r_prev:                                    # no request starts in this step
+            w1, w2, w3 = _rows_one_request(out_ptr, xs.to(tl.float32), t, t_end, s_o_t, offs_d, Dm, w1, w2, w3, wx,
+                                           wa, wb, wc, bias, ROWS)
+        else:
+            for row in range(t, tl.minimum(t + ROWS, t_end)):
+                req = tl.load(token_req_ptr + row)
+                if req != r_prev:                               # the first token of request req (j = 0)
+                    w1, w2, w3 = _window(x_ptr, init_ptr, row, 0 * req, req, offs_d, Dm, s_x_t, s_i_b, s_i_d,
+                                         s_i_k, K, BLOCK_D)
+                xu = tl.load(x_ptr + tl.cast(row, tl.int64) * s_x_t + offs_d, mask=md, other=0.0).to(tl.float32)
+                _silu_store(out_ptr, row, s_o_t, offs_d, Dm, bias + wx * xu + wa * w1 + wb * w2 + wc * w3)
+                w3, w2, w1, r_prev = w2, w1, xu, req
+        xs = xs_next
 
 
 def _check_conv_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, int]:
@@ -72,16 +156,22 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                          init_states: torch.Tensor, query_start_loc: torch.Tensor,
                          token_req: torch.Tensor) -> torch.Tensor:
     """Varlen causal conv (Triton), see `causal_conv1d_varlen_tiled`."""
-    return causal_conv1d_varlen_tiled(x, weight, bias, init_states, query_start_loc, token_req, ConvTiles())
+    return causal_conv1d_varlen_tiled(x, weight, bias, init_states, query_start_loc, token_req, CONV_TILE_VARIANTS[0])
 
 
 def causal_conv1d_varlen_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                init_states: torch.Tensor, query_start_loc: torch.Tensor, token_req: torch.Tensor,
                                tiles: ConvTiles) -> torch.Tensor:
-    """Varlen causal conv (Triton). x [T, D] (rows may be strided, unit stride in D), weight [D, K],
-    bias [D] or None, init_states [Bq, D, K-1], query_start_loc [Bq+1], token_req [T].
+    """Varlen causal conv (Triton). x [T, D] (rows may be strided, unit stride in D), weight [D, K] with
+    2 <= K <= 4, bias [D] or None, init_states [Bq, D, K-1], query_start_loc [Bq+1], token_req [T] (non-decreasing).
     Returns silu(conv(x) + bias) [T, D] in x's dtype."""
     T, Dm, K = _check_conv_args(x, weight, bias)
+    if not 2 <= K <= 4:
+        raise ValueError(f"conv width must be 2..4 (the kernel keeps K-1 rows in registers), got {K}")
+    if tiles.block_t % tiles.rows:
+        raise ValueError(f"block_t {tiles.block_t} must be a multiple of rows {tiles.rows}")
+    if any(n & (n - 1) for n in (tiles.rows, tiles.block_d, tiles.warps)):
+        raise ValueError(f"rows, block_d and warps must be powers of two, got {tiles}")
     check_dim("init_states", init_states, 3)
     Bq = init_states.shape[0]
     check_shape("init_states", init_states, (Bq, Dm, K - 1))
@@ -93,11 +183,13 @@ def causal_conv1d_varlen_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torc
     out = torch.empty(T, Dm, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
-    bt, bd = tiles.block_t, min(block_dim(Dm), tiles.block_d)
-    _conv_varlen_kernel[(triton.cdiv(T, bt), triton.cdiv(Dm, bd))](
+    bd = min(block_dim(Dm), tiles.block_d)
+    warps = max(1, min(tiles.warps, bd // 32))
+    _conv_varlen_kernel[(triton.cdiv(T, tiles.block_t), triton.cdiv(Dm, bd))](
         x, weight, bias if bias is not None else weight, init_states, query_start_loc, token_req, out, T, Dm,
         x.stride(0), weight.stride(0), weight.stride(1), *init_states.stride(), out.stride(0),
-        K=K, HAS_BIAS=bias is not None, BLOCK_T=bt, BLOCK_D=bd, num_warps=tiles.warps)
+        K=K, HAS_BIAS=bias is not None, BLOCK_T=tiles.block_t, BLOCK_D=bd, ROWS=tiles.rows,
+        VEC=bd // (32 * warps) if bd >= 32 * warps else 1, num_warps=warps)
     return out
 
 
