@@ -20,8 +20,9 @@ import torch
 import triton.testing
 
 from service.engine.kernels import attention, conv1d, moe, norm, ssd
-from service.engine.kernels.triton_attention import PrefillTiles, paged_attention, paged_attention_tiled
-from service.engine.kernels.triton_conv1d import (ConvTiles, causal_conv1d_update, causal_conv1d_varlen,
+from service.engine.kernels.triton_attention import (DECODE_TILE_VARIANTS, PrefillTiles, paged_attention,
+                                                     paged_attention_tiled)
+from service.engine.kernels.triton_conv1d import (CONV_TILE_VARIANTS, causal_conv1d_update, causal_conv1d_varlen,
                                                   causal_conv1d_varlen_tiled)
 from service.engine.kernels.triton_moe import MoeTiles, moe_experts, moe_experts_tiled
 from service.engine.kernels.triton_moe import align_by_expert, align_by_expert_ref, default_tiles, moe_route
@@ -277,10 +278,16 @@ def tune_cases() -> list[Case]:
         out.append(Case(f"tune {base.name} {tiles}", base.make, lambda *a, tiles=tiles: moe_experts_tiled(*a, tiles),
                         None, base.bytes_moved, base.flops, moe_experts))
     conv = _conv_varlen_case([8192])
-    for tiles in (ConvTiles(16, 256, 8), ConvTiles(16, 128, 4), ConvTiles(8, 256, 4)):
+    for tiles in CONV_TILE_VARIANTS:                      # first = the default; each checked by the GPU tests
         out.append(Case(f"tune {conv.name} {tiles}", conv.make,
                         lambda *a, tiles=tiles: causal_conv1d_varlen_tiled(*a, tiles), None, conv.bytes_moved, 0.0,
                         causal_conv1d_varlen))
+    for b, ctx in ((1, 8192), (32, 1024), (128, 1024), (256, 2048)):
+        dec = _attn_case([1] * b, [ctx - 1] * b)
+        for tiles in DECODE_TILE_VARIANTS:                # first = the default; each checked by the GPU tests
+            out.append(Case(f"tune {dec.name} {tiles}", dec.make,
+                            lambda *a, tiles=tiles: paged_attention_tiled(*a, PrefillTiles(), tiles), None,
+                            dec.bytes_moved, dec.flops, paged_attention))
     return out
 
 
