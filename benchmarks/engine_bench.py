@@ -190,13 +190,13 @@ def throughput_run(engine: Engine, num_prompts: int, isl: int, osl: int, concurr
 
 def replay_ms(engine: Engine, bucket: int, n: int = 20) -> float:
     """Device ms of one replay of a bucket's graph on whatever its static inputs hold (replays back to back)."""
-    graph = engine.runner.graphs.graphs[bucket]
+    g = engine.runner.graphs
     for _ in range(3):
-        graph.replay()
+        g.replay(bucket)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(n):
-        graph.replay()
+        g.replay(bucket)
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / n

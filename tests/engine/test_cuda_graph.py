@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from service.engine import Engine, EngineConfig, SamplingParams
-from service.engine.runner.cuda_graph import BATCH_BUCKETS, graph_buckets, is_graphable
+from service.engine.runner.batch import build_forward_batch
+from service.engine.runner.cuda_graph import BATCH_BUCKETS, graph_buckets, is_graphable, layer_segments
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -27,6 +28,42 @@ def test_buckets_cover_max_num_seqs():
     assert graph_buckets(5) == (1, 2, 4, 8)
     assert graph_buckets(256) == BATCH_BUCKETS
     assert graph_buckets(10_000) == BATCH_BUCKETS
+
+
+def test_layer_segments_cover_every_layer_once():
+    for n in (1, 2, 3, 9, 52, 88):
+        seg = layer_segments(n)
+        assert seg[0][0] == 0 and seg[-1][1] == n
+        assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(seg, seg[1:]))
+    assert layer_segments(52) == ((0, 2), (2, 6), (6, 14), (14, 30), (30, 52))
+
+
+def test_segmented_forward_equals_forward(tiny_model_dir):
+    """The graph runner captures embed -> run_layers per segment -> logits: on real decode inputs the pieces give
+    exactly the model's forward (CPU, fp32, state pools restored between the two runs)."""
+    eng = Engine(EngineConfig(model_path=tiny_model_dir, device="cpu", page_size=4, max_num_seqs=4))
+    eng.generate([[5, 6, 7, 8, 9, 10], [11, 12, 13]], SamplingParams(max_tokens=2, temperature=0.0,
+                                                                         ignore_eos=True))
+    ids = [eng.add_request(p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+           for p in ([3, 4, 5, 6, 7], [8, 9, 10])]
+    for _ in range(3):
+        eng.step()
+    sched = eng.scheduler.schedule()
+    batch = build_forward_batch(sched, 4, eng.model_config.chunk_size, eng.runner.device)
+    assert batch.mamba.decode_only
+    m, p = eng.runner.model, eng.runner.pools
+    saved = [t.clone() for t in (p.kv, p.conv, p.ssm)]
+    whole = m(batch.input_ids, batch.attn, batch.mamba, batch.logits_indices, p.kv, p.conv, p.ssm)
+    for dst, src in zip((p.kv, p.conv, p.ssm), saved):
+        dst.copy_(src)
+    with torch.inference_mode():
+        x, h = m.embed(batch.input_ids)
+        for start, end in layer_segments(len(m.backbone.layers), first=1):
+            x, h = m.run_layers(x, h, start, end, batch.attn, batch.mamba, p.kv, p.conv, p.ssm)
+        pieces = m.logits(x, batch.logits_indices)
+    assert torch.equal(whole, pieces)
+    for i in ids:
+        eng.abort(i)
 
 
 def test_only_plain_decode_steps_are_replayed():

@@ -57,11 +57,25 @@ class NemotronHForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, attn: AttentionMeta, mamba: MambaMeta, logits_indices: torch.Tensor,
                 kv_cache: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> torch.Tensor:
         """input_ids [T]; kv_cache [L_attn, 2, num_slots, Hkv, Dh]; conv_pool [L_mamba, S, conv_dim, K-1];
-        ssm_pool [L_mamba, S, H, P, N] fp32. Returns logits [len(logits_indices), vocab] fp32."""
-        k, eps, layers = self.kernels, self.cfg.layer_norm_epsilon, self.backbone.layers
+        ssm_pool [L_mamba, S, H, P, N] fp32. Returns logits [len(logits_indices), vocab] fp32.
+        = embed -> run_layers over all layers -> logits (the CUDA-graph runner calls the pieces in segments)."""
+        x, h = self.embed(input_ids)
+        x, h = self.run_layers(x, h, 0, len(self.backbone.layers), attn, mamba, kv_cache, conv_pool, ssm_pool)
+        return self.logits(x, logits_indices)
+
+    def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids [T] -> (x = layer 0's RMSNorm of h, h = the embeddings), both [T, hidden]."""
         h = self.backbone.embeddings(input_ids)
-        x = k.rms_norm(h, layers[0].norm.weight, eps)
-        for lid, block in enumerate(layers):
+        return self.kernels.rms_norm(h, self.backbone.layers[0].norm.weight, self.cfg.layer_norm_epsilon), h
+
+    def run_layers(self, x: torch.Tensor, h: torch.Tensor, start: int, end: int, attn: AttentionMeta,
+                   mamba: MambaMeta, kv_cache: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layers [start, end): x = RMSNorm(h) for layer `start` -> (x for layer `end` (norm_f after the last
+        layer), h after layer end-1). Each residual add runs fused with the norm that follows it."""
+        k, eps, layers = self.kernels, self.cfg.layer_norm_epsilon, self.backbone.layers
+        for lid in range(start, end):
+            block = layers[lid]
             if block.layer_type == MAMBA:
                 j = self.mamba_pool_index[lid]
                 out = block.mixer(x, mamba, conv_pool[j], ssm_pool[j], k)
@@ -70,8 +84,11 @@ class NemotronHForCausalLM(nn.Module):
                 out = block.mixer(x, attn, kv_cache[j, 0], kv_cache[j, 1], k)
             else:
                 out = block.mixer(x, k)
-            # h = h + out, fused with the next norm (the next layer's, or norm_f after the last layer)
             next_norm = layers[lid + 1].norm if lid + 1 < len(layers) else self.backbone.norm_f
             x, h = k.add_rms_norm(out, h, next_norm.weight, eps)
-        # norm_f ran on every row (row-wise, so equal to norming the picked rows only)
+        return x, h
+
+    def logits(self, x: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] after norm_f (row-wise, so norming every row equals norming the picked ones)
+        -> logits [len(logits_indices), vocab] fp32."""
         return self.lm_head(x[logits_indices]).float()

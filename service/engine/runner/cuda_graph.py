@@ -36,6 +36,16 @@ def graph_buckets(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def layer_segments(num_layers: int, first: int = 2) -> tuple[tuple[int, int], ...]:
+    """[start, end) layer ranges of the captured segments, doubling in size from `first` layers: the first
+    launch (the only one the device waits for) is short, each later one is hidden behind the previous segment."""
+    out, start, size = [], 0, first
+    while start < num_layers:
+        out.append((start, min(num_layers, start + size)))
+        start, size = out[-1][1], size * 2
+    return tuple(out)
+
+
 def is_graphable(sched: SchedulerOutput, max_batch: int, max_pages: int) -> bool:
     """Decode-only (one new token each), every row sampled, no snapshot this step, fits the largest bucket and
     the static page table."""
@@ -61,7 +71,8 @@ class DecodeGraphs:
         self.host_table = torch.zeros(nb * max_pages, dtype=torch.int64).pin_memory()   # [b, w] rows, packed
         empty = torch.zeros(0, dtype=torch.int64, device=device)
         self.no_snapshots = SnapshotPlan(empty, empty, empty, empty)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}     # bucket -> captured graph
+        self.segments = layer_segments(len(model.backbone.layers))
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}   # bucket -> one captured graph per segment
         self.logits: dict[int, torch.Tensor] = {}             # bucket -> its static logits [bucket, vocab]
         self.num_replays = 0                                  # decode steps served by a graph
 
@@ -69,17 +80,38 @@ class DecodeGraphs:
     def max_batch(self) -> int:
         return self.buckets[-1]
 
-    def _forward(self, b: int) -> torch.Tensor:
+    def _metas(self, b: int) -> tuple[torch.Tensor, AttentionMeta, MambaMeta]:
+        """(input ids, attention and mamba metadata) of bucket b over the static buffers."""
         ids, slots, kv_slots, prefix = self.small[0, :b], self.small[1, :b], self.small[2, :b], self.small[3, :b]
         qsl = self.arange[:b + 1]
         attn = AttentionMeta(kv_slots, self.page_table[:b], qsl, prefix, 1, self.max_pages * self.page_size,
                              self.page_size)
-        mamba = MambaMeta(slots, qsl, self.arange[:b], True, None, self.no_snapshots)
-        p = self.pools
-        return self.model(ids, attn, mamba, self.arange[:b], p.kv, p.conv, p.ssm)
+        return ids, attn, MambaMeta(slots, qsl, self.arange[:b], True, None, self.no_snapshots)
+
+    @torch.inference_mode()
+    def _segment(self, b: int, i: int, x: torch.Tensor | None, h: torch.Tensor | None):
+        """Segment i of bucket b's decode forward: (x, h) -> (x, h), the first one embeds, the last one returns
+        the logits [b, vocab] fp32."""
+        ids, attn, mamba = self._metas(b)
+        m, p = self.model, self.pools
+        start, end = self.segments[i]
+        if i == 0:
+            x, h = m.embed(ids)
+        x, h = m.run_layers(x, h, start, end, attn, mamba, p.kv, p.conv, p.ssm)
+        return m.logits(x, self.arange[:b]) if i == len(self.segments) - 1 else (x, h)
+
+    def _forward(self, b: int) -> torch.Tensor:
+        """The whole decode forward of bucket b, segment after segment (eager)."""
+        out = (None, None)
+        for i in range(len(self.segments)):
+            out = self._segment(b, i, *out)
+        return out
 
     def capture(self) -> None:
-        """Warm up (compiles the kernels) and capture every bucket, largest first, in one memory pool.
+        """Warm up (compiles the kernels) and capture every bucket, largest first, in one memory pool, one graph
+        per layer segment: segment i+1 reads segment i's static outputs, so replaying the segments in order
+        equals the whole forward, and the host launches segment i+1 while the device runs segment i (a graph's
+        launch costs host time per node, and the device waits for a launch to finish before it starts).
         The static inputs are all zero: scratch slot 0 and page 0 only are touched."""
         mem_pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=self.device)
@@ -88,11 +120,20 @@ class DecodeGraphs:
             with torch.cuda.stream(stream):
                 self._forward(b)
             torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=mem_pool, stream=stream):
-                self.logits[b] = self._forward(b)
-            self.graphs[b] = graph
+            out, graphs = (None, None), []
+            for i in range(len(self.segments)):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=mem_pool, stream=stream):
+                    out = self._segment(b, i, *out)     # keeps the segment's outputs alive for the next one
+                graphs.append(graph)
+            self.graphs[b], self.logits[b] = graphs, out
         torch.cuda.synchronize(self.device)
+
+    def replay(self, bucket: int) -> torch.Tensor:
+        """Replays bucket's segments in order on the current stream; returns its static logits [bucket, vocab]."""
+        for graph in self.graphs[bucket]:
+            graph.replay()
+        return self.logits[bucket]
 
     def run(self, sched: SchedulerOutput) -> torch.Tensor:
         """Replay the smallest bucket that holds the step (`is_graphable(sched)` must hold). Only the first w
@@ -105,11 +146,10 @@ class DecodeGraphs:
         small = self.host_small.numpy()
         table = self.host_table[:b * w].view(b, w).numpy()
         pack_decode_inputs(sched, self.page_size, small[:, :b], table)
-        self.small[:, :b].copy_(self.host_small[:, :b], non_blocking=True)
+        self.small.copy_(self.host_small, non_blocking=True)       # whole buffer: one contiguous pinned copy
         self.page_table[:b, :w].copy_(self.host_table[:b * w].view(b, w), non_blocking=True)
-        self.graphs[b].replay()
         self.num_replays += 1
-        return self.logits[b][:B]
+        return self.replay(b)[:B]
 
 
 def decode_token_ids(sched: SchedulerOutput) -> np.ndarray:
