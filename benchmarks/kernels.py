@@ -5,7 +5,8 @@ overhead when the GPU outruns it), device time per call (torch.profiler: sum of 
 and over the device time the achieved GB/s (fewest bytes the op must move) and TFLOP/s (useful FLOPs), as
 fractions of the ceilings measured first in the same run (device-to-device copy, read + write; an 8192^3 bf16
 matmul on random data). Inputs rotate over several sets when one set would sit in L2. The `tune` group times
-launch-shape variants of the Triton ops (no reference).
+launch-shape variants of the Triton ops (no reference); `gemv` times cuBLAS F.linear and the Triton GEMV variants at
+batch-1 decode shapes, `moe_tune` the MoE decode tile variants (these three run only when named in --only).
 
     PYTHONPATH=. python benchmarks/kernels.py [--only ssd,moe,tune] [--out results.md] [--log kernels.log]
 """
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 import triton.testing
 
 from service.engine.kernels import attention, conv1d, moe, norm, ssd
@@ -24,7 +26,8 @@ from service.engine.kernels.triton_attention import (DECODE_TILE_VARIANTS, Prefi
                                                      paged_attention_tiled)
 from service.engine.kernels.triton_conv1d import (CONV_TILE_VARIANTS, causal_conv1d_update, causal_conv1d_varlen,
                                                   causal_conv1d_varlen_tiled)
-from service.engine.kernels.triton_moe import MoeTiles, moe_experts, moe_experts_tiled
+from service.engine.kernels.triton_gemv import GEMV_SHAPES, GEMV_TILE_VARIANTS, GemvTiles, gemv
+from service.engine.kernels.triton_moe import MOE_DECODE_TILE_VARIANTS, MoeTiles, moe_experts, moe_experts_tiled
 from service.engine.kernels.triton_moe import align_by_expert, align_by_expert_ref, default_tiles, moe_route
 from service.engine.kernels.triton_norm import gated_group_rms_norm, rms_norm
 from service.engine.kernels.triton_ssd import SsdTiles, selective_state_update, ssd_varlen, ssd_varlen_tiled
@@ -35,6 +38,7 @@ DI, CONV_DIM, HIDDEN = H * P, H * P + 2 * G * N, 2688
 HQ, HKV, DH = 32, 2, 128                                     # Nano attention
 E, TOPK, INTER = 128, 6, 1856                                # Nano MoE
 L2_BYTES = 60e6
+TUNING_GROUPS = ("tune", "gemv", "moe_tune")                 # run only when named in --only
 
 
 @dataclass(frozen=True)
@@ -234,8 +238,11 @@ def all_cases(only: set[str]) -> list[Case]:
         "moe": lambda: [_moe_case(t) for t in (1, 32, 128, 8192)],
         "route": lambda: [_moe_route_case(t) for t in (1, 256, 8192)] + [_align_case(t) for t in (1, 256, 8192)],
         "tune": tune_cases,
+        "gemv": gemv_cases,
+        "moe_tune": moe_tune_cases,
     }
-    return [c for name, make in groups.items() if (not only and name != "tune") or name in only for c in make()]
+    return [c for name, make in groups.items() if (not only and name not in TUNING_GROUPS) or name in only
+            for c in make()]
 
 
 def run(only: set[str], log: list[str]) -> list[str]:
@@ -291,6 +298,51 @@ def tune_cases() -> list[Case]:
     return out
 
 
+def _gemv_tiles_name(t: GemvTiles) -> str:
+    return f"bn={t.block_n} bk={t.block_k} w={t.warps} {'prefetch' if t.prefetch else 'no-prefetch'} split={t.split_k}"
+
+
+def _gemv_shape_cases(name: str, n: int, k: int) -> list[Case]:
+    """cuBLAS (F.linear) and every Triton variant at M=1, bf16, a fresh weight per input set; split-K variants get
+    a persistent counter buffer per set (the kernel leaves it zeroed: one launch), the first one also without
+    (+ a counter memset, as `gemv` does when no buffer is given)."""
+    def make(counters: bool) -> Callable[[], tuple]:
+        def build():
+            x = torch.randn(1, k, device=DEV, dtype=BF16)
+            w = torch.randn(n, k, device=DEV, dtype=BF16) * k ** -0.5
+            return (x, w, torch.zeros(n, dtype=torch.int32, device=DEV)) if counters else (x, w)
+        return build
+    moved, flops, label = n * k * 2 + (n + k) * 2, 2.0 * n * k, f"gemv {name} N={n} K={k}"
+    out = [Case(f"{label} cuBLAS F.linear", make(False), F.linear, None, moved, flops)]
+    memset_done = False
+    for t in GEMV_TILE_VARIANTS[(n, k)]:
+        out.append(Case(f"{label} {_gemv_tiles_name(t)}", make(True), lambda x, w, c, t=t: gemv(x, w, None, t, c),
+                        None, moved, flops, lambda x, w, c: F.linear(x, w)))
+        if t.split_k > 1 and not memset_done:
+            memset_done = True
+            out.append(Case(f"{label} {_gemv_tiles_name(t)} +memset", make(False),
+                            lambda x, w, t=t: gemv(x, w, None, t), None, moved, flops, F.linear))
+    return out
+
+
+def gemv_cases() -> list[Case]:
+    """Decode linear layers of Nano-30B-A3B at batch 1: cuBLAS vs the Triton GEMV launch shapes (device ms column)."""
+    return [c for name, n, k in GEMV_SHAPES for c in _gemv_shape_cases(name, n, k)]
+
+
+def moe_tune_cases() -> list[Case]:
+    """Routed experts at decode sizes T = 1, 8, 64 over MOE_DECODE_TILE_VARIANTS (first = the default), each
+    compared with moe_experts_ref (rel err column)."""
+    out = []
+    for T in (1, 8, 64):
+        base = _moe_case(T)
+        for tiles in MOE_DECODE_TILE_VARIANTS:
+            out.append(Case(f"moe_tune {base.name} {tiles}", base.make,
+                            lambda *a, tiles=tiles: moe_experts_tiled(*a, tiles), None, base.bytes_moved, base.flops,
+                            moe.moe_experts_ref))
+    return out
+
+
 def compiled_kernel_report() -> list[str]:
     """Registers, spills and shared memory of every compiled Triton kernel of the Triton backend modules."""
     from service.engine.kernels import triton_attention, triton_conv1d, triton_moe, triton_norm, triton_ssd
@@ -310,7 +362,8 @@ def compiled_kernel_report() -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default="", help="comma list of groups: ssd,ssu,conv,norm,attn,moe,route")
+    ap.add_argument("--only", default="", help="comma list of groups: ssd,ssu,conv,norm,attn,moe,route "
+                    "(run only when named: tune,gemv,moe_tune)")
     ap.add_argument("--out", default="", help="also write the table to this file")
     ap.add_argument("--log", default="", help="write per-kernel device-time breakdowns and register use here")
     args = ap.parse_args()

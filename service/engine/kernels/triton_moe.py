@@ -238,11 +238,17 @@ class MoeTiles:
     stages: int                   # software-pipelining depth
 
 
+# Decode launch shapes (<= 16 pairs per expert) the `moe_tune` benchmark compares at T = 1, 8, 64 (the GPU tests
+# check each); the first is the default.
+MOE_DECODE_TILE_VARIANTS = (MoeTiles(16, 64, 128, 4, 4), MoeTiles(16, 32, 128, 4, 4), MoeTiles(16, 32, 256, 4, 3),
+                            MoeTiles(16, 64, 256, 4, 3), MoeTiles(16, 64, 128, 8, 5), MoeTiles(16, 128, 128, 8, 4))
+
+
 def default_tiles(pairs_per_expert: float, element_size: int) -> MoeTiles:
     """Tiles for the average rows per expert: weight streaming (decode) vs matrix-bound (prefill);
     4-byte operands get a smaller prefill tile so the pipeline fits in shared memory."""
     if pairs_per_expert <= 16:
-        return MoeTiles(16, 64, 128, 4, 4)
+        return MOE_DECODE_TILE_VARIANTS[0]
     if pairs_per_expert <= 48:
         return MoeTiles(32, 64, 128, 4, 4)
     return MoeTiles(128, 256, 64, 8, 4) if element_size <= 2 else MoeTiles(64, 128, 64, 4, 3)

@@ -1,0 +1,245 @@
+"""Triton GEMV for decode: y = x @ W^T (+ b) for 1-4 rows of x, each weight element read once.
+
+At batch 1 a linear layer is a pure weight stream. Program (j, s) owns BLOCK_N weight rows (output columns) and
+the s-th of SPLIT_K slices of K. Per step it loads a [BLOCK_N, BLOCK_K] weight tile (16-byte vectors along K) and
+the matching x slice of each row, and accumulates the elementwise products in fp32 [BLOCK_N, BLOCK_K] register
+tiles (one per x row): no cross-thread traffic inside the loop, ONE reduction over BLOCK_K at the end. With PREFETCH
+the next step's loads are issued before this step's FMAs (a register double buffer: two tiles in flight per
+thread; Triton's num_stages pipelines only loads feeding tl.dot, so it is 1 here). Rows past N
+are clamped to N-1 (the loads stay unmasked, the stores are masked); K is masked only when BLOCK_K does not divide
+it. SPLIT_K > 1: each program writes its fp32 row sums to a scratch [SPLIT_K, M, N], then bumps an acq_rel arrival
+counter of its column block; the last to arrive adds the SPLIT_K partials in split order (deterministic), adds the
+bias, writes y in x's dtype and sets the counter back to 0. The counters are a fresh zeroed buffer (one memset
+launch) unless the caller passes a persistent zeroed one, which every launch leaves zeroed (then the GEMV is one
+launch, graph-capturable either way: no host sync).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from service.engine.kernels.triton_common import (TARGET_PROGRAMS, check_dim, check_inner_contiguous,
+                                                  check_same_device, check_shape)
+
+MAX_ROWS = 4                # rows of x one launch takes (one fp32 register tile per row)
+ACC_PER_THREAD = 64         # fp32 accumulator registers per thread over all rows before block_k is halved
+
+
+@triton.jit
+def _load(ptrs, mask, EVEN_K: tl.constexpr, POLICY: tl.constexpr):
+    if EVEN_K:
+        return tl.load(ptrs, eviction_policy=POLICY)
+    return tl.load(ptrs, mask=mask, other=0.0, eviction_policy=POLICY)
+
+
+@triton.jit
+def _load_step(w_rows, x_rows, s_x, k0, K, ROWS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile at k0 and the x slices of each row broadcast to it (rows >= ROWS repeat
+    row 0, unused)."""
+    offs_k = (k0 + tl.arange(0, BLOCK_K))[None, :]
+    mk = offs_k < K                 # k_split is a multiple of BLOCK_K: only K itself cuts a step
+    w = _load(w_rows + offs_k, mk, EVEN_K, "evict_first")
+    x0 = _load(x_rows + offs_k, mk, EVEN_K, "evict_last")
+    x1 = x0
+    x2 = x0
+    x3 = x0
+    if ROWS > 1:
+        x1 = _load(x_rows + s_x + offs_k, mk, EVEN_K, "evict_last")
+    if ROWS > 2:
+        x2 = _load(x_rows + 2 * s_x + offs_k, mk, EVEN_K, "evict_last")
+    if ROWS > 3:
+        x3 = _load(x_rows + 3 * s_x + offs_k, mk, EVEN_K, "evict_last")
+    return w, x0, x1, x2, x3
+
+
+@triton.jit
+def _fma_step(acc0, acc1, acc2, acc3, w, x0, x1, x2, x3, ROWS: tl.constexpr):
+    """acc_m += w * x_m elementwise in fp32 (no reduction)."""
+    wf = w.to(tl.float32)
+    acc0 += wf * x0.to(tl.float32)
+    if ROWS > 1:
+        acc1 += wf * x1.to(tl.float32)
+    if ROWS > 2:
+        acc2 += wf * x2.to(tl.float32)
+    if ROWS > 3:
+        acc3 += wf * x3.to(tl.float32)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _emit_row(r, m, pid_k, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y,
+              ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Row m's sums r [BLOCK_N]: + bias into y (one split), else into the scratch row (pid_k, m)."""
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            r += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)
+        tl.store(y_ptr + m * s_y + offs_n, r.to(y_ptr.dtype.element_ty), mask=mn)
+    else:
+        tl.store(part_ptr + (pid_k * ROWS + m) * N + offs_n, r, mask=mn)
+
+
+@triton.jit
+def _reduce_splits(offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y,
+                   ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+    """y[m, offs_n] = sum over the splits of the scratch rows (split order) + bias, for every row m."""
+    for m in tl.static_range(ROWS):
+        tot = tl.load(part_ptr + m * N + offs_n, mask=mn, other=0.0, cache_modifier=".cg")
+        for s in tl.static_range(1, SPLIT_K):
+            tot += tl.load(part_ptr + (s * ROWS + m) * N + offs_n, mask=mn, other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            tot += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)
+        tl.store(y_ptr + m * s_y + offs_n, tot.to(y_ptr.dtype.element_ty), mask=mn)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N, K, k_split, s_x, s_y,
+                 ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mn = offs_n < N
+    w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * K
+    k_lo = pid_k * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    acc0 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    acc3 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    x_rows = x_ptr + tl.zeros((BLOCK_N, 1), tl.int32)     # x broadcast over the tile: w's layout, no shuffle
+    if PREFETCH:                # step k+1's loads are issued before step k's FMAs: two tiles in flight
+        k_last = k_lo + (k_hi - k_lo - 1) // BLOCK_K * BLOCK_K
+        w, x0, x1, x2, x3 = _load_step(w_rows, x_rows, s_x, k_lo, K, ROWS, EVEN_K, BLOCK_K)
+        for k0 in range(k_lo, k_hi, BLOCK_K):           # the last step re-loads its own tile (an L2 hit)
+            nw, n0, n1, n2, n3 = _load_step(w_rows, x_rows, s_x, tl.minimum(k0 + BLOCK_K, k_last), K, ROWS,
+                                            EVEN_K, BLOCK_K)
+            acc0, acc1, acc2, acc3 = _fma_step(acc0, acc1, acc2, acc3, w, x0, x1, x2, x3, ROWS)
+            w, x0, x1, x2, x3 = nw, n0, n1, n2, n3
+    else:
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            w, x0, x1, x2, x3 = _load_step(w_rows, x_rows, s_x, k0, K, ROWS, EVEN_K, BLOCK_K)
+            acc0, acc1, acc2, acc3 = _fma_step(acc0, acc1, acc2, acc3, w, x0, x1, x2, x3, ROWS)
+    _emit_row(tl.sum(acc0, axis=1), 0, pid_k, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS, HAS_BIAS, SPLIT_K)
+    if ROWS > 1:
+        _emit_row(tl.sum(acc1, axis=1), 1, pid_k, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS, HAS_BIAS,
+                  SPLIT_K)
+    if ROWS > 2:
+        _emit_row(tl.sum(acc2, axis=1), 2, pid_k, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS, HAS_BIAS,
+                  SPLIT_K)
+    if ROWS > 3:
+        _emit_row(tl.sum(acc3, axis=1), 3, pid_k, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS, HAS_BIAS,
+                  SPLIT_K)
+    if SPLIT_K > 1:
+        tl.debug_barrier()                  # every thread's partial stores are issued before the arrival
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:          # the last split of this column block: every partial is in L2
+            _reduce_splits(offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS, HAS_BIAS, SPLIT_K)
+            tl.store(count_ptr + pid_n, 0)  # leaves a persistent counter buffer zeroed for the next launch
+
+
+@dataclass(frozen=True)
+class GemvTiles:
+    """Launch shape of `gemv` (for one row of x; more rows may halve block_k, see `_rows_block_k`)."""
+    block_n: int = 8              # weight rows (output columns) per program
+    block_k: int = 256            # K elements per step and row (>= 8 bf16 per thread: 16-byte loads)
+    warps: int = 4                # warps per program
+    prefetch: bool = True         # load step k+1 before step k's FMAs (registers; tl's num_stages does not
+                                  # pipeline loads that feed no tl.dot: it is 1 here)
+    split_k: int = 1              # programs per column block, each over a slice of K (> 1: last arriver adds)
+
+
+# Launch shapes the `gemv` benchmark compares per Nano-30B-A3B shape (N, K); the GPU tests check every one.
+_WIDE = (GemvTiles(8, 256, 4), GemvTiles(8, 256, 4, False), GemvTiles(16, 128, 4), GemvTiles(8, 512, 4),
+         GemvTiles(32, 128, 8), GemvTiles(16, 256, 8), GemvTiles(4, 1024, 4, False))
+_SHORT_K = (GemvTiles(8, 256, 4), GemvTiles(8, 256, 4, False), GemvTiles(4, 512, 4), GemvTiles(8, 128, 4, True, 3),
+            GemvTiles(16, 128, 4, True, 3), GemvTiles(8, 256, 4, True, 2), GemvTiles(4, 1024, 4, False))
+_LONG_K = (GemvTiles(8, 512, 4), GemvTiles(8, 512, 4, False), GemvTiles(4, 512, 4), GemvTiles(8, 512, 4, True, 2),
+           GemvTiles(16, 256, 4, True, 4), GemvTiles(8, 256, 4, True, 4), GemvTiles(4, 1024, 4, False, 2))
+GEMV_SHAPES = (("in_proj", 10304, 2688), ("out_proj", 2688, 4096), ("q_proj", 4096, 2688),
+               ("shared_up", 3712, 2688), ("shared_down", 2688, 3712), ("lm_head", 131072, 2688))
+GEMV_TILE_VARIANTS = MappingProxyType({
+    (10304, 2688): _WIDE, (131072, 2688): _WIDE,          # mamba in_proj, lm_head: enough programs without split
+    (4096, 2688): _SHORT_K, (3712, 2688): _SHORT_K,       # attention q_proj, shared-expert up
+    (2688, 4096): _LONG_K, (2688, 3712): _LONG_K,         # mamba out_proj / attention o_proj, shared-expert down
+})
+
+
+def default_gemv_tiles(n: int, k: int) -> GemvTiles:
+    """The first variant of a tuned shape; otherwise 8-row blocks, split over K up to 4 ways until there are about
+    TARGET_PROGRAMS programs."""
+    if (n, k) in GEMV_TILE_VARIANTS:
+        return GEMV_TILE_VARIANTS[(n, k)][0]
+    blocks = triton.cdiv(max(n, 1), 8)
+    return GemvTiles(8, 256, 4, True, max(1, min(4, TARGET_PROGRAMS // blocks)))
+
+
+def _rows_block_k(t: GemvTiles, rows: int) -> int:
+    """block_k for `rows` fp32 register tiles: halved (not below 128) while they would exceed 64 per thread."""
+    bk = t.block_k
+    while bk > 128 and rows * t.block_n * bk > ACC_PER_THREAD * 32 * t.warps:
+        bk //= 2
+    return bk
+
+
+def _check_gemv_args(x, weight, bias, counters) -> None:
+    check_dim("x", x, 2)
+    check_dim("weight", weight, 2)
+    check_shape("weight", weight, (weight.shape[0], x.shape[1]))
+    if not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"gemv takes 1..{MAX_ROWS} rows of x, got {x.shape[0]}: use F.linear")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"x must be fp32/fp16/bf16, got {x.dtype}")
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(f"weight and bias must have x's dtype {x.dtype}")
+    check_inner_contiguous("x", x)
+    if not weight.is_contiguous():
+        raise ValueError("weight must be contiguous")
+    check_same_device(x=x, weight=weight)
+    if bias is not None:
+        check_shape("bias", bias, (weight.shape[0],))
+        check_same_device(x=x, bias=bias)
+    if counters is not None:
+        if counters.dtype != torch.int32 or counters.dim() != 1 or not counters.is_contiguous():
+            raise ValueError("counters must be a contiguous 1-d int32 tensor")
+        check_same_device(x=x, counters=counters)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tiles: GemvTiles | None = None,
+         counters: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ weight^T (+ bias) with fp32 accumulation, one Triton launch (+ a counter memset for split-K).
+    x [M, K] (1 <= M <= 4; fp32/fp16/bf16, unit stride in K), weight [N, K] contiguous, bias [N] or None (x's
+    dtype) -> y [M, N] in x's dtype. tiles None picks `default_gemv_tiles(N, K)`. counters: optional persistent
+    int32 zeros of >= cdiv(N, block_n) elements for split-K (left zeroed); None allocates a zeroed one."""
+    _check_gemv_args(x, weight, bias, counters)
+    M, K = x.shape
+    N = weight.shape[0]
+    if N == 0 or K == 0:
+        y = torch.zeros(M, N, dtype=x.dtype, device=x.device)
+        return y + bias if bias is not None else y
+    t = tiles or default_gemv_tiles(N, K)
+    bk = _rows_block_k(t, M)
+    k_split = triton.cdiv(triton.cdiv(K, max(1, t.split_k)), bk) * bk
+    split = triton.cdiv(K, k_split)                           # no empty slices
+    blocks = triton.cdiv(N, t.block_n)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    part = cnt = y                                            # unused unless split > 1
+    if split > 1:
+        part = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+        cnt = counters if counters is not None else torch.zeros(blocks, dtype=torch.int32, device=x.device)
+        if cnt.numel() < blocks:
+            raise ValueError(f"counters needs >= {blocks} elements, got {cnt.numel()}")
+    _gemv_kernel[(blocks, split)](
+        x, weight, bias if bias is not None else y, y, part, cnt, N, K, k_split, x.stride(0), y.stride(0),
+        ROWS=M, HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_K=K % bk == 0, PREFETCH=t.prefetch,
+        BLOCK_N=t.block_n, BLOCK_K=bk, num_warps=t.warps, num_stages=1)
+    return y
+
+
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference: torch's F.linear."""
+    return F.linear(x, weight, bias)
