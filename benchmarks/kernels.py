@@ -226,6 +226,38 @@ def _align_case(T: int) -> Case:
                 lambda ids: _alignment_tensors(align_by_expert_ref(ids, E, bm)), moved, 0.0)
 
 
+def _ids_first(route_out: tuple) -> tuple:
+    return route_out[1], route_out[0]                # rel err column: ids vs moe_route_ref's (0: the same experts)
+
+
+def route_cases() -> list[Case]:
+    """moe_route and align_by_expert at T = 1, 256, 8192 (defaults, vs the torch references), then every launch-shape
+    variant of ROUTE_TILE_VARIANTS / ALIGN_TILE_VARIANTS (first of each = the default; each checked by the GPU
+    tests); variant rows' rel err: the ids vs moe_route_ref's / sorted_pairs vs the oracle's, 0 when equal."""
+    from service.engine.kernels.triton_moe import ALIGN_TILE_VARIANTS, align_into
+    from service.engine.kernels.triton_moe_route import ROUTE_TILE_VARIANTS, moe_route_tiled
+    out = [_moe_route_case(t) for t in (1, 256, 8192)] + [_align_case(t) for t in (1, 256, 8192)]
+    for T, variants in ROUTE_TILE_VARIANTS.items():
+        base = _moe_route_case(T)
+        for t in variants:
+            grid = (triton.cdiv(T, t.block_t), triton.cdiv(E, t.block_e), triton.cdiv(HIDDEN, t.block_k * t.k_steps))
+            name = (f"route {base.name} {t.mode} bt={t.block_t} be={t.block_e} bk={t.block_k}x{t.k_steps} "
+                    f"w={t.warps} s={t.stages} grid={grid}")
+            out.append(Case(name, base.make, lambda *a, t=t: _ids_first(moe_route_tiled(*a, t)), None,
+                            base.bytes_moved, base.flops, lambda *a: _ids_first(moe.moe_route_ref(*a))))
+    for T, variants in ALIGN_TILE_VARIANTS.items():
+        base, bm = _align_case(T), default_tiles(T * TOPK / E, 2).block_m
+        blocks = triton.cdiv(T * TOPK, bm) + E
+
+        def aligned(ids, t, bm=bm, blocks=blocks):
+            return _alignment_tensors(align_into(ids, E, bm, torch.empty(blocks * bm, dtype=torch.int32, device=DEV),
+                                                 torch.empty(blocks, dtype=torch.int32, device=DEV), t))
+        for t in variants:
+            out.append(Case(f"route {base.name} {t}", base.make, lambda ids, t=t, f=aligned: f(ids, t), None,
+                            base.bytes_moved, 0.0, base.ref_fn))
+    return out
+
+
 def all_cases(only: set[str]) -> list[Case]:
     groups = {
         "ssd": lambda: [_ssd_case([8192], [0]), _ssd_case([1024 + 37] * 7 + [1024 - 7 * 37], [91] * 8)],
@@ -236,7 +268,7 @@ def all_cases(only: set[str]) -> list[Case]:
                          _attn_case([1] * 128, [1023] * 128),
                          _attn_case([8192], [0]), _attn_case([1024] * 4, [512, 0, 300, 2000])],
         "moe": lambda: [_moe_case(t) for t in (1, 32, 128, 8192)],
-        "route": lambda: [_moe_route_case(t) for t in (1, 256, 8192)] + [_align_case(t) for t in (1, 256, 8192)],
+        "route": route_cases,
         "tune": tune_cases,
         "gemv": gemv_cases,
         "moe_tune": moe_tune_cases,

@@ -7,8 +7,9 @@ import torch
 
 from triton_test_util import DEVICE, assert_close, gpu, needs_cuda
 from service.engine.kernels import moe
-from service.engine.kernels.triton_moe import (align_by_expert, align_by_expert_ref, align_into, moe_experts,
-                                               moe_route)
+from service.engine.kernels.triton_moe import (ALIGN_TILE_VARIANTS, AlignTiles, align_by_expert, align_by_expert_ref,
+                                               align_into, default_tiles, moe_experts, moe_route)
+from service.engine.kernels.triton_moe_route import ROUTE_TILE_VARIANTS, RouteTiles, moe_route_tiled
 
 NANO = dict(d=2688, E=128, k=6)
 SUPER = dict(d=4096, E=512, k=22)
@@ -39,24 +40,24 @@ def _random_ids(T, E, k, seed):
     return torch.rand(T, E, generator=g).argsort(dim=1)[:, :k].contiguous().to(DEVICE)
 
 
-def _assert_alignment_equal(ids, E, block_m, kernel_ids=None):
+def _assert_alignment_equal(ids, E, block_m, kernel_ids=None, tiles=None):
     """Every tensor of the Triton alignment (of kernel_ids, default ids) equals the torch oracle's; the buffers are
     poisoned first, so a slot the kernel does not write fails too: a non-stable rank or a padding slot that is not
     the sentinel T*k fails here."""
     ref = align_by_expert_ref(ids, E, block_m)
     pairs = torch.full_like(ref.sorted_pairs, -7)
     blocks = torch.full_like(ref.block_expert, -7)
-    out = align_into(ids if kernel_ids is None else kernel_ids, E, block_m, pairs, blocks)
+    out = align_into(ids if kernel_ids is None else kernel_ids, E, block_m, pairs, blocks, tiles)
     assert out.block_m == ref.block_m
     assert torch.equal(out.sorted_pairs, ref.sorted_pairs), (out.sorted_pairs, ref.sorted_pairs)
     assert torch.equal(out.block_expert, ref.block_expert), (out.block_expert, ref.block_expert)
 
 
-def _assert_route_matches(h, gate, bias, k, n_group, topk_group, norm):
+def _assert_route_matches(h, gate, bias, k, n_group, topk_group, norm, tiles=None):
     """ids equal to moe_route_ref's, weights within 1e-5. In the interpreter both sum in fp32 on the CPU: every
     token must match. On a GPU (cuBLAS vs the kernel's summation order) tokens with a near tie are checked as
     equally good picks instead (`_check_near_ties`)."""
-    w, ids = moe_route(h, gate, bias, k, n_group, topk_group, norm, 2.5)
+    w, ids = moe_route_tiled(h, gate, bias, k, n_group, topk_group, norm, 2.5, tiles)
     w_ref, ids_ref = moe.moe_route_ref(h, gate, bias, k, n_group, topk_group, norm, 2.5)
     assert ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == ids_ref.shape
     clear = torch.ones(h.shape[0], dtype=torch.bool, device=h.device)
@@ -68,12 +69,12 @@ def _assert_route_matches(h, gate, bias, k, n_group, topk_group, norm):
 
 
 # ---------------- moe_route ----------------
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("E,k,n_group,topk_group", [(8, 2, 1, 1), (8, 2, 4, 2), (64, 6, 1, 1), (64, 6, 4, 2)])
 @pytest.mark.parametrize("T", [1, 7, 70])
 def test_moe_route_matches_ref(T, E, k, n_group, topk_group, dtype):
-    """T=1, 7: multiply-accumulate decode path, experts split over 4-wide slices (last-arriver select);
-    T=70: 'ieee' tl.dot path (E=64 split in 4 slices, E=8 one slice)."""
+    """T=1, 7: "fma" decode path, experts split over 8-wide slices (last-arriver select); T=70: 32-token
+    blocks, "ieee" tl.dot (fp32/fp16 h) or "bf16x3" (bf16 h), E=64 in two slices, E=8 in one program."""
     h, gate, bias = _router_inputs(T, E, 48, dtype, seed=T + E + n_group)
     for norm in (True, False):
         _assert_route_matches(h, gate, bias, k, n_group, topk_group, norm)
@@ -87,6 +88,52 @@ def test_moe_route_super_experts():
 def test_moe_route_prefill_blocks():
     """T=1100: 64-token blocks, E=64 in 4 slices of 16, the selection in two 32-row steps; grouped."""
     _assert_route_matches(*_router_inputs(1100, 64, 32, torch.float32, seed=8), 6, 4, 2, True)
+
+
+ROUTE_TILES_CPU = [          # (T, E, d, h dtype, tiles): K split in several slices, several token blocks
+    (1, 64, 100, torch.float32, RouteTiles("fma", 1, 8, 16, 1, 4)),           # 8 x 7 arrivals, one step
+    (7, 64, 100, torch.float16, RouteTiles("fma", 4, 16, 16, 2, 2)),          # 2 token blocks, 4 x 4 arrivals
+    (40, 48, 100, torch.float32, RouteTiles("ieee", 16, 16, 16, 2, 4)),       # E not a power of 2, ragged K
+    (40, 64, 160, torch.float32, RouteTiles("ieee", 16, 64, 16, 1, 4)),       # 10 K slices: two partial-sum loads
+    (40, 64, 100, torch.bfloat16, RouteTiles("bf16x3", 16, 32, 16, 1, 4)),
+    (33, 64, 100, torch.bfloat16, RouteTiles("bf16x3", 32, 16, 32, 2, 4)),
+]
+
+
+@pytest.mark.parametrize("T,E,d,dtype,tiles", ROUTE_TILES_CPU)
+def test_moe_route_tiles_split_k(T, E, d, dtype, tiles):
+    """Every mode with the hidden size split over programs (partial logits summed by the last program)."""
+    h, gate, bias = _router_inputs(T, E, d, dtype, seed=T + d)
+    _assert_route_matches(h, gate, bias, 6, 1, 1, True, tiles)
+    _assert_route_matches(h, gate, bias, 6, 4, 2, False, tiles)
+
+
+@pytest.mark.parametrize("T,dtype,tiles", [(5, torch.float32, None), (40, torch.float32, None),
+                                           (40, torch.bfloat16, None),
+                                           (3, torch.float32, RouteTiles("fma", 4, 4, 8, 2, 1))])
+def test_moe_route_exact_ties_pick_the_lowest_index(T, dtype, tiles):
+    """Exact ties (integer h, gate rows repeated, multiples of 1/16: every summation order is exact): the picks
+    are the stable descending order of the choices, i.e. ties go to the lowest expert index."""
+    g = torch.Generator().manual_seed(T)
+    h = torch.randint(-3, 4, (T, 32), generator=g).float()
+    gate = (torch.randint(-2, 3, (8, 32), generator=g).float() / 16).repeat(8, 1)        # 64 experts, 8 distinct
+    bias = torch.zeros(64)
+    bias[40:] = 1 / 64
+    w, ids = moe_route_tiled(h.to(DEVICE, dtype), gate.to(DEVICE), bias.to(DEVICE), 6, 1, 1, True, 1.0, tiles)
+    s = torch.sigmoid(h @ gate.T)
+    expect = torch.sort(s + bias, dim=1, descending=True, stable=True).indices[:, :6]
+    assert torch.equal(ids.cpu(), expect), (ids, expect)
+    w_ref = s.gather(1, expect)
+    torch.testing.assert_close(w.cpu(), w_ref / w_ref.sum(-1, keepdim=True), rtol=1e-6, atol=1e-6)
+
+
+def test_moe_route_rejects_bad_tiles():
+    h, gate, bias = _router_inputs(3, 8, 16, torch.float32, seed=0)
+    for tiles in (RouteTiles("bf16x3", 16, 16, 16, 1, 4),          # fp32 h: the bf16 split is not exact
+                  RouteTiles("ieee", 8, 16, 16, 1, 4),            # tl.dot needs 16-wide tiles
+                  RouteTiles("fma", 1, 8, 24, 1, 4), RouteTiles("tf32", 16, 16, 16, 1, 4)):
+        with pytest.raises(ValueError):
+            moe_route_tiled(h, gate, bias, 2, 1, 1, True, 1.0, tiles)
 
 
 def test_moe_route_group_limit_changes_the_choice():
@@ -144,6 +191,22 @@ def test_align_by_expert_many_chunks_and_odd_sizes():
     fresh, ref = align_by_expert(strided, 8, 4), align_by_expert_ref(strided, 8, 4)
     assert torch.equal(fresh.sorted_pairs, ref.sorted_pairs) and torch.equal(fresh.block_expert, ref.block_expert)
     _assert_alignment_equal(torch.zeros(0, 6, dtype=torch.int64, device=DEVICE), 8, 16)
+
+
+@pytest.mark.parametrize("tiles", [AlignTiles(True, 4, 2, 4), AlignTiles(True, 8, 64, 2), AlignTiles(True, 32, 8, 4),
+                                   AlignTiles(False, 128, 4, 4), AlignTiles(False, 256, 2, 8)])
+def test_align_by_expert_tiles(tiles):
+    """Chunk owners (pairs before the chunk from a prefix histogram, ranks inside it from a [chunk, chunk] compare)
+    and expert owners (several scan steps, the next one prefetched), uniform and skewed ids."""
+    _assert_alignment_equal(_random_ids(17, 64, 6, seed=1), 64, 4, tiles=tiles)
+    _assert_alignment_equal(torch.full((100, 3), 9, dtype=torch.int64, device=DEVICE), 64, 16, tiles=tiles)
+
+
+def test_align_by_expert_rejects_bad_tiles():
+    ids = _random_ids(700, 8, 3, seed=0)                                          # 2100 pairs: too many for one tile
+    for tiles in (AlignTiles(True, 16, 1, 4), AlignTiles(False, 64, 1, 4), AlignTiles(False, 128, 3, 4)):
+        with pytest.raises(ValueError):
+            _assert_alignment_equal(ids, 8, 16, tiles=tiles)
 
 
 def test_align_by_expert_super_experts():
@@ -231,10 +294,38 @@ def test_moe_route_gpu_grouped(T):
 
 @gpu
 @needs_cuda
-def test_moe_route_and_align_in_cuda_graph_without_sync():
+@pytest.mark.parametrize("T", sorted(ROUTE_TILE_VARIANTS))
+def test_moe_route_tile_variants_gpu(T):
+    """Every launch-shape variant the benchmark times (Nano, bf16 h): ids equal to the fp32 reference's (near ties
+    aside), weights within 1e-5, grouped too; and deterministic (a second call is bitwise equal)."""
+    h, gate, bias = _router_inputs(T, NANO["E"], NANO["d"], torch.bfloat16, seed=T + 1)
+    for tiles in ROUTE_TILE_VARIANTS[T]:
+        ids = _assert_route_matches(h, gate, bias, NANO["k"], 1, 1, True, tiles)
+        _assert_route_matches(h, gate, bias, NANO["k"], 8, 4, False, tiles)
+        w2, ids2 = moe_route_tiled(h, gate, bias, NANO["k"], 1, 1, True, 2.5, tiles)
+        assert torch.equal(ids2, ids), tiles
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("T", sorted(ALIGN_TILE_VARIANTS))
+def test_align_tile_variants_gpu(T):
+    """Every alignment variant the benchmark times equals the oracle (uniform and skewed ids, Nano E=128, k=6)."""
+    uniform = _random_ids(T, NANO["E"], NANO["k"], seed=T)
+    skewed = torch.randint(0, 4, (T, NANO["k"]), device=DEVICE)
+    for tiles in ALIGN_TILE_VARIANTS[T]:
+        for block_m in sorted({16, default_tiles(T * NANO["k"] / NANO["E"], 2).block_m}):
+            _assert_alignment_equal(uniform, NANO["E"], block_m, tiles=tiles)
+            _assert_alignment_equal(skewed, NANO["E"], block_m, tiles=tiles)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [4, 256])
+def test_moe_route_and_align_in_cuda_graph_without_sync(T):
     """No host sync (torch's sync debug mode errors on one in an eager call; a sync inside the capture would fail
     it), and the captured ops replay right on new inputs (the arrival counters are re-zeroed inside the graph)."""
-    h, gate, bias = _router_inputs(4, NANO["E"], NANO["d"], torch.bfloat16, seed=0)
+    h, gate, bias = _router_inputs(T, NANO["E"], NANO["d"], torch.bfloat16, seed=0)
 
     def step():
         w, ids = moe_route(h, gate, bias, NANO["k"], 1, 1, True, 2.5)
@@ -253,7 +344,7 @@ def test_moe_route_and_align_in_cuda_graph_without_sync():
     with torch.cuda.graph(graph):
         w, ids, al = step()
     for seed in (1, 2, 3):
-        h.copy_(_router_inputs(4, NANO["E"], NANO["d"], torch.bfloat16, seed=seed)[0])
+        h.copy_(_router_inputs(T, NANO["E"], NANO["d"], torch.bfloat16, seed=seed)[0])
         graph.replay()
         w_eager, ids_eager = moe_route(h, gate, bias, NANO["k"], 1, 1, True, 2.5)     # checked vs the ref above
         assert torch.equal(ids, ids_eager) and torch.equal(w, w_eager)

@@ -52,12 +52,14 @@ def align_by_expert_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) 
 
 @triton.jit
 def _expert_counts(ids_ptr, num_pairs, E, CHUNK: tl.constexpr, HIST: tl.constexpr):
-    """Pairs per expert over all ids: [HIST] int32 (bins >= E are 0)."""
+    """Pairs per expert over all ids: [HIST] int32 (bins >= E are 0); the next chunk loads while one is counted."""
     counts = tl.zeros((HIST,), tl.int32)
-    for c0 in range(0, num_pairs, CHUNK):
-        offs = c0 + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=E).to(tl.int32)   # E: an in-range spare bin
+    offs = tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=E).to(tl.int32)       # E: an in-range spare bin
+    for c0 in range(CHUNK, num_pairs + CHUNK, CHUNK):
+        nxt = tl.load(ids_ptr + c0 + offs, mask=c0 + offs < num_pairs, other=E).to(tl.int32)
         counts += tl.histogram(ids, HIST)
+        ids = nxt
     return tl.where(tl.arange(0, HIST) < E, counts, 0)
 
 
@@ -65,27 +67,30 @@ def _expert_counts(ids_ptr, num_pairs, E, CHUNK: tl.constexpr, HIST: tl.constexp
 def _write_expert_pairs(ids_ptr, pairs_ptr, num_pairs, mine, start, EPP: tl.constexpr, CHUNK: tl.constexpr):
     """Pair indices of experts `mine` [EPP] at start[e] + (stable rank among that expert's pairs)."""
     run = tl.zeros((EPP,), tl.int32)
-    for c0 in range(0, num_pairs, CHUNK):
-        offs = c0 + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
+    offs = tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
+    for c0 in range(CHUNK, num_pairs + CHUNK, CHUNK):
+        nxt = tl.load(ids_ptr + c0 + offs, mask=c0 + offs < num_pairs, other=-1).to(tl.int32)
         match = (ids[:, None] == mine[None, :]).to(tl.int32)                          # [CHUNK, EPP]
         rank = run[None, :] + tl.cumsum(match, axis=0) - 1
-        tl.store(pairs_ptr + start[None, :] + rank, tl.broadcast_to(offs[:, None], (CHUNK, EPP)), mask=match != 0)
+        tl.store(pairs_ptr + start[None, :] + rank, tl.broadcast_to((c0 - CHUNK + offs)[:, None], (CHUNK, EPP)),
+                 mask=match != 0)
         run += tl.sum(match, axis=0)
+        ids = nxt
 
 
 @triton.jit
 def _write_expert_padding(pairs_ptr, block_expert_ptr, num_pairs, block_m, mine, start, count, padded,
-                          EPP: tl.constexpr, BM_PAD: tl.constexpr, FILL: tl.constexpr):
+                          EPP: tl.constexpr, BM_PAD: tl.constexpr, BFILL: tl.constexpr):
     """Runs [start, start + padded) of experts `mine`: sentinels after their pairs, block_expert of their blocks."""
     offs = tl.arange(0, BM_PAD)
     tl.store(pairs_ptr + (start + count)[:, None] + offs[None, :], num_pairs,
              mask=offs[None, :] < (padded - count)[:, None])
     nb = padded // block_m
-    for b0 in range(0, tl.max(nb, axis=0), FILL):
-        offs_b = b0 + tl.arange(0, FILL)
+    for b0 in range(0, tl.max(nb, axis=0), BFILL):
+        offs_b = b0 + tl.arange(0, BFILL)
         tl.store(block_expert_ptr + (start // block_m)[:, None] + offs_b[None, :],
-                 tl.broadcast_to(mine[:, None], (EPP, FILL)), mask=offs_b[None, :] < nb[:, None])
+                 tl.broadcast_to(mine[:, None], (EPP, BFILL)), mask=offs_b[None, :] < nb[:, None])
 
 
 @triton.jit
@@ -107,42 +112,119 @@ def _fill_tail(pairs_ptr, block_expert_ptr, num_pairs, block_m, num_blocks, tota
 
 
 @triton.jit
+def _pick(values, sel):
+    """values [HIST] at the experts of sel [N, HIST] (one-hot rows): [N]."""
+    return tl.sum(tl.where(sel, values[None, :], 0), axis=1)
+
+
+@triton.jit
+def _write_chunk_pairs(ids_ptr, pairs_ptr, num_pairs, E, starts, ids_all, offs_all, HIST: tl.constexpr,
+                       CHUNK: tl.constexpr):
+    """Pairs [p*CHUNK, (p+1)*CHUNK) at starts[e] + (pairs of e before the chunk) + (rank of e inside the chunk)."""
+    lo = tl.program_id(0) * CHUNK
+    before = tl.histogram(tl.where(offs_all < lo, ids_all, E), HIST)               # E: the spare bin
+    mine = lo + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + mine, mask=mine < num_pairs, other=-1).to(tl.int32)
+    base = _pick(starts + before, tl.arange(0, HIST)[None, :] == ids[:, None])
+    ci = tl.arange(0, CHUNK)
+    rank = tl.sum(((ids[None, :] == ids[:, None]) & (ci[None, :] < ci[:, None])).to(tl.int32), axis=1)
+    tl.store(pairs_ptr + base + rank, mine, mask=mine < num_pairs)
+
+
+@triton.jit
 def _align_kernel(ids_ptr, pairs_ptr, block_expert_ptr, num_pairs, E, block_m, num_blocks,
-                  EPP: tl.constexpr, CHUNK: tl.constexpr, HIST: tl.constexpr, BM_PAD: tl.constexpr,
-                  FILL: tl.constexpr):
-    """Program p owns experts [p*EPP, (p+1)*EPP): every program counts all pairs per expert (a histogram), takes
-    its experts' starts from the exclusive cumsum of the padded counts, writes their pairs, sentinels and blocks,
-    and a 1/num_programs share of the tail past the last expert's run (sentinels, block_expert -1)."""
-    counts = _expert_counts(ids_ptr, num_pairs, E, CHUNK, HIST)
+                  BY_CHUNK: tl.constexpr, EPP: tl.constexpr, CHUNK: tl.constexpr, TK_PAD: tl.constexpr,
+                  HIST: tl.constexpr, BM_PAD: tl.constexpr, BFILL: tl.constexpr, FILL: tl.constexpr):
+    """Every program counts all pairs per expert (a histogram) and takes the run starts from the exclusive cumsum
+    of the padded counts. BY_CHUNK (all ids in one [TK_PAD] tile): program p places the pairs of chunk p;
+    else program p scans all ids for the pairs of its experts. Then program p writes the sentinels and blocks of
+    experts [p*EPP, (p+1)*EPP) and a 1/num_programs share of the tail past the last run (sentinels, -1)."""
+    if BY_CHUNK:
+        offs_all = tl.arange(0, TK_PAD)
+        ids_all = tl.load(ids_ptr + offs_all, mask=offs_all < num_pairs, other=E).to(tl.int32)
+        counts = tl.where(tl.arange(0, HIST) < E, tl.histogram(ids_all, HIST), 0)
+    else:
+        counts = _expert_counts(ids_ptr, num_pairs, E, CHUNK, HIST)
     padded = (counts + block_m - 1) // block_m * block_m
     starts = tl.cumsum(padded, axis=0) - padded
     mine = tl.program_id(0) * EPP + tl.arange(0, EPP)
     sel = tl.arange(0, HIST)[None, :] == mine[:, None]                                 # [EPP, HIST]
-    my_start = tl.sum(tl.where(sel, starts[None, :], 0), axis=1)
-    _write_expert_pairs(ids_ptr, pairs_ptr, num_pairs, mine, my_start, EPP, CHUNK)
-    _write_expert_padding(pairs_ptr, block_expert_ptr, num_pairs, block_m, mine, my_start,
-                          tl.sum(tl.where(sel, counts[None, :], 0), axis=1),
-                          tl.sum(tl.where(sel, padded[None, :], 0), axis=1), EPP, BM_PAD, FILL)
+    my_start = _pick(starts, sel)
+    if BY_CHUNK:
+        _write_chunk_pairs(ids_ptr, pairs_ptr, num_pairs, E, starts, ids_all, offs_all, HIST, CHUNK)
+    else:
+        _write_expert_pairs(ids_ptr, pairs_ptr, num_pairs, mine, my_start, EPP, CHUNK)
+    _write_expert_padding(pairs_ptr, block_expert_ptr, num_pairs, block_m, mine, my_start, _pick(counts, sel),
+                          _pick(padded, sel), EPP, BM_PAD, BFILL)
     _fill_tail(pairs_ptr, block_expert_ptr, num_pairs, block_m, num_blocks, tl.sum(padded, axis=0), FILL)
 
 
+@dataclass(frozen=True)
+class AlignTiles:
+    """Launch shape of `align_into`: grid max(cdiv(T*k, chunk) if by_chunk, cdiv(E, epp))."""
+    by_chunk: bool                # program p places the pairs of chunk p (T*k <= BY_CHUNK_MAX), else of its experts
+    chunk: int                    # by_chunk: pairs per program; else ids per scan step
+    epp: int                      # experts per program (their sentinels and blocks; else also their pairs)
+    warps: int
+
+
+BY_CHUNK_MAX = 2048               # pairs held in one tile by every program of the by-chunk kernel
+
+
+def align_tiles(tk: int, num_experts: int) -> AlignTiles:
+    """tk <= BY_CHUNK_MAX: chunks of 4096 / HIST pairs ([chunk, HIST] one-hot picks; Nano: 16, T=256 -> 96
+    programs) and >= 8 programs for the sentinels. Larger: about 128 programs of experts (each reads every id twice,
+    4096 per step, the next step's ids loading meanwhile)."""
+    hist = _hist_bins(num_experts)
+    if tk <= BY_CHUNK_MAX:
+        chunk = max(1, 4096 // hist)
+        progs = max(8, triton.cdiv(tk, chunk))
+        return AlignTiles(True, chunk, min(triton.next_power_of_2(triton.cdiv(num_experts, progs)), 8192 // hist), 4)
+    epp = min(triton.next_power_of_2(triton.cdiv(num_experts, 128)), max(1, 8192 // hist))
+    return AlignTiles(False, max(128, 4096 // epp), epp, 8)
+
+
+# Launch-shape variants timed by benchmarks/kernels.py (group "route") and checked by the GPU tests; keys: T at
+# Nano shapes (k=6, E=128), the first of each list = `align_tiles`' pick.
+ALIGN_TILE_VARIANTS = {
+    1: [AlignTiles(True, 16, 16, 4), AlignTiles(True, 16, 32, 4), AlignTiles(True, 16, 8, 4),
+        AlignTiles(True, 8, 16, 2), AlignTiles(True, 16, 4, 4)],
+    256: [AlignTiles(True, 16, 2, 4), AlignTiles(True, 8, 1, 4), AlignTiles(True, 32, 4, 8), AlignTiles(True, 16, 2, 8),
+          AlignTiles(False, 1024, 8, 4)],
+    8192: [AlignTiles(False, 4096, 1, 8), AlignTiles(False, 2048, 1, 8), AlignTiles(False, 2048, 1, 4),
+           AlignTiles(False, 4096, 2, 8), AlignTiles(False, 1024, 1, 4), AlignTiles(False, 2048, 2, 8)],
+}
+
+
+def _hist_bins(num_experts: int) -> int:
+    return max(32, triton.next_power_of_2(num_experts + 1))           # bins: the experts + a spare one (>= 32)
+
+
 def align_into(topk_ids: torch.Tensor, num_experts: int, block_m: int, sorted_pairs: torch.Tensor,
-               block_expert: torch.Tensor) -> ExpertAlignment:
-    """`align_by_expert` into given buffers (every element is written)."""
+               block_expert: torch.Tensor, tiles: AlignTiles | None = None) -> ExpertAlignment:
+    """`align_by_expert` into given buffers (every element is written); tiles None: `align_tiles`."""
     tk = topk_ids.numel()
     num_blocks = triton.cdiv(tk, block_m) + num_experts
     check_shape("sorted_pairs", sorted_pairs, (num_blocks * block_m,))
     check_shape("block_expert", block_expert, (num_blocks,))
     if sorted_pairs.dtype != torch.int32 or block_expert.dtype != torch.int32:
         raise ValueError("sorted_pairs and block_expert must be int32")
-    hist = max(32, triton.next_power_of_2(num_experts + 1))           # bins: the experts + a spare one (>= 32)
-    # experts per program: about 16 programs for decode-sized inputs, 128 beyond (each program reads every id
-    # twice); [EPP, HIST] tiles stay <= 8192 elements, [CHUNK, EPP] ones <= 4096 (CHUNK >= 128: 4 warps' lanes)
-    epp = min(triton.next_power_of_2(triton.cdiv(num_experts, 16 if tk <= 4096 else 128)), max(1, 8192 // hist))
-    _align_kernel[(triton.cdiv(num_experts, epp),)](
+    cfg = tiles or align_tiles(tk, num_experts)
+    if cfg.by_chunk and tk > BY_CHUNK_MAX:
+        raise ValueError(f"by_chunk alignment holds at most {BY_CHUNK_MAX} pairs, got {tk}")
+    if cfg.chunk < 1 or cfg.chunk & (cfg.chunk - 1) or cfg.epp < 1 or cfg.epp & (cfg.epp - 1):
+        raise ValueError(f"chunk and epp must be powers of two: {cfg}")
+    if not cfg.by_chunk and cfg.chunk < 32 * cfg.warps:
+        raise ValueError(f"a scan step must hold >= one id per lane (tl.histogram), chunk >= {32 * cfg.warps}: {cfg}")
+    progs = triton.cdiv(num_experts, cfg.epp)
+    if cfg.by_chunk:
+        progs = max(progs, triton.cdiv(tk, cfg.chunk))
+    _align_kernel[(progs,)](
         topk_ids.reshape(-1), sorted_pairs, block_expert, tk, num_experts, block_m, num_blocks,
-        EPP=epp, CHUNK=max(128, min(1024, triton.next_power_of_2(tk), 4096 // epp)), HIST=hist,
-        BM_PAD=triton.next_power_of_2(block_m), FILL=256, num_warps=4)
+        BY_CHUNK=cfg.by_chunk, EPP=cfg.epp, CHUNK=cfg.chunk, HIST=_hist_bins(num_experts),
+        TK_PAD=max(32 * cfg.warps, triton.next_power_of_2(tk)) if cfg.by_chunk else 1,       # >= one id per lane
+        BM_PAD=triton.next_power_of_2(block_m), BFILL=min(256, triton.next_power_of_2(triton.cdiv(tk, block_m) + 1)),
+        FILL=256, num_warps=cfg.warps)
     return ExpertAlignment(sorted_pairs, block_expert, block_m)
 
 

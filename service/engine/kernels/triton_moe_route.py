@@ -1,16 +1,21 @@
 """Triton MoE router: fp32 router logits, sigmoid, (group-limited) top-k and weights in ONE kernel launch.
 
 Same signature, semantics and dtypes as `moe.moe_route_ref`:
-  s = sigmoid(h @ W^T) in fp32 with exact fp32 products ('ieee' tl.dot or a plain multiply-accumulate, never TF32),
-  choice = s + bias; with n_group > 1 only the topk_group groups with the largest sum of their top-2 choices stay;
-  top-k of choice by repeated argmax (ties: lowest index); weights = s at the picked experts, / (sum + 1e-20) if
-  norm_topk_prob, * scaling.
-Grid (token blocks, expert slices): program (i, j) writes s for BLOCK_T tokens x BLOCK_E experts into a scratch
-[T, E]. With one slice per token block that program selects right away; with several, each slice program bumps an
-acq_rel counter of its token block (zeroed by the launcher) and the last one to arrive reads the full rows back
-(L2 loads) and selects. Slicing the experts spreads the gate weight over many SMs (decode is a GEMV: one program
-streaming all of W would be bandwidth-bound on one SM). T <= 64: multiply-accumulate on [BLOCK_T, 4, BLOCK_K]
-tiles; larger T: an 'ieee' tl.dot on [16 or 64, >= 16] tiles. No host sync: graph-capturable.
+  s = sigmoid(h @ W^T) with exact products summed in fp32 (never TF32), choice = s + bias; with n_group > 1 only
+  the topk_group groups with the largest sum of their top-2 choices stay; top-k of choice (ties: lowest index);
+  weights = s at the picked experts, / (sum + 1e-20) if norm_topk_prob, * scaling.
+Grid (token blocks, expert slices, K slices): program (i, j, c) writes the partial logits of BLOCK_T tokens x
+BLOCK_E experts over its K slice into a scratch [K slices, T, E]; each bumps an acq_rel arrival counter of its
+token block (zeroed by the launcher; none when a token block has a single program) and the last to arrive sums the
+partials in a fixed order (L2 loads), applies the sigmoid and selects. Splitting experts AND the hidden size
+spreads the gate weight over ~100-300 programs (decode is a GEMV: one SM streams only a few tens of GB/s).
+Products, by `RouteTiles.mode`:
+  "fma"    multiply-accumulate on [BLOCK_T, BLOCK_E, BLOCK_K] tiles, K_STEPS unrolled (decode: loads all in flight);
+  "ieee"   fp32 tl.dot with input_precision="ieee" (exact fp32 products on the CUDA cores);
+  "bf16x3" bf16 h only: W = W1 + W2 + W3 exactly with three bf16 parts (8 significant bits each), so the three
+           bf16 tensor-core dots have exact products summed in fp32 (only the summation order differs from fp32).
+The top-k packs (order-preserving int of the fp32 choice, E_PAD - 1 - index) into one int64 per expert: one max
+reduction per pick, ties to the lowest index. No host sync: graph-capturable.
 """
 from __future__ import annotations
 
@@ -24,35 +29,50 @@ from service.engine.kernels.triton_common import (TARGET_PROGRAMS, block_dim, ch
                                                   check_same_device, check_shape)
 
 MAX_EXPERTS = 1024          # the selection holds a [rows, next_pow2(E)] tile in registers
-SELECT_TILE = 2048          # rows * padded experts per selection step
+SELECT_TILE = 2048          # rows * padded experts per selection step (int64 keys)
+WEIGHT_TILE = 8192          # rows * padded top_k * padded experts (the weight gather)
+REDUCE_TILE = 8192          # K slices * rows * padded experts per partial-sum load
+MODES = {"fma": 0, "ieee": 1, "bf16x3": 2}
 
 
 @triton.jit
-def _gate_scores(h_ptr, w_ptr, offs_t, offs_e, mt, me, d, s_h, s_w,
-                 BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
-    """sigmoid(h[offs_t] . W[offs_e]) in fp32, exact fp32 products: [BLOCK_T, BLOCK_E]."""
-    h_rows = h_ptr + offs_t.to(tl.int64)[:, None] * s_h
-    w_rows = offs_e.to(tl.int64) * s_w
-    if USE_DOT:
-        acc = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
-        for k0 in range(0, d, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mk = offs_k < d
-            a = tl.load(h_rows + offs_k[None, :], mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
-            b = tl.load(w_ptr + w_rows[None, :] + offs_k[:, None], mask=me[None, :] & mk[:, None],
-                        other=0.0).to(tl.float32)
-            acc += tl.dot(a, b, input_precision="ieee")
-    else:
-        acc3 = tl.zeros((BLOCK_T, BLOCK_E, BLOCK_K), tl.float32)
-        for k0 in range(0, d, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mk = offs_k < d
-            a = tl.load(h_rows + offs_k[None, :], mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
-            b = tl.load(w_ptr + w_rows[:, None] + offs_k[None, :], mask=me[:, None] & mk[None, :],
-                        other=0.0).to(tl.float32)
-            acc3 += a[:, None, :] * b[None, :, :]
-        acc = tl.sum(acc3, axis=2)
-    return tl.sigmoid(acc)
+def _fma_logits(h_rows, w_rows, k0, d, mt, me, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr):
+    """h[rows, k0:k0+K_STEPS*BLOCK_K] . W[experts, same] in fp32 by multiply-accumulate: [BLOCK_T, BLOCK_E]."""
+    acc3 = tl.zeros((BLOCK_T, BLOCK_E, BLOCK_K), tl.float32)
+    for i in tl.static_range(K_STEPS):
+        offs_k = k0 + i * BLOCK_K + tl.arange(0, BLOCK_K)
+        mk = offs_k < d
+        a = tl.load(h_rows + offs_k[None, :], mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
+        b = tl.load(w_rows[:, None] + offs_k[None, :], mask=me[:, None] & mk[None, :], other=0.0).to(tl.float32)
+        acc3 += a[:, None, :] * b[None, :, :]
+    return tl.sum(acc3, axis=2)
+
+
+@triton.jit
+def _dot_logits(h_rows, w_rows, k0, d, mt, me, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, SPLIT_BF16: tl.constexpr, DOT_TY: tl.constexpr):
+    """Same as `_fma_logits` with tl.dot: 'ieee' fp32, or bf16 h times the exact three-part bf16 split of W
+    (DOT_TY bf16; fp32 in the CPU interpreter, whose tl.dot multiplies the raw bits of bf16 operands)."""
+    acc = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
+    acc_lo = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
+    for i in range(K_STEPS):
+        offs_k = k0 + i * BLOCK_K + tl.arange(0, BLOCK_K)
+        mk = offs_k < d
+        a = tl.load(h_rows + offs_k[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        b = tl.load(w_rows[None, :] + offs_k[:, None], mask=me[None, :] & mk[:, None], other=0.0).to(tl.float32)
+        if SPLIT_BF16:
+            b1 = b.to(tl.bfloat16)
+            r = b - b1.to(tl.float32)                   # exact: b1 is b rounded to 8 significant bits
+            b2 = r.to(tl.bfloat16)
+            b3 = (r - b2.to(tl.float32)).to(tl.bfloat16)   # the last <= 8 bits: exact in bf16
+            a = a.to(DOT_TY)
+            acc = tl.dot(a, b1.to(DOT_TY), acc)
+            acc_lo = tl.dot(a, b2.to(DOT_TY), acc_lo)
+            acc_lo = tl.dot(a, b3.to(DOT_TY), acc_lo)
+        else:
+            acc = tl.dot(a.to(tl.float32), b, acc, input_precision="ieee")
+    return acc + acc_lo
 
 
 @triton.jit
@@ -86,32 +106,57 @@ def _group_limit(choice, avail, cols, n_group, topk_group, group_size, SEL_T: tl
 
 
 @triton.jit
-def _select_rows(s_ptr, bias_ptr, w_out_ptr, ids_ptr, row0, T, E, s_b, top_k, n_group, topk_group, scaling,
-                 SEL_T: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, G_PAD: tl.constexpr,
-                 GROUPED: tl.constexpr, NORM: tl.constexpr):
-    """Top-k of rows [row0, row0 + SEL_T) of the scratch s [T, E]; writes weights and ids [T, top_k]."""
+def _top_k_ids(choice, avail, cols, top_k, SEL_T: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr):
+    """[SEL_T, K_PAD] int32: the top_k available experts by choice, best first (ties: lowest index), -1 past top_k.
+    key = (order-preserving int32 of choice) << 32 | (E_PAD - 1 - index): one int64 max per pick."""
+    bits = tl.where(choice == 0.0, 0.0, choice).to(tl.int32, bitcast=True)     # -0.0 ties +0.0
+    bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)           # signed order = float order (non-NaN)
+    low = (E_PAD - 1 - cols).to(tl.int64)[None, :]
+    dead = (tl.zeros((SEL_T, E_PAD), tl.int32) - 2147483647 - 1).to(tl.int64) << 32 | low   # below any float
+    key = tl.where(avail, bits.to(tl.int64) << 32 | low, dead)
+    kcols = tl.arange(0, K_PAD)
+    ids = tl.full((SEL_T, K_PAD), -1, tl.int32)
+    for j in range(top_k):
+        idx = (E_PAD - 1) - (tl.max(key, axis=1) & 0xFFFF).to(tl.int32)
+        ids = tl.where(kcols[None, :] == j, idx[:, None], ids)
+        key = tl.where(cols[None, :] == idx[:, None], dead, key)
+    return ids
+
+
+@triton.jit
+def _row_logits(part_ptr, rows, cols, mr, mc, T, E, n_ks, SEL_T: tl.constexpr, KS_TILE: tl.constexpr,
+                E_PAD: tl.constexpr):
+    """Sum over the K slices of the partial logits of rows x cols (fixed order: deterministic)."""
+    acc = tl.zeros((SEL_T, E_PAD), tl.float32)
+    for k0 in range(0, n_ks, KS_TILE):
+        ks = k0 + tl.arange(0, KS_TILE)
+        off = (ks.to(tl.int64)[:, None, None] * T + rows[None, :, None]) * E + cols[None, None, :]
+        m = (ks < n_ks)[:, None, None] & (mr[:, None] & mc[None, :])[None, :, :]
+        acc += tl.sum(tl.load(part_ptr + off, mask=m, other=0.0, cache_modifier=".cg"), axis=0)
+    return acc
+
+
+@triton.jit
+def _select_rows(part_ptr, bias_ptr, w_out_ptr, ids_ptr, row0, T, E, n_ks, s_b, top_k, n_group, topk_group,
+                 scaling, SEL_T: tl.constexpr, KS_TILE: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                 G_PAD: tl.constexpr, GROUPED: tl.constexpr, NORM: tl.constexpr):
+    """Top-k of rows [row0, row0 + SEL_T): writes weights and ids [T, top_k]."""
     rows = row0 + tl.arange(0, SEL_T)
     cols = tl.arange(0, E_PAD)
     mr = rows < T
     mc = cols < E
-    s = tl.load(s_ptr + rows.to(tl.int64)[:, None] * E + cols[None, :], mask=mr[:, None] & mc[None, :], other=0.0,
-                cache_modifier=".cg")
-    choice = s + tl.load(bias_ptr + cols * s_b, mask=mc, other=0.0).to(tl.float32)[None, :]
+    bias = tl.load(bias_ptr + cols * s_b, mask=mc, other=0.0).to(tl.float32)       # issued with the partials
+    s = tl.sigmoid(_row_logits(part_ptr, rows, cols, mr, mc, T, E, n_ks, SEL_T, KS_TILE, E_PAD))
+    choice = s + bias[None, :]
     avail = mc[None, :] & (rows >= 0)[:, None]
     if GROUPED:
         avail = _group_limit(choice, avail, cols, n_group, topk_group, E // n_group, SEL_T, E_PAD, G_PAD)
-    kcols = tl.arange(0, K_PAD)
-    ids = tl.zeros((SEL_T, K_PAD), tl.int32)
-    w = tl.zeros((SEL_T, K_PAD), tl.float32)
-    for j in range(top_k):
-        idx = _argmax_lowest(choice, avail, cols, E_PAD)
-        pick = cols[None, :] == idx[:, None]
-        ids = tl.where(kcols[None, :] == j, idx[:, None], ids)
-        w = tl.where(kcols[None, :] == j, tl.sum(tl.where(pick, s, 0.0), axis=1)[:, None], w)
-        avail = avail & ~pick
+    ids = _top_k_ids(choice, avail, cols, top_k, SEL_T, E_PAD, K_PAD)
+    w = tl.sum(tl.where(cols[None, None, :] == ids[:, :, None], s[:, None, :], 0.0), axis=2)   # 0 past top_k
     if NORM:
         w = w / (tl.sum(w, axis=1)[:, None] + 1e-20)
     w = w * scaling
+    kcols = tl.arange(0, K_PAD)
     out = rows.to(tl.int64)[:, None] * top_k + kcols[None, :]
     mk = mr[:, None] & (kcols < top_k)[None, :]
     tl.store(w_out_ptr + out, w, mask=mk)
@@ -119,52 +164,91 @@ def _select_rows(s_ptr, bias_ptr, w_out_ptr, ids_ptr, row0, T, E, s_b, top_k, n_
 
 
 @triton.jit
-def _moe_route_kernel(h_ptr, w_ptr, bias_ptr, s_ptr, count_ptr, w_out_ptr, ids_ptr,
+def _select_block(part_ptr, bias_ptr, w_out_ptr, ids_ptr, pid_t, T, E, n_ks, s_b, top_k, n_group, topk_group,
+                  scaling, BLOCK_T: tl.constexpr, SEL_T: tl.constexpr, KS_TILE: tl.constexpr, E_PAD: tl.constexpr,
+                  K_PAD: tl.constexpr, G_PAD: tl.constexpr, GROUPED: tl.constexpr, NORM: tl.constexpr):
+    for r0 in range(0, BLOCK_T, SEL_T):
+        _select_rows(part_ptr, bias_ptr, w_out_ptr, ids_ptr, pid_t * BLOCK_T + r0, T, E, n_ks, s_b, top_k, n_group,
+                     topk_group, scaling, SEL_T, KS_TILE, E_PAD, K_PAD, G_PAD, GROUPED, NORM)
+
+
+@triton.jit
+def _moe_route_kernel(h_ptr, w_ptr, bias_ptr, part_ptr, count_ptr, w_out_ptr, ids_ptr,
                       T, E, d, s_h, s_w, s_b, top_k, n_group, topk_group, scaling,
-                      BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-                      N_SPLIT: tl.constexpr, SEL_T: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                      G_PAD: tl.constexpr, GROUPED: tl.constexpr, NORM: tl.constexpr):
+                      MODE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                      K_STEPS: tl.constexpr, N_ARRIVE: tl.constexpr, SEL_T: tl.constexpr, KS_TILE: tl.constexpr,
+                      E_PAD: tl.constexpr, K_PAD: tl.constexpr, G_PAD: tl.constexpr, GROUPED: tl.constexpr,
+                      NORM: tl.constexpr, DOT_TY: tl.constexpr):
     pid_t = tl.program_id(0)
+    pid_k = tl.program_id(2)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     mt = offs_t < T
     me = offs_e < E
-    s = _gate_scores(h_ptr, w_ptr, offs_t, offs_e, mt, me, d, s_h, s_w, BLOCK_T, BLOCK_E, BLOCK_K, USE_DOT)
-    tl.store(s_ptr + offs_t.to(tl.int64)[:, None] * E + offs_e[None, :], s, mask=mt[:, None] & me[None, :])
+    h_rows = h_ptr + offs_t.to(tl.int64)[:, None] * s_h
+    w_rows = w_ptr + offs_e.to(tl.int64) * s_w
+    k0 = pid_k * (BLOCK_K * K_STEPS)
+    if MODE == 0:
+        acc = _fma_logits(h_rows, w_rows, k0, d, mt, me, BLOCK_T, BLOCK_E, BLOCK_K, K_STEPS)
+    else:
+        acc = _dot_logits(h_rows, w_rows, k0, d, mt, me, BLOCK_T, BLOCK_E, BLOCK_K, K_STEPS, MODE == 2, DOT_TY)
+    tl.store(part_ptr + (pid_k * T + offs_t.to(tl.int64))[:, None] * E + offs_e[None, :], acc,
+             mask=mt[:, None] & me[None, :])
     tl.debug_barrier()          # every thread's stores are done before the read-back / the counter
-    if N_SPLIT == 1:
-        for r0 in range(0, BLOCK_T, SEL_T):
-            _select_rows(s_ptr, bias_ptr, w_out_ptr, ids_ptr, pid_t * BLOCK_T + r0, T, E, s_b, top_k, n_group,
-                         topk_group, scaling, SEL_T, E_PAD, K_PAD, G_PAD, GROUPED, NORM)
+    if N_ARRIVE == 1:
+        _select_block(part_ptr, bias_ptr, w_out_ptr, ids_ptr, pid_t, T, E, tl.num_programs(2), s_b, top_k, n_group,
+                      topk_group, scaling, BLOCK_T, SEL_T, KS_TILE, E_PAD, K_PAD, G_PAD, GROUPED, NORM)
     else:
         arrived = tl.atomic_add(count_ptr + pid_t, 1, sem="acq_rel", scope="gpu")
-        if arrived == N_SPLIT - 1:          # the last slice of this token block: every s row is in L2
-            for r0 in range(0, BLOCK_T, SEL_T):
-                _select_rows(s_ptr, bias_ptr, w_out_ptr, ids_ptr, pid_t * BLOCK_T + r0, T, E, s_b, top_k, n_group,
-                             topk_group, scaling, SEL_T, E_PAD, K_PAD, G_PAD, GROUPED, NORM)
+        if arrived == N_ARRIVE - 1:         # the last program of this token block: every partial is in L2
+            _select_block(part_ptr, bias_ptr, w_out_ptr, ids_ptr, pid_t, T, E, tl.num_programs(2), s_b, top_k,
+                          n_group, topk_group, scaling, BLOCK_T, SEL_T, KS_TILE, E_PAD, K_PAD, G_PAD, GROUPED, NORM)
 
 
 @dataclass(frozen=True)
 class RouteTiles:
-    """Launch shape of the router."""
-    block_t: int                  # tokens per program
-    block_e: int                  # experts per program (a slice of the padded experts)
-    block_k: int                  # reduction step over the hidden size
-    use_dot: bool                 # 'ieee' tl.dot (block_t, block_e >= 16) or a multiply-accumulate
+    """Launch shape of the router: grid (cdiv(T, block_t), cdiv(E, block_e), cdiv(d, block_k * k_steps))."""
+    mode: str                     # "fma", "ieee" or "bf16x3" (bf16 h only), see the module docstring
+    block_t: int                  # tokens per program (>= 16 for the dot modes)
+    block_e: int                  # experts per program (>= 16 for the dot modes)
+    block_k: int                  # reduction step over the hidden size (>= 16 for the dot modes)
+    k_steps: int                  # steps per program: its K slice is block_k * k_steps ("fma": unrolled, <= 16)
     warps: int
+    stages: int = 3
 
 
-def route_tiles(T: int, e_pad: int) -> RouteTiles:
-    """Decode (T <= 64): 4-expert slices so the gate weight streams through E/4 programs; larger T: 'ieee' dots
-    on 16-token (64 past 1024 tokens) blocks, the experts split in a power of two of slices (<= e_pad / 16) so that
-    there are at most about TARGET_PROGRAMS programs (T=8192, E=128: 128 x 2 programs of 64 x 64)."""
-    if T <= 64:
-        bt = min(8, triton.next_power_of_2(T))
-        return RouteTiles(bt, 4, max(32, min(512, 2048 // (4 * bt))), False, 4)
-    bt = 16 if T <= 1024 else 64
-    n_split = min(e_pad // 16, 1 << (max(1, TARGET_PROGRAMS // triton.cdiv(T, bt)).bit_length() - 1))
-    be = e_pad // n_split
-    return RouteTiles(bt, be, 32, True, 8 if bt * be >= 8192 else 4)
+def route_tiles(T: int, e_pad: int, d: int, dtype: torch.dtype) -> RouteTiles:
+    """T <= 8 (decode): "fma", 256-wide K slices and e_pad / 16 experts per program (Nano: 16 x 11 = 176 programs,
+    8 KB of W each, every load in flight at once). Larger T: "bf16x3" for bf16 h ("ieee" otherwise) on 16/32/64-token
+    blocks; K split so that there are about TARGET_PROGRAMS programs while the last program of a token block sums
+    at most 64K partial logits (Nano: T=256 -> 8 x 2 x 14 programs, T=8192 -> 128 x 1 x 2)."""
+    if T <= 8:
+        bt = triton.next_power_of_2(T)
+        bk = max(32, 256 // bt)
+        return RouteTiles("fma", bt, max(8, e_pad // 16), bk, 256 // bk, 4)
+    mode = "bf16x3" if dtype == torch.bfloat16 else "ieee"
+    bt, be = (16, 32) if T <= 64 else (32, 64) if T <= 512 else (64, 128)
+    be = min(be, e_pad)
+    blocks = triton.cdiv(T, bt) * triton.cdiv(e_pad, be)
+    n_ks = max(1, min(TARGET_PROGRAMS // blocks, 65536 // (bt * e_pad)))
+    return RouteTiles(mode, bt, be, 64, triton.cdiv(triton.cdiv(d, 64), n_ks), 4 if bt * be <= 2048 else 8)
+
+
+# Launch-shape variants timed by benchmarks/kernels.py (group "route") and checked by the GPU tests; the first of
+# each list is `route_tiles`' pick at Nano shapes (E=128, d=2688, bf16 h).
+ROUTE_TILE_VARIANTS = {
+    1: [RouteTiles("fma", 1, 8, 256, 1, 4), RouteTiles("fma", 1, 16, 128, 1, 4), RouteTiles("fma", 1, 16, 256, 1, 4),
+        RouteTiles("fma", 1, 8, 128, 1, 4), RouteTiles("fma", 1, 4, 512, 1, 4), RouteTiles("fma", 1, 8, 256, 1, 2),
+        RouteTiles("fma", 1, 8, 512, 1, 8), RouteTiles("fma", 1, 32, 128, 1, 4)],
+    256: [RouteTiles("bf16x3", 32, 64, 64, 3, 4), RouteTiles("bf16x3", 16, 32, 64, 3, 4),
+          RouteTiles("bf16x3", 32, 128, 64, 6, 8), RouteTiles("bf16x3", 64, 128, 64, 6, 8),
+          RouteTiles("bf16x3", 32, 64, 32, 6, 4), RouteTiles("bf16x3", 16, 64, 64, 3, 4),
+          RouteTiles("ieee", 32, 64, 32, 6, 4), RouteTiles("ieee", 16, 32, 32, 6, 4)],
+    8192: [RouteTiles("bf16x3", 64, 128, 64, 21, 8), RouteTiles("bf16x3", 64, 128, 64, 42, 8),
+           RouteTiles("bf16x3", 128, 128, 32, 21, 8, 2), RouteTiles("bf16x3", 128, 64, 64, 42, 8),
+           RouteTiles("bf16x3", 64, 128, 32, 42, 8), RouteTiles("bf16x3", 64, 64, 32, 84, 4),
+           RouteTiles("ieee", 64, 128, 32, 84, 8), RouteTiles("ieee", 64, 128, 32, 42, 8)],
+}
 
 
 def _check_route_args(h, gate_weight, correction_bias, top_k, n_group, topk_group) -> None:
@@ -187,12 +271,32 @@ def _check_route_args(h, gate_weight, correction_bias, top_k, n_group, topk_grou
         raise ValueError(f"top_k={top_k} must be in [1, {kept}] (experts left after the group limit)")
 
 
+def _check_tiles(t: RouteTiles, h: torch.Tensor) -> None:
+    if t.mode not in MODES:
+        raise ValueError(f"mode must be one of {sorted(MODES)}, got {t.mode!r}")
+    if t.mode == "bf16x3" and h.dtype != torch.bfloat16:
+        raise ValueError(f"mode 'bf16x3' needs bf16 h (its products are exact only then), got {h.dtype}")
+    dims = (t.block_t, t.block_e, t.block_k)
+    if any(v < 1 or v & (v - 1) for v in dims) or t.k_steps < 1 or (t.mode == "fma" and t.k_steps > 16):
+        raise ValueError(f"block sizes must be powers of two and 1 <= k_steps (<= 16 for 'fma'): {t}")
+    if t.mode != "fma" and min(dims) < 16:
+        raise ValueError(f"tl.dot modes need block_t, block_e, block_k >= 16: {t}")
+
+
 def moe_route(h: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
               n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """h [T, d] (bf16/fp16/fp32, unit stride in d), gate_weight [E, d] (unit stride in d), correction_bias [E]
     -> (topk_weights [T, top_k] fp32, topk_ids [T, top_k] int64), one Triton launch (+ a zero fill of one int32
-    counter per token block when the experts are split across programs)."""
+    arrival counter per token block when a token block spans several programs); tiles from `route_tiles`."""
+    return moe_route_tiled(h, gate_weight, correction_bias, top_k, n_group, topk_group, norm_topk_prob, scaling,
+                           None)
+
+
+def moe_route_tiled(h: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
+                    n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float, tiles: RouteTiles | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_route` with a given launch shape (None: `route_tiles`)."""
     _check_route_args(h, gate_weight, correction_bias, top_k, n_group, topk_group)
     T, d = h.shape
     E = gate_weight.shape[0]
@@ -201,19 +305,23 @@ def moe_route(h: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch
     ids = torch.empty(T, top_k, dtype=torch.int64, device=dev)
     if T == 0:
         return weights, ids
-    e_pad = block_dim(E, 16)
-    cfg = route_tiles(T, e_pad)
-    n_tb, n_split = triton.cdiv(T, cfg.block_t), e_pad // cfg.block_e
-    s = torch.empty(T, E, dtype=torch.float32, device=dev)
-    if n_split > 1:             # one arrival counter per token block
-        counts = torch.zeros(n_tb, dtype=torch.int32, device=dev)
+    e_pad, k_pad = block_dim(E, 16), triton.next_power_of_2(top_k)
+    cfg = tiles or route_tiles(T, e_pad, d, h.dtype)
+    _check_tiles(cfg, h)
+    grid = (triton.cdiv(T, cfg.block_t), triton.cdiv(E, cfg.block_e), triton.cdiv(d, cfg.block_k * cfg.k_steps))
+    part = torch.empty(grid[2], T, E, dtype=torch.float32, device=dev)         # partial logits per K slice
+    n_arrive = grid[1] * grid[2]
+    if n_arrive > 1:            # one arrival counter per token block
+        counts = torch.zeros(grid[0], dtype=torch.int32, device=dev)
     else:
         counts = torch.empty(1, dtype=torch.int32, device=dev)
-    _moe_route_kernel[(n_tb, n_split)](
-        h, gate_weight, correction_bias, s, counts, weights, ids, T, E, d, h.stride(0), gate_weight.stride(0),
+    sel_t = max(1, min(cfg.block_t, SELECT_TILE // e_pad, WEIGHT_TILE // (e_pad * k_pad)))
+    ks_tile = min(triton.next_power_of_2(grid[2]), max(1, REDUCE_TILE // (sel_t * e_pad)))
+    _moe_route_kernel[grid](
+        h, gate_weight, correction_bias, part, counts, weights, ids, T, E, d, h.stride(0), gate_weight.stride(0),
         correction_bias.stride(0), top_k, n_group, topk_group, float(scaling),
-        BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot, N_SPLIT=n_split,
-        SEL_T=max(1, min(cfg.block_t, SELECT_TILE // e_pad)), E_PAD=e_pad, K_PAD=triton.next_power_of_2(top_k),
+        MODE=MODES[cfg.mode], BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k, K_STEPS=cfg.k_steps,
+        N_ARRIVE=n_arrive, SEL_T=sel_t, KS_TILE=ks_tile, E_PAD=e_pad, K_PAD=k_pad,
         G_PAD=triton.next_power_of_2(n_group), GROUPED=n_group > 1, NORM=bool(norm_topk_prob),
-        num_warps=cfg.warps, num_stages=2)
+        DOT_TY=tl.bfloat16 if dev.type == "cuda" else tl.float32, num_warps=cfg.warps, num_stages=cfg.stages)
     return weights, ids
