@@ -182,3 +182,24 @@ def test_moe_decode_tile_variants_gpu_nano(T, tiles):
     """Every decode variant the moe_tune benchmark times, Nano's E 128, top-6, d 2688, I 1856, bf16."""
     args = _moe_inputs(T, 128, 6, 2688, 1856, torch.bfloat16, seed=T)
     assert_close(moe_experts_tiled(*args, tiles), moe.moe_experts_ref(*args), torch.bfloat16, f"moe T={T} {tiles}")
+
+
+def test_linear_dispatch_by_shape():
+    """`triton_gemv.linear`: one row on a small weight runs gemv (bit-equal to it), more rows or a weight above
+    MAX_GEMV_WEIGHT_ELEMENTS run F.linear (bit-equal to it); both match the reference."""
+    from service.engine.kernels.triton_gemv import linear
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(24, 40, generator=g).to(DEVICE)
+    b = torch.randn(24, generator=g).to(DEVICE)
+    x1 = torch.randn(1, 1, 40, generator=g).to(DEVICE)
+    out = linear(x1, w, b)
+    assert out.shape == (1, 1, 24)
+    assert torch.equal(out.view(1, 24), gemv(x1.view(1, 40), w, b))
+    x3 = torch.randn(3, 40, generator=g).to(DEVICE)
+    assert torch.equal(linear(x3, w, b), torch.nn.functional.linear(x3, w, b))
+    from service.engine.kernels.triton_gemv import MAX_GEMV_WEIGHT_ELEMENTS
+    big = torch.randn(MAX_GEMV_WEIGHT_ELEMENTS // 64 + 1, 64, generator=g).to(DEVICE)
+    xb = torch.randn(1, 64, generator=g).to(DEVICE)
+    assert torch.equal(linear(xb, big), torch.nn.functional.linear(xb, big))
+    for y, x in ((out.view(1, 24), x1.view(1, 40)), (linear(x3, w, b), x3)):
+        assert (y - gemv_ref(x, w, b)).abs().max() <= 1e-4 * gemv_ref(x, w, b).abs().max()

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch.nn.functional as F
+
 from service.engine.kernels import attention, conv1d, moe, norm, ssd
 
 
@@ -28,6 +30,7 @@ class Kernels:
     add_rms_norm: Callable             # norm.add_rms_norm_ref signature (residual add + the next RMSNorm)
     gated_rms_norm: Callable           # norm.gated_group_rms_norm_ref signature
     relu2: Callable                    # moe.relu2 signature (dense MLP / shared expert activation)
+    linear: Callable                   # F.linear signature (every projection: in/out, q/k/v/o, MLPs, lm_head)
 
 
 def torch_kernels() -> Kernels:
@@ -40,6 +43,7 @@ def torch_kernels() -> Kernels:
         paged_attention=attention.paged_attention_ref, moe_route=moe.moe_route_ref,
         moe_experts=moe.moe_experts_ref, rms_norm=norm.rms_norm_ref, add_rms_norm=norm.add_rms_norm_ref,
         gated_rms_norm=norm.gated_group_rms_norm_ref, relu2=moe.relu2,
+        linear=F.linear,
     )
 
 

@@ -6,7 +6,9 @@ Triton ops:  ssd_varlen, selective_state_update, selective_state_update_slots_ra
              paged_attention (triton_attention: decode with split-KV, prefill with cached prefix);
              moe_route (triton_moe_route: router GEMV + top-k in one launch), moe_experts (triton_moe:
              sorted-token grouped GEMMs); rms_norm, add_rms_norm (residual add
-             + RMSNorm), gated_rms_norm (triton_norm); relu2 (triton_activation).
+             + RMSNorm), gated_rms_norm (triton_norm); relu2 (triton_activation);
+             linear (triton_gemv.linear: one-launch GEMV for single-row decode linears up to 16 M weights,
+             cuBLAS otherwise).
 Torch references used on purpose (each a single gather/scatter, no Python loop):
              conv_windows = conv1d.conv_state_windows_ref, write_kv = attention.write_kv_ref.
 There is no runtime fallback: every field is fixed here.
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 from service.engine.kernels import Kernels, attention, conv1d, moe
 from service.engine.kernels import triton_attention, triton_conv1d, triton_moe, triton_norm, triton_ssd
-from service.engine.kernels import triton_activation
+from service.engine.kernels import triton_activation, triton_gemv
 
 TORCH_REFERENCE_OPS = ("conv_windows", "write_kv")   # fields that hold the torch reference
 
@@ -40,4 +42,5 @@ def triton_kernels() -> Kernels:
         add_rms_norm=triton_norm.add_rms_norm,
         gated_rms_norm=triton_norm.gated_group_rms_norm,
         relu2=triton_activation.relu2,
+        linear=triton_gemv.linear,
     )

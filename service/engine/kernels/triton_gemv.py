@@ -156,9 +156,11 @@ class GemvTiles:
 # Launch shapes the `gemv` benchmark compares per Nano-30B-A3B shape (N, K); the GPU tests check every one.
 _WIDE = (GemvTiles(8, 256, 4), GemvTiles(8, 256, 4, False), GemvTiles(16, 128, 4), GemvTiles(8, 512, 4),
          GemvTiles(32, 128, 8), GemvTiles(16, 256, 8), GemvTiles(4, 1024, 4, False))
-_SHORT_K = (GemvTiles(8, 256, 4), GemvTiles(8, 256, 4, False), GemvTiles(4, 512, 4), GemvTiles(8, 128, 4, True, 3),
+# First of each = default: the H200 run of 2026-11-30 measured GemvTiles(4, 512, 4) fastest on every short/long-K shape
+# (q_proj 8.1, shared up 7.4, out_proj 8.3, shared down 8.0 us vs cuBLAS 9.3-9.6 us); on the wide shapes cuBLAS ties.
+_SHORT_K = (GemvTiles(4, 512, 4), GemvTiles(8, 256, 4, False), GemvTiles(8, 256, 4), GemvTiles(8, 128, 4, True, 3),
             GemvTiles(16, 128, 4, True, 3), GemvTiles(8, 256, 4, True, 2), GemvTiles(4, 1024, 4, False))
-_LONG_K = (GemvTiles(8, 512, 4), GemvTiles(8, 512, 4, False), GemvTiles(4, 512, 4), GemvTiles(8, 512, 4, True, 2),
+_LONG_K = (GemvTiles(4, 512, 4), GemvTiles(8, 512, 4, False), GemvTiles(8, 512, 4), GemvTiles(8, 512, 4, True, 2),
            GemvTiles(16, 256, 4, True, 4), GemvTiles(8, 256, 4, True, 4), GemvTiles(4, 1024, 4, False, 2))
 GEMV_SHAPES = (("in_proj", 10304, 2688), ("out_proj", 2688, 4096), ("q_proj", 4096, 2688),
                ("shared_up", 3712, 2688), ("shared_down", 2688, 3712), ("lm_head", 131072, 2688))
@@ -242,4 +244,18 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Reference: torch's F.linear."""
+    return F.linear(x, weight, bias)
+
+
+MAX_GEMV_WEIGHT_ELEMENTS = 16 * 2 ** 20   # above this cuBLAS streams as fast (in_proj 27.7 M, lm_head 352 M: ties)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` for x [..., K]: a single row (batch-1 decode) on a weight of <= MAX_GEMV_WEIGHT_ELEMENTS runs
+    `gemv` (one launch; cuBLAS picks split-K + a reduce kernel there and was 13-22 % slower on the H200), every
+    other case cuBLAS. Chosen by shape alone."""
+    K = x.shape[-1]
+    if (x.numel() == K and weight.numel() <= MAX_GEMV_WEIGHT_ELEMENTS and x.dtype == weight.dtype
+            and weight.is_contiguous() and x.dtype in (torch.float16, torch.bfloat16, torch.float32)):
+        return gemv(x.reshape(1, K), weight, bias).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)

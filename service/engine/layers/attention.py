@@ -23,9 +23,9 @@ class Attention(nn.Module):
                 k: Kernels) -> torch.Tensor:
         """h [T, hidden]; k_cache/v_cache [num_pages * page_size, Hkv, Dh] (new K/V written in place)."""
         T = h.shape[0]
-        q = self.q_proj(h).view(T, self.hq, self.dh)
-        k.write_kv(k_cache, v_cache, self.k_proj(h).view(T, self.hkv, self.dh),
-                   self.v_proj(h).view(T, self.hkv, self.dh), meta.kv_slot_mapping)
+        q = k.linear(h, self.q_proj.weight).view(T, self.hq, self.dh)
+        k.write_kv(k_cache, v_cache, k.linear(h, self.k_proj.weight).view(T, self.hkv, self.dh),
+                   k.linear(h, self.v_proj.weight).view(T, self.hkv, self.dh), meta.kv_slot_mapping)
         o = k.paged_attention(q, k_cache, v_cache, meta.page_table, meta.query_start_loc, meta.prefix_lens,
                               meta.max_query_len, meta.max_seq_len, meta.page_size, self.scale)
-        return self.o_proj(o.reshape(T, self.hq * self.dh))
+        return k.linear(o.reshape(T, self.hq * self.dh), self.o_proj.weight)
