@@ -28,7 +28,8 @@ from service.engine.kernels.triton_conv1d import (CONV_TILE_VARIANTS, causal_con
                                                   causal_conv1d_varlen_tiled)
 from service.engine.kernels.triton_gemv import GEMV_SHAPES, GEMV_TILE_VARIANTS, GemvTiles, gemv
 from service.engine.kernels.triton_moe import MOE_DECODE_TILE_VARIANTS, MoeTiles, moe_experts, moe_experts_tiled
-from service.engine.kernels.triton_moe import align_by_expert, align_by_expert_ref, default_tiles, moe_route
+from service.engine.kernels.triton_moe import (align_by_expert, align_by_expert_ref, default_tiles, max_expert_blocks,
+                                               moe_route)
 from service.engine.kernels.triton_norm import gated_group_rms_norm, rms_norm
 from service.engine.kernels.triton_ssd import SsdTiles, selective_state_update, ssd_varlen, ssd_varlen_tiled
 
@@ -220,7 +221,7 @@ def _align_case(T: int) -> Case:
 
     def make():
         return (torch.rand(T, E, device=DEV).argsort(dim=1)[:, :TOPK].contiguous(),)
-    moved = T * TOPK * 8 + (triton.cdiv(T * TOPK, bm) + E) * (bm + 1) * 4
+    moved = T * TOPK * 8 + max_expert_blocks(T * TOPK, E, bm) * (bm + 1) * 4
     return Case(f"align_by_expert T={T} block_m={bm}", make,
                 lambda ids: _alignment_tensors(align_by_expert(ids, E, bm)),
                 lambda ids: _alignment_tensors(align_by_expert_ref(ids, E, bm)), moved, 0.0)
@@ -247,7 +248,7 @@ def route_cases() -> list[Case]:
                             base.bytes_moved, base.flops, lambda *a: _ids_first(moe.moe_route_ref(*a))))
     for T, variants in ALIGN_TILE_VARIANTS.items():
         base, bm = _align_case(T), default_tiles(T * TOPK / E, 2).block_m
-        blocks = triton.cdiv(T * TOPK, bm) + E
+        blocks = max_expert_blocks(T * TOPK, E, bm)
 
         def aligned(ids, t, bm=bm, blocks=blocks):
             return _alignment_tensors(align_into(ids, E, bm, torch.empty(blocks * bm, dtype=torch.int32, device=DEV),

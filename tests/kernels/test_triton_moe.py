@@ -360,3 +360,22 @@ def test_moe_experts_gpu_nano_shapes(T, dtype):
     args = _inputs(T, E=128, k=6, d=2688, inter=1856, dtype=dtype, seed=T)
     assert_close(moe_experts(*args), moe.moe_experts_ref(*args), dtype, "moe_experts")
 
+
+
+def test_max_expert_blocks_bounds_every_routing():
+    """The static block count covers sum_e ceil(count_e / block_m) for any split of the pairs over the experts,
+    including the worst case (every non-empty expert one pair past a block boundary)."""
+    from service.engine.kernels.triton_moe import max_expert_blocks
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        E = int(torch.randint(1, 300, (1,), generator=g))
+        bm = int(torch.randint(1, 130, (1,), generator=g))
+        tk = int(torch.randint(0, 5000, (1,), generator=g))
+        counts = torch.bincount(torch.randint(0, E, (tk,), generator=g), minlength=E) if tk else torch.zeros(E)
+        assert int(((counts + bm - 1) // bm).sum()) <= max_expert_blocks(tk, E, bm)
+        worst = min(E, tk)                               # worst: `worst` experts with 1 + j * bm pairs
+        if worst and tk >= worst:
+            per = [1] * worst
+            per[0] += tk - worst
+            assert sum(-(-c // bm) for c in per) <= max_expert_blocks(tk, E, bm)
+    assert max_expert_blocks(6, 128, 16) == 7                   # Nano decode, batch 1: 7 blocks, not 129

@@ -29,6 +29,14 @@ class ExpertAlignment:
     block_m: int                 # rows per block
 
 
+def max_expert_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Static upper bound on sum_e ceil(count_e / block_m) over the experts that got pairs: at most
+    min(num_experts, num_pairs) experts are non-empty, each adds < 1 block of padding, so
+    cdiv(num_pairs, block_m) + min(num_experts, num_pairs) blocks always suffice (decode T=1, top-6: 7 blocks,
+    not 1 + 128: the grouped GEMMs launch no programs that only exit)."""
+    return triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+
+
 def align_by_expert_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertAlignment:
     """Torch oracle of `align_by_expert` (about 20 device ops, no host sync)."""
     flat = topk_ids.flatten()
@@ -41,7 +49,7 @@ def align_by_expert_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) 
     order = torch.argsort(flat, stable=True)
     sorted_e = flat[order]
     rank = torch.arange(tk, device=dev) - starts[sorted_e]
-    num_blocks = triton.cdiv(tk, block_m) + num_experts          # upper bound on sum_e ceil(count_e / block_m)
+    num_blocks = max_expert_blocks(tk, num_experts, block_m)
     sorted_pairs = torch.full((num_blocks * block_m,), tk, dtype=torch.int32, device=dev)
     sorted_pairs[ends_p[sorted_e] - padded[sorted_e] + rank] = order.to(torch.int32)
     block_start = torch.arange(num_blocks, device=dev) * block_m
@@ -204,7 +212,7 @@ def align_into(topk_ids: torch.Tensor, num_experts: int, block_m: int, sorted_pa
                block_expert: torch.Tensor, tiles: AlignTiles | None = None) -> ExpertAlignment:
     """`align_by_expert` into given buffers (every element is written); tiles None: `align_tiles`."""
     tk = topk_ids.numel()
-    num_blocks = triton.cdiv(tk, block_m) + num_experts
+    num_blocks = max_expert_blocks(tk, num_experts, block_m)
     check_shape("sorted_pairs", sorted_pairs, (num_blocks * block_m,))
     check_shape("block_expert", block_expert, (num_blocks,))
     if sorted_pairs.dtype != torch.int32 or block_expert.dtype != torch.int32:
@@ -236,7 +244,7 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_ids must be int32/int64, got {topk_ids.dtype}")
     topk_ids = topk_ids.contiguous()          # the router's output already is: no copy
-    num_blocks = triton.cdiv(topk_ids.numel(), block_m) + num_experts
+    num_blocks = max_expert_blocks(topk_ids.numel(), num_experts, block_m)
     dev = topk_ids.device
     return align_into(topk_ids, num_experts, block_m, torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev),
                       torch.empty(num_blocks, dtype=torch.int32, device=dev))

@@ -221,12 +221,19 @@ def route_tiles(T: int, e_pad: int, d: int, dtype: torch.dtype) -> RouteTiles:
     """T <= 8 (decode): "fma", 256-wide K slices and e_pad / 16 experts per program (Nano: 16 x 11 = 176 programs,
     8 KB of W each, every load in flight at once). Larger T: "bf16x3" for bf16 h ("ieee" otherwise) on 16/32/64-token
     blocks; K split so that there are about TARGET_PROGRAMS programs while the last program of a token block sums
-    at most 64K partial logits (Nano: T=256 -> 8 x 2 x 14 programs, T=8192 -> 128 x 1 x 2)."""
+    at most 64K partial logits; bf16 h above 64 tokens takes the tiles measured fastest on the H200 (Nano: T=256 ->
+    16 x 2 x 14 programs, T=8192 -> 64 x 2 x 1)."""
     if T <= 8:
         bt = triton.next_power_of_2(T)
         bk = max(32, 256 // bt)
         return RouteTiles("fma", bt, max(8, e_pad // 16), bk, 256 // bk, 4)
     mode = "bf16x3" if dtype == torch.bfloat16 else "ieee"
+    steps = triton.cdiv(d, 64)
+    if mode == "bf16x3" and T > 64:     # the H200 run of 2026-11-30 (Nano): T=256 16 x 64 tiles, 3 K steps per
+        if T <= 512:                    # slice 42 us (32 x 64 x 6: 69 us); T=8192 128 x 64, whole K 102 us (165 us)
+            n_ks = max(1, min(triton.cdiv(steps, 3), 65536 // (16 * e_pad)))
+            return RouteTiles(mode, 16, min(64, e_pad), 64, triton.cdiv(steps, n_ks), 4)
+        return RouteTiles(mode, 128, min(64, e_pad), 64, steps, 8)
     bt, be = (16, 32) if T <= 64 else (32, 64) if T <= 512 else (64, 128)
     be = min(be, e_pad)
     blocks = triton.cdiv(T, bt) * triton.cdiv(e_pad, be)
@@ -240,12 +247,12 @@ ROUTE_TILE_VARIANTS = {
     1: [RouteTiles("fma", 1, 8, 256, 1, 4), RouteTiles("fma", 1, 16, 128, 1, 4), RouteTiles("fma", 1, 16, 256, 1, 4),
         RouteTiles("fma", 1, 8, 128, 1, 4), RouteTiles("fma", 1, 4, 512, 1, 4), RouteTiles("fma", 1, 8, 256, 1, 2),
         RouteTiles("fma", 1, 8, 512, 1, 8), RouteTiles("fma", 1, 32, 128, 1, 4)],
-    256: [RouteTiles("bf16x3", 32, 64, 64, 3, 4), RouteTiles("bf16x3", 16, 32, 64, 3, 4),
+    256: [RouteTiles("bf16x3", 16, 64, 64, 3, 4), RouteTiles("bf16x3", 16, 32, 64, 3, 4),
           RouteTiles("bf16x3", 32, 128, 64, 6, 8), RouteTiles("bf16x3", 64, 128, 64, 6, 8),
-          RouteTiles("bf16x3", 32, 64, 32, 6, 4), RouteTiles("bf16x3", 16, 64, 64, 3, 4),
+          RouteTiles("bf16x3", 32, 64, 32, 6, 4), RouteTiles("bf16x3", 32, 64, 64, 3, 4),
           RouteTiles("ieee", 32, 64, 32, 6, 4), RouteTiles("ieee", 16, 32, 32, 6, 4)],
-    8192: [RouteTiles("bf16x3", 64, 128, 64, 21, 8), RouteTiles("bf16x3", 64, 128, 64, 42, 8),
-           RouteTiles("bf16x3", 128, 128, 32, 21, 8, 2), RouteTiles("bf16x3", 128, 64, 64, 42, 8),
+    8192: [RouteTiles("bf16x3", 128, 64, 64, 42, 8), RouteTiles("bf16x3", 64, 128, 64, 42, 8),
+           RouteTiles("bf16x3", 128, 128, 32, 21, 8, 2), RouteTiles("bf16x3", 64, 128, 64, 21, 8),
            RouteTiles("bf16x3", 64, 128, 32, 42, 8), RouteTiles("bf16x3", 64, 64, 32, 84, 4),
            RouteTiles("ieee", 64, 128, 32, 84, 8), RouteTiles("ieee", 64, 128, 32, 42, 8)],
 }
