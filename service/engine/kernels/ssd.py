@@ -100,7 +100,7 @@ def ssd_varlen_ref(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     Returns y [T, H, P] fp32 and chunk_states [Nc, H, P, N] fp32 (state after each chunk's last token).
     """
     T, H, P = x.shape
-    G, N = B.shape[1], B.shape[2]
+    G = B.shape[1]
     if H % G:
         raise ValueError(f"heads {H} not divisible by groups {G}")
     rep = H // G

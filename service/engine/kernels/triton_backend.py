@@ -17,7 +17,7 @@ On a machine without CUDA the Triton ops run only under TRITON_INTERPRET=1 (set 
 """
 from __future__ import annotations
 
-from service.engine.kernels import Kernels, attention, conv1d, moe
+from service.engine.kernels import Kernels, attention, conv1d
 from service.engine.kernels import triton_attention, triton_conv1d, triton_moe, triton_norm, triton_ssd
 from service.engine.kernels import triton_activation, triton_gemv
 
