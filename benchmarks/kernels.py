@@ -30,6 +30,7 @@ from service.engine.kernels.triton_gemv import GEMV_SHAPES, GEMV_TILE_VARIANTS, 
 from service.engine.kernels.triton_moe import MOE_DECODE_TILE_VARIANTS, MoeTiles, moe_experts, moe_experts_tiled
 from service.engine.kernels.triton_moe import (align_by_expert, align_by_expert_ref, default_tiles, max_expert_blocks,
                                                moe_route)
+from service.engine.kernels.triton_moe_gemv import EXPERT_GEMV_TILE_VARIANTS, MAX_GEMV_PAIRS, moe_experts_gemv
 from service.engine.kernels.triton_norm import gated_group_rms_norm, rms_norm
 from service.engine.kernels.triton_ssd import SsdTiles, selective_state_update, ssd_varlen, ssd_varlen_tiled
 
@@ -364,15 +365,20 @@ def gemv_cases() -> list[Case]:
 
 
 def moe_tune_cases() -> list[Case]:
-    """Routed experts at decode sizes T = 1, 8, 64 over MOE_DECODE_TILE_VARIANTS (first = the default), each
-    compared with moe_experts_ref (rel err column)."""
+    """Routed experts at decode sizes T = 1, 2, 8, 64 over MOE_DECODE_TILE_VARIANTS (first = the default), and the
+    grouped-GEMV experts (`triton_moe_gemv`) where T * k fits, each compared with moe_experts_ref (rel err column)."""
     out = []
-    for T in (1, 8, 64):
+    for T in (1, 2, 8, 64):
         base = _moe_case(T)
         for tiles in MOE_DECODE_TILE_VARIANTS:
             out.append(Case(f"moe_tune {base.name} {tiles}", base.make,
                             lambda *a, tiles=tiles: moe_experts_tiled(*a, tiles), None, base.bytes_moved, base.flops,
                             moe.moe_experts_ref))
+        if T * TOPK <= MAX_GEMV_PAIRS:              # grouped-GEMV experts (no alignment, no padded rows)
+            for tiles in EXPERT_GEMV_TILE_VARIANTS:
+                out.append(Case(f"moe_tune {base.name} gemv {tiles}", base.make,
+                                lambda *a, tiles=tiles: moe_experts_gemv(*a, tiles), None, base.bytes_moved,
+                                base.flops, moe.moe_experts_ref))
     return out
 
 

@@ -355,23 +355,7 @@ def moe_experts_tiled(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, top
     """Routed experts (Triton); tiles None picks `default_tiles`.
     x [T, d_in] (unit stride in d_in), up [E, I, d_in], down [E, d_in, I]
     (contiguous), topk_weights [T, k] (fp32), topk_ids [T, k] int64 -> sum_k w * down(relu(up(x))^2) [T, d_in]."""
-    check_dim("x", x, 2)
-    T, d_in = x.shape
-    check_dim("up", up, 3)
-    E, inter = up.shape[0], up.shape[1]
-    check_shape("up", up, (E, inter, d_in))
-    check_shape("down", down, (E, d_in, inter))
-    check_dim("topk_ids", topk_ids, 2)
-    check_shape("topk_weights", topk_weights, tuple(topk_ids.shape))
-    if topk_ids.shape[0] != T:
-        raise ValueError(f"topk_ids has {topk_ids.shape[0]} rows, x has T={T}")
-    if up.dtype != x.dtype or down.dtype != x.dtype:
-        raise ValueError(f"up/down must have x's dtype {x.dtype}, got {up.dtype}/{down.dtype}")
-    check_inner_contiguous("x", x)
-    if not (up.is_contiguous() and down.is_contiguous()):
-        raise ValueError("up and down expert weights must be contiguous")
-    check_same_device(x=x, up=up, down=down, topk_weights=topk_weights, topk_ids=topk_ids)
-    top_k = topk_ids.shape[1]
+    T, d_in, E, inter, top_k = check_experts_args(x, up, down, topk_weights, topk_ids)
     if T == 0:
         return torch.empty(0, d_in, dtype=x.dtype, device=x.device)
     cfg = tiles or default_tiles(T * top_k / E, x.element_size())
@@ -390,7 +374,35 @@ def moe_experts_tiled(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, top
         h, down, al.sorted_pairs, al.block_expert, w, y, T * top_k, d_in, inter, h.stride(0), down.stride(0),
         down.stride(1), y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PRECISION=prec,
         num_warps=warps, num_stages=stages)
-    out = torch.empty(T, d_in, dtype=x.dtype, device=x.device)
-    _sum_slots_kernel[(T, triton.cdiv(d_in, 1024))](y, out, top_k, d_in, BLOCK_K=block_dim(top_k, 1),
-                                                    BLOCK_D=min(block_dim(d_in, 1), 1024), num_warps=4)
+    return sum_slots(y, T, top_k)
+
+
+def sum_slots(y: torch.Tensor, T: int, top_k: int) -> torch.Tensor:
+    """y [T*k, d] (row t*k + j: slot j of token t) -> [T, d] sums over the k slots in fp32, in y's dtype."""
+    d = y.shape[1]
+    out = torch.empty(T, d, dtype=y.dtype, device=y.device)
+    _sum_slots_kernel[(T, triton.cdiv(d, 1024))](y, out, top_k, d, BLOCK_K=block_dim(top_k, 1),
+                                                 BLOCK_D=min(block_dim(d, 1), 1024), num_warps=4)
     return out
+
+
+def check_experts_args(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """Shape/dtype/device checks of the routed-experts ops; returns (T, d_in, E, I, top_k)."""
+    check_dim("x", x, 2)
+    T, d_in = x.shape
+    check_dim("up", up, 3)
+    E, inter = up.shape[0], up.shape[1]
+    check_shape("up", up, (E, inter, d_in))
+    check_shape("down", down, (E, d_in, inter))
+    check_dim("topk_ids", topk_ids, 2)
+    check_shape("topk_weights", topk_weights, tuple(topk_ids.shape))
+    if topk_ids.shape[0] != T:
+        raise ValueError(f"topk_ids has {topk_ids.shape[0]} rows, x has T={T}")
+    if up.dtype != x.dtype or down.dtype != x.dtype:
+        raise ValueError(f"up/down must have x's dtype {x.dtype}, got {up.dtype}/{down.dtype}")
+    check_inner_contiguous("x", x)
+    if not (up.is_contiguous() and down.is_contiguous()):
+        raise ValueError("up and down expert weights must be contiguous")
+    check_same_device(x=x, up=up, down=down, topk_weights=topk_weights, topk_ids=topk_ids)
+    return T, d_in, E, inter, topk_ids.shape[1]
