@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_test_util import DEVICE, TOL, assert_close, gpu, needs_cuda
+from triton_test_util import DEVICE, TOL, assert_close, gpu, moe_inputs, needs_cuda
 from service.engine.kernels import moe
 from service.engine.kernels.triton_gemv import (GEMV_SHAPES, GEMV_TILE_VARIANTS, GemvTiles, default_gemv_tiles, gemv,
                                                 gemv_ref)
@@ -103,20 +103,10 @@ def test_gemv_empty_and_rejects_bad_arguments():
 
 
 # ---------------- MoE decode tile variants ----------------
-def _moe_inputs(T, E, k, d, inter, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, d, generator=g).to(DEVICE, dtype)
-    up = (torch.randn(E, inter, d, generator=g) * d ** -0.5).to(DEVICE, dtype)
-    down = (torch.randn(E, d, inter, generator=g) * inter ** -0.5).to(DEVICE, dtype)
-    gate = torch.randn(E, d, generator=g).to(DEVICE)
-    weights, ids = moe.moe_route_ref(x, gate, torch.zeros(E, device=DEVICE), k, 1, 1, True, 2.5)
-    return x, up, down, weights, ids
-
-
 def test_moe_decode_tile_variants_small():
     """Every decode variant at a small size (fp32 'ieee' dots in the interpreter); the first is the default."""
     assert default_tiles(6 / 128, 2) == MOE_DECODE_TILE_VARIANTS[0] == MoeTiles(16, 64, 128, 4, 4)
-    args = _moe_inputs(3, 8, 2, 40, 72, torch.float32, seed=3)
+    args = moe_inputs(3, 8, 2, 40, 72, torch.float32, seed=3)
     for tiles in MOE_DECODE_TILE_VARIANTS:
         assert_close(moe_experts_tiled(*args, tiles), moe.moe_experts_ref(*args), torch.float32, f"moe {tiles}")
 
@@ -180,7 +170,7 @@ def test_gemv_gpu_cuda_graph(persistent):
 @pytest.mark.parametrize("T", [1, 8, 64])
 def test_moe_decode_tile_variants_gpu_nano(T, tiles):
     """Every decode variant the moe_tune benchmark times, Nano's E 128, top-6, d 2688, I 1856, bf16."""
-    args = _moe_inputs(T, 128, 6, 2688, 1856, torch.bfloat16, seed=T)
+    args = moe_inputs(T, 128, 6, 2688, 1856, torch.bfloat16, seed=T)
     assert_close(moe_experts_tiled(*args, tiles), moe.moe_experts_ref(*args), torch.bfloat16, f"moe T={T} {tiles}")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_test_util import DEVICE, assert_close, gpu, needs_cuda
+from triton_test_util import DEVICE, assert_close, gpu, moe_inputs, needs_cuda
 from service.engine.kernels import moe
 from service.engine.kernels.triton_moe import (ALIGN_TILE_VARIANTS, AlignTiles, align_by_expert, align_by_expert_ref,
                                                align_into, default_tiles, moe_experts, moe_route)
@@ -16,14 +16,7 @@ SUPER = dict(d=4096, E=512, k=22)
 
 
 def _inputs(T, E, k, d, inter, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, d, generator=g).to(DEVICE, dtype)
-    up = (torch.randn(E, inter, d, generator=g) * d ** -0.5).to(DEVICE, dtype)
-    down = (torch.randn(E, d, inter, generator=g) * inter ** -0.5).to(DEVICE, dtype)
-    gate = torch.randn(E, d, generator=g).to(DEVICE)
-    bias = (torch.randn(E, generator=g) * 0.1).to(DEVICE)
-    weights, ids = moe.moe_route_ref(x, gate, bias, k, 1, 1, True, 2.5)
-    return x, up, down, weights, ids
+    return moe_inputs(T, E, k, d, inter, dtype, seed, with_bias=True)
 
 
 def _router_inputs(T, E, d, dtype, seed):

@@ -4,27 +4,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_test_util import DEVICE, assert_close, gpu, needs_cuda
+from triton_test_util import DEVICE, assert_close, gpu, moe_inputs, needs_cuda
 from service.engine.kernels import moe
 from service.engine.kernels.triton_moe import moe_experts
 from service.engine.kernels.triton_moe_gemv import (EXPERT_GEMV_TILE_VARIANTS, MAX_GEMV_PAIRS, ExpertGemvTiles,
                                                     moe_experts_gemv)
 
 
-def _inputs(T, E, k, d, inter, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, d, generator=g).to(DEVICE, dtype)
-    up = (torch.randn(E, inter, d, generator=g) * d ** -0.5).to(DEVICE, dtype)
-    down = (torch.randn(E, d, inter, generator=g) * inter ** -0.5).to(DEVICE, dtype)
-    gate = torch.randn(E, d, generator=g).to(DEVICE)
-    weights, ids = moe.moe_route_ref(x, gate, torch.zeros(E, device=DEVICE), k, 1, 1, True, 2.5)
-    return x, up, down, weights, ids
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("T,k,d,inter", [(1, 6, 40, 24), (2, 3, 33, 70), (1, 1, 700, 9), (2, 8, 16, 130)])
 def test_moe_experts_gemv_matches_ref(T, k, d, inter, dtype):
-    args = _inputs(T, E=12, k=k, d=d, inter=inter, dtype=dtype, seed=T * 100 + d)
+    args = moe_inputs(T, E=12, k=k, d=d, inter=inter, dtype=dtype, seed=T * 100 + d)
     for tiles in (None, ExpertGemvTiles(8, 64, 4), ExpertGemvTiles(4, 64, 2)):
         out = moe_experts_gemv(*args, tiles)
         assert out.dtype == dtype and out.shape == (T, d)
@@ -34,7 +24,7 @@ def test_moe_experts_gemv_matches_ref(T, k, d, inter, dtype):
 
 def test_moe_experts_gemv_repeated_expert_and_limits():
     """Both slots of a token on one expert (weights summed), T = 0, and a batch above the pair limit."""
-    x, up, down, _, _ = _inputs(2, E=4, k=2, d=24, inter=20, dtype=torch.float32, seed=3)
+    x, up, down, _, _ = moe_inputs(2, E=4, k=2, d=24, inter=20, dtype=torch.float32, seed=3)
     ids = torch.tensor([[1, 1], [3, 0]], device=DEVICE)
     w = torch.tensor([[0.25, 0.5], [1.0, 2.0]], device=DEVICE)
     assert_close(moe_experts_gemv(x, up, down, w, ids), moe.moe_experts_ref(x, up, down, w, ids), torch.float32,
@@ -50,6 +40,6 @@ def test_moe_experts_gemv_repeated_expert_and_limits():
 @pytest.mark.parametrize("tiles", EXPERT_GEMV_TILE_VARIANTS, ids=str)
 @pytest.mark.parametrize("T", [1, 2])
 def test_moe_experts_gemv_gpu_nano(T, tiles):
-    args = _inputs(T, E=128, k=6, d=2688, inter=1856, dtype=torch.bfloat16, seed=T)
+    args = moe_inputs(T, E=128, k=6, d=2688, inter=1856, dtype=torch.bfloat16, seed=T)
     out = moe_experts_gemv(*args, tiles)
     assert_close(out, moe.moe_experts_ref(*args), torch.bfloat16, f"moe_experts_gemv {tiles}")

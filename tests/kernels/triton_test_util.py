@@ -22,3 +22,17 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
     err = rel_err(out, ref)
     assert err <= TOL[dtype], f"{what}: relative error {err:.3e} > {TOL[dtype]:.0e} ({dtype})"
+
+
+def moe_inputs(T: int, E: int, k: int, d: int, inter: int, dtype: torch.dtype, seed: int, with_bias: bool = False):
+    """(x [T, d], up [E, I, d], down [E, d, I], topk_weights, topk_ids) for the routed-experts ops, routed by the
+    torch reference (correction bias ~ 0.1 N(0, 1) when with_bias, else 0)."""
+    from service.engine.kernels import moe
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, d, generator=g).to(DEVICE, dtype)
+    up = (torch.randn(E, inter, d, generator=g) * d ** -0.5).to(DEVICE, dtype)
+    down = (torch.randn(E, d, inter, generator=g) * inter ** -0.5).to(DEVICE, dtype)
+    gate = torch.randn(E, d, generator=g).to(DEVICE)
+    bias = (torch.randn(E, generator=g) * 0.1).to(DEVICE) if with_bias else torch.zeros(E, device=DEVICE)
+    weights, ids = moe.moe_route_ref(x, gate, bias, k, 1, 1, True, 2.5)
+    return x, up, down, weights, ids
