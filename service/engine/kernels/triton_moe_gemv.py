@@ -53,12 +53,18 @@ def _row_dot(a_row_ptr, w_rows, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr)
 
 
 @triton.jit
+def _pair_rows(ids_ptr, n_out, BLOCK_N: tl.constexpr):
+    """Program (p, j): pair p, its expert e, output rows offs_n of block j and the weight rows they read (clamped
+    to n_out - 1: loads stay unmasked, the stores are masked)."""
+    p = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return p, tl.load(ids_ptr + p).to(tl.int64), offs_n, tl.minimum(offs_n, n_out - 1).to(tl.int64)
+
+
+@triton.jit
 def _expert_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, top_k, n_out, K, s_x, s_w_e, s_h,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    p = tl.program_id(0)
-    e = tl.load(ids_ptr + p).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(offs_n, n_out - 1).to(tl.int64)               # clamped: loads unmasked, stores masked
+    p, e, offs_n, rows = _pair_rows(ids_ptr, n_out, BLOCK_N)
     r = _row_dot(x_ptr + (p // top_k).to(tl.int64) * s_x, w_ptr + e * s_w_e + rows[:, None] * K, K,
                  BLOCK_N, BLOCK_K)
     r = tl.maximum(r, 0.0)
@@ -68,10 +74,7 @@ def _expert_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, top_k, n_out, K, s_x, s_w_e,
 @triton.jit
 def _expert_down_kernel(h_ptr, w_ptr, ids_ptr, topk_w_ptr, y_ptr, n_out, K, s_h, s_w_e, s_y,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    p = tl.program_id(0)
-    e = tl.load(ids_ptr + p).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(offs_n, n_out - 1).to(tl.int64)
+    p, e, offs_n, rows = _pair_rows(ids_ptr, n_out, BLOCK_N)
     r = _row_dot(h_ptr + p.to(tl.int64) * s_h, w_ptr + e * s_w_e + rows[:, None] * K, K, BLOCK_N, BLOCK_K)
     r = r * tl.load(topk_w_ptr + p).to(tl.float32)
     tl.store(y_ptr + p.to(tl.int64) * s_y + offs_n, r.to(y_ptr.dtype.element_ty), mask=offs_n < n_out)
