@@ -6,6 +6,7 @@ from torch import nn
 
 from service.engine.config import ModelConfig
 from service.engine.kernels import Kernels
+from service.engine.layers.linear import project
 from service.engine.layers.meta import AttentionMeta
 
 
@@ -23,9 +24,9 @@ class Attention(nn.Module):
                 k: Kernels) -> torch.Tensor:
         """h [T, hidden]; k_cache/v_cache [num_pages * page_size, Hkv, Dh] (new K/V written in place)."""
         T = h.shape[0]
-        q = k.linear(h, self.q_proj.weight).view(T, self.hq, self.dh)
-        k.write_kv(k_cache, v_cache, k.linear(h, self.k_proj.weight).view(T, self.hkv, self.dh),
-                   k.linear(h, self.v_proj.weight).view(T, self.hkv, self.dh), meta.kv_slot_mapping)
+        q = project(k, self.q_proj, h).view(T, self.hq, self.dh)
+        k.write_kv(k_cache, v_cache, project(k, self.k_proj, h).view(T, self.hkv, self.dh),
+                   project(k, self.v_proj, h).view(T, self.hkv, self.dh), meta.kv_slot_mapping)
         o = k.paged_attention(q, k_cache, v_cache, meta.page_table, meta.query_start_loc, meta.prefix_lens,
                               meta.max_query_len, meta.max_seq_len, meta.page_size, self.scale)
-        return k.linear(o.reshape(T, self.hq * self.dh), self.o_proj.weight)
+        return project(k, self.o_proj, o.reshape(T, self.hq * self.dh))

@@ -7,6 +7,7 @@ from torch import nn
 from service.engine.config import ModelConfig
 from service.engine.kernels import Kernels
 from service.engine.kernels.ssd import dt_softplus_clamp, final_chunk_indices
+from service.engine.layers.linear import project
 from service.engine.layers.meta import MambaMeta
 from service.engine.layers.norm import rms_norm_module
 
@@ -33,7 +34,7 @@ class Mamba2Mixer(nn.Module):
                 k: Kernels) -> torch.Tensor:
         """h [T, hidden]; conv_pool [S, conv_dim, K-1]; ssm_pool [S, H, P, N] fp32 (updated in place)."""
         T = h.shape[0]
-        z, xbc, dt = k.linear(h, self.in_proj.weight, self.in_proj.bias).split([self.di, self.conv_dim, self.num_heads], dim=-1)
+        z, xbc, dt = project(k, self.in_proj, h).split([self.di, self.conv_dim, self.num_heads], dim=-1)
         weight = self.conv1d.weight[:, 0, :]                                     # [D, K]
         snaps = meta.snapshots
         if meta.decode_only:       # recurrence on the pools in place, by slot id (no gather / scatter)
@@ -64,7 +65,7 @@ class Mamba2Mixer(nn.Module):
                 ssm_pool[snaps.dest_slots] = chunk_states[snaps.chunk_idx]
         y = k.gated_rms_norm(y.reshape(T, self.di), z, self.norm.weight, self.di // self.cfg.n_groups,
                              self.cfg.layer_norm_epsilon, h.dtype)
-        return k.linear(y, self.out_proj.weight, self.out_proj.bias)
+        return project(k, self.out_proj, y)
 
     def _split(self, xbc: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x, B, C = xbc.split([self.di, self.gn, self.gn], dim=-1)

@@ -6,10 +6,7 @@ from torch import nn
 
 from service.engine.config import ModelConfig
 from service.engine.kernels import Kernels
-
-
-def _linear(k: Kernels, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return k.linear(x, layer.weight, layer.bias)
+from service.engine.layers.linear import project
 
 
 class MLP(nn.Module):
@@ -19,7 +16,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, h: torch.Tensor, k: Kernels) -> torch.Tensor:
-        return _linear(k, self.down_proj, k.relu2(_linear(k, self.up_proj, h)))
+        return project(k, self.down_proj, k.relu2(project(k, self.up_proj, h)))
 
 
 class Router(nn.Module):
@@ -56,8 +53,8 @@ class MoE(nn.Module):
         c = self.cfg
         weights, ids = k.moe_route(h, self.gate.weight, self.gate.e_score_correction_bias, c.num_experts_per_tok,
                                    c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
-        x = _linear(k, self.fc1_latent_proj, h) if c.moe_latent_size else h
+        x = project(k, self.fc1_latent_proj, h) if c.moe_latent_size else h
         routed = k.moe_experts(x, self.experts.up_proj, self.experts.down_proj, weights, ids)
         if c.moe_latent_size:
-            routed = _linear(k, self.fc2_latent_proj, routed)
+            routed = project(k, self.fc2_latent_proj, routed)
         return routed + self.shared_experts(h, k)

@@ -11,6 +11,7 @@ from torch import nn
 from service.engine.config import ATTENTION, MAMBA, MLP as MLP_T, MOE, ModelConfig
 from service.engine.kernels import Kernels
 from service.engine.layers.attention import Attention
+from service.engine.layers.linear import project
 from service.engine.layers.mamba2 import Mamba2Mixer
 from service.engine.layers.meta import AttentionMeta, MambaMeta
 from service.engine.layers.moe import MLP, MoE
@@ -91,4 +92,4 @@ class NemotronHForCausalLM(nn.Module):
     def logits(self, x: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] after norm_f (row-wise, so norming every row equals norming the picked ones)
         -> logits [len(logits_indices), vocab] fp32."""
-        return self.lm_head(x[logits_indices]).float()
+        return project(self.kernels, self.lm_head, x[logits_indices]).float()
