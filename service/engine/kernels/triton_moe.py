@@ -238,8 +238,8 @@ def align_into(topk_ids: torch.Tensor, num_experts: int, block_m: int, sorted_pa
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertAlignment:
     """topk_ids [T, k] (ids in [0, num_experts)) -> the (token, slot) pairs grouped by expert in a
-    stable order, each group padded to a multiple of block_m with the sentinel T*k, `cdiv(T*k, block_m) +
-    num_experts` blocks (a fixed bound, no host sync); one Triton launch, equal to `align_by_expert_ref`."""
+    stable order, each group padded to a multiple of block_m with the sentinel T*k, `max_expert_blocks` blocks
+    (a fixed bound, no host sync); one Triton launch, equal to `align_by_expert_ref`."""
     check_dim("topk_ids", topk_ids, 2)
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_ids must be int32/int64, got {topk_ids.dtype}")
@@ -248,6 +248,25 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
     dev = topk_ids.device
     return align_into(topk_ids, num_experts, block_m, torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev),
                       torch.empty(num_blocks, dtype=torch.int32, device=dev))
+
+
+@triton.jit
+def _expert_tile(a_rows, valid, w_ptr, e, n_out, k_in, s_w_e, s_w_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] fp32 = A @ W[e]^T over k_in: A's rows at the pointers a_rows [BLOCK_M, 1] (unit
+    stride along k_in; rows where `valid`), expert e's weight rows of n-block program_id(1). Also returns the
+    output columns offs_n and their mask."""
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mn = offs_n < n_out
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, k_in, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mk = offs_k < k_in
+        a = tl.load(a_rows + offs_k[None, :], mask=valid[:, None] & mk[None, :], other=0.0)
+        b = tl.load(w_ptr + e * s_w_e + offs_n[None, :] * s_w_n + offs_k[:, None], mask=mn[None, :] & mk[:, None],
+                    other=0.0)
+        acc += tl.dot(a, b, input_precision=DOT_PRECISION)
+    return acc, offs_n, mn
 
 
 @triton.jit
@@ -262,16 +281,8 @@ def _up_kernel(x_ptr, w_ptr, pairs_ptr, block_expert_ptr, h_ptr, num_pairs, top_
     pairs = tl.load(pairs_ptr + offs_m)
     valid = pairs < num_pairs
     tok = (pairs // top_k).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mn = offs_n < n_out
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, k_in, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mk = offs_k < k_in
-        a = tl.load(x_ptr + tok[:, None] * s_x_t + offs_k[None, :], mask=valid[:, None] & mk[None, :], other=0.0)
-        b = tl.load(w_ptr + e * s_w_e + offs_n[None, :] * s_w_n + offs_k[:, None], mask=mn[None, :] & mk[:, None],
-                    other=0.0)
-        acc += tl.dot(a, b, input_precision=DOT_PRECISION)
+    acc, offs_n, mn = _expert_tile(x_ptr + tok[:, None] * s_x_t, valid, w_ptr, e, n_out, k_in, s_w_e, s_w_n,
+                                   BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
     acc = tl.maximum(acc, 0.0)
     acc = acc * acc
     tl.store(h_ptr + offs_m.to(tl.int64)[:, None] * s_h_r + offs_n[None, :], acc.to(h_ptr.dtype.element_ty),
@@ -289,17 +300,8 @@ def _down_kernel(h_ptr, w_ptr, pairs_ptr, block_expert_ptr, topk_w_ptr, y_ptr, n
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(pairs_ptr + offs_m)
     valid = pairs < num_pairs
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mn = offs_n < n_out
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, k_in, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mk = offs_k < k_in
-        a = tl.load(h_ptr + offs_m.to(tl.int64)[:, None] * s_h_r + offs_k[None, :], mask=valid[:, None] & mk[None, :],
-                    other=0.0)
-        b = tl.load(w_ptr + e * s_w_e + offs_n[None, :] * s_w_n + offs_k[:, None], mask=mn[None, :] & mk[:, None],
-                    other=0.0)
-        acc += tl.dot(a, b, input_precision=DOT_PRECISION)
+    acc, offs_n, mn = _expert_tile(h_ptr + offs_m.to(tl.int64)[:, None] * s_h_r, valid, w_ptr, e, n_out, k_in,
+                                   s_w_e, s_w_n, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
     wt = tl.load(topk_w_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
     acc = acc * wt[:, None]
     tl.store(y_ptr + pairs.to(tl.int64)[:, None] * s_y_p + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
