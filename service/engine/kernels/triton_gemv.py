@@ -97,16 +97,11 @@ def _reduce_splits(offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y,
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N, K, k_split, s_x, s_y,
-                 ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mn = offs_n < N
-    w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * K
-    k_lo = pid_k * k_split
-    k_hi = tl.minimum(k_lo + k_split, K)
+def dot_tiles(w_rows, x_ptr, s_x, k_lo, k_hi, K, ROWS: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Weight rows at w_rows [BLOCK_N, 1] (unit stride along K) times the ROWS rows of x (row stride s_x) over
+    [k_lo, k_hi): fp32 [BLOCK_N, BLOCK_K] partial-product tiles acc0..acc3 (rows >= ROWS stay zero); the caller
+    reduces them over axis 1. k_hi - k_lo is a multiple of BLOCK_K unless k_hi == K (EVEN_K: BLOCK_K divides K)."""
     acc0 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     acc1 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
@@ -124,6 +119,21 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N, K, k_split,
         for k0 in range(k_lo, k_hi, BLOCK_K):
             w, x0, x1, x2, x3 = _load_step(w_rows, x_rows, s_x, k0, K, ROWS, EVEN_K, BLOCK_K)
             acc0, acc1, acc2, acc3 = _fma_step(acc0, acc1, acc2, acc3, w, x0, x1, x2, x3, ROWS)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N, K, k_split, s_x, s_y,
+                 ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mn = offs_n < N
+    w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * K
+    k_lo = pid_k * k_split
+    acc0, acc1, acc2, acc3 = dot_tiles(w_rows, x_ptr, s_x, k_lo, tl.minimum(k_lo + k_split, K), K, ROWS, EVEN_K,
+                                       PREFETCH, BLOCK_N, BLOCK_K)
     _emit_row(tl.sum(acc0, axis=1), 0, pid_k, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS, HAS_BIAS, SPLIT_K)
     if ROWS > 1:
         _emit_row(tl.sum(acc1, axis=1), 1, pid_k, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS, HAS_BIAS,

@@ -5,8 +5,8 @@ rounded to x's dtype at the same points as the tiled path). At batch 1 the tiled
 valid row per expert; here there is no alignment and no padding: program (p, j) of the up pass streams BLOCK_N rows
 of `up[ids[p]]` against token p // k's x and writes relu(.)² of them; program (p, j) of the down pass streams
 BLOCK_N rows of `down[ids[p]]` against that h row, times the pair's routing weight. Each program keeps fp32 partial
-products in a [BLOCK_N, BLOCK_K] register tile (one reduction at the end; the next step's tile is loaded before
-this step's FMAs), like `triton_gemv`. The k slots of a token are then summed by `triton_moe.sum_slots`.
+products in a [BLOCK_N, BLOCK_K] register tile with the next step's tile loaded before this step's FMAs
+(`triton_gemv.dot_tiles`, one reduction at the end). The k slots of a token are then summed by `triton_moe.sum_slots`.
 Weight bytes are read once per pair, so the tiled path (one read per expert) wins as soon as pairs share experts:
 this path is for T * k up to MAX_GEMV_PAIRS.
 """
@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from service.engine.kernels.triton_gemv import dot_tiles
 from service.engine.kernels.triton_moe import check_experts_args, sum_slots
 
 MAX_GEMV_PAIRS = 16          # (token, slot) pairs up to which `moe_experts_gemv` accepts a batch
@@ -36,23 +37,6 @@ EXPERT_GEMV_TILE_VARIANTS = (ExpertGemvTiles(), ExpertGemvTiles(8, 256, 4), Expe
 
 
 @triton.jit
-def _row_dot(a_row_ptr, w_rows, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[BLOCK_N] fp32 dot products of the rows at w_rows ([BLOCK_N, 1] pointers) with the vector at a_row_ptr."""
-    a_rows = a_row_ptr + tl.zeros((BLOCK_N, 1), tl.int32)           # a broadcast in w's layout: no shuffle
-    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    offs = tl.arange(0, BLOCK_K)[None, :]
-    w = tl.load(w_rows + offs, mask=offs < K, other=0.0, eviction_policy="evict_first")
-    a = tl.load(a_rows + offs, mask=offs < K, other=0.0)
-    for k0 in range(BLOCK_K, K + BLOCK_K, BLOCK_K):                 # prefetch k0 while multiplying k0 - BLOCK_K
-        mk = (k0 + offs) < K
-        nw = tl.load(w_rows + k0 + offs, mask=mk, other=0.0, eviction_policy="evict_first")
-        na = tl.load(a_rows + k0 + offs, mask=mk, other=0.0)
-        acc += w.to(tl.float32) * a.to(tl.float32)
-        w, a = nw, na
-    return tl.sum(acc, axis=1)
-
-
-@triton.jit
 def _pair_rows(ids_ptr, n_out, BLOCK_N: tl.constexpr):
     """Program (p, j): pair p, its expert e, output rows offs_n of block j and the weight rows they read (clamped
     to n_out - 1: loads stay unmasked, the stores are masked)."""
@@ -63,19 +47,22 @@ def _pair_rows(ids_ptr, n_out, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _expert_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, top_k, n_out, K, s_x, s_w_e, s_h,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     p, e, offs_n, rows = _pair_rows(ids_ptr, n_out, BLOCK_N)
-    r = _row_dot(x_ptr + (p // top_k).to(tl.int64) * s_x, w_ptr + e * s_w_e + rows[:, None] * K, K,
-                 BLOCK_N, BLOCK_K)
+    r, _, _, _ = dot_tiles(w_ptr + e * s_w_e + rows[:, None] * K, x_ptr + (p // top_k).to(tl.int64) * s_x, 0, 0,
+                           K, K, 1, EVEN_K, True, BLOCK_N, BLOCK_K)
+    r = tl.sum(r, axis=1)
     r = tl.maximum(r, 0.0)
     tl.store(h_ptr + p.to(tl.int64) * s_h + offs_n, (r * r).to(h_ptr.dtype.element_ty), mask=offs_n < n_out)
 
 
 @triton.jit
 def _expert_down_kernel(h_ptr, w_ptr, ids_ptr, topk_w_ptr, y_ptr, n_out, K, s_h, s_w_e, s_y,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     p, e, offs_n, rows = _pair_rows(ids_ptr, n_out, BLOCK_N)
-    r = _row_dot(h_ptr + p.to(tl.int64) * s_h, w_ptr + e * s_w_e + rows[:, None] * K, K, BLOCK_N, BLOCK_K)
+    r, _, _, _ = dot_tiles(w_ptr + e * s_w_e + rows[:, None] * K, h_ptr + p.to(tl.int64) * s_h, 0, 0, K, K, 1,
+                           EVEN_K, True, BLOCK_N, BLOCK_K)
+    r = tl.sum(r, axis=1)
     r = r * tl.load(topk_w_ptr + p).to(tl.float32)
     tl.store(y_ptr + p.to(tl.int64) * s_y + offs_n, r.to(y_ptr.dtype.element_ty), mask=offs_n < n_out)
 
@@ -96,11 +83,11 @@ def moe_experts_gemv(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, topk
     ids = topk_ids.reshape(-1).contiguous()
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     _expert_up_kernel[(pairs, triton.cdiv(inter, t.block_n))](
-        x, up, ids, h, top_k, inter, d_in, x.stride(0), up.stride(0), h.stride(0),
+        x, up, ids, h, top_k, inter, d_in, x.stride(0), up.stride(0), h.stride(0), EVEN_K=d_in % t.block_k == 0,
         BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.warps, num_stages=1)
     y = torch.empty(pairs, d_in, dtype=x.dtype, device=x.device)
     w = topk_weights.to(torch.float32).reshape(-1).contiguous()
     _expert_down_kernel[(pairs, triton.cdiv(d_in, t.block_n))](
-        h, down, ids, w, y, d_in, inter, h.stride(0), down.stride(0), y.stride(0),
+        h, down, ids, w, y, d_in, inter, h.stride(0), down.stride(0), y.stride(0), EVEN_K=inter % t.block_k == 0,
         BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.warps, num_stages=1)
     return sum_slots(y, T, top_k)
