@@ -1,6 +1,7 @@
 """ForwardBatch: the flat tensors of one step, built from the SchedulerOutput without per-token loops."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,18 +22,18 @@ class ForwardBatch:
 
 
 def scheduled_token_ids(sched: SchedulerOutput) -> np.ndarray:
-    """[T] int64 token ids of all scheduled tokens, request-major."""
-    parts = []
-    for s in sched.scheduled:
-        toks = s.request.prompt_token_ids, s.request.output_token_ids
-        p, n = s.prefix_len, s.num_new_tokens
-        lp = len(toks[0])
+    """[T] int64 token ids of all scheduled tokens, request-major (request i feeds positions
+    [prefix_len, prefix_len + num_new_tokens) of its prompt followed by its outputs)."""
+    def tokens(s) -> list[int]:
+        prompt, out = s.request.prompt_token_ids, s.request.output_token_ids
+        p, n, lp = s.prefix_len, s.num_new_tokens, len(s.request.prompt_token_ids)
         if p + n <= lp:
-            parts.append(np.asarray(toks[0][p:p + n], dtype=np.int64))
-        else:
-            parts.append(np.asarray((toks[0][p:] if p < lp else []) + toks[1][max(0, p - lp):p + n - lp],
-                                    dtype=np.int64))
-    return np.concatenate(parts)
+            return prompt[p:p + n]
+        if p >= lp:
+            return out[p - lp:p + n - lp]
+        return prompt[p:] + out[:p + n - lp]
+    return np.fromiter(itertools.chain.from_iterable(map(tokens, sched.scheduled)), dtype=np.int64,
+                       count=sum(s.num_new_tokens for s in sched.scheduled))
 
 
 def build_forward_batch(sched: SchedulerOutput, page_size: int, chunk_size: int,

@@ -20,6 +20,7 @@ import torch
 from service.engine.cache.pools import StatePools
 from service.engine.layers.meta import AttentionMeta, MambaMeta, SnapshotPlan
 from service.engine.model.nemotron_h import NemotronHForCausalLM
+from service.engine.runner.batch import scheduled_token_ids
 from service.engine.scheduler.scheduler import SchedulerOutput
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -152,15 +153,6 @@ class DecodeGraphs:
         return self.replay(b)[:B]
 
 
-def decode_token_ids(sched: SchedulerOutput) -> np.ndarray:
-    """[B] int64: the one token each request of a decode-only step feeds (the token at its prefix length)."""
-    def token(s) -> int:
-        req, p = s.request, s.prefix_len
-        lp = len(req.prompt_token_ids)
-        return req.prompt_token_ids[p] if p < lp else req.output_token_ids[p - lp]
-    return np.fromiter(map(token, sched.scheduled), dtype=np.int64, count=len(sched.scheduled))
-
-
 def pack_decode_inputs(sched: SchedulerOutput, page_size: int, small: np.ndarray, table: np.ndarray) -> None:
     """Fills the host buffers of a decode-only step of B requests for a bucket of b >= B rows:
     small [_FIELDS, b] (token ids, live slots, KV slot of the new token, prefix lengths), table [b, w] page ids
@@ -174,7 +166,7 @@ def pack_decode_inputs(sched: SchedulerOutput, page_size: int, small: np.ndarray
         itertools.chain.from_iterable(pages), dtype=np.int64, count=int(lens.sum()))
     prefix = np.fromiter((s.prefix_len for s in reqs), dtype=np.int64, count=B)
     small[:, B:] = 0
-    small[0, :B] = decode_token_ids(sched)
+    small[0, :B] = scheduled_token_ids(sched)
     small[1, :B] = np.fromiter((s.request.live_slot for s in reqs), dtype=np.int64, count=B)
     small[2, :B] = table[np.arange(B), prefix // page_size] * page_size + prefix % page_size
     small[3, :B] = prefix
