@@ -18,6 +18,7 @@ CPU smoke run (tiny config, interpreter): TRITON_INTERPRET=1 PYTHONPATH=. python
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -29,7 +30,7 @@ import torch
 
 from service.engine import Engine, EngineConfig, SamplingParams
 from service.engine.config import ModelConfig
-from service.engine.kernels import get_kernels
+from service.engine.kernels import Kernels, get_kernels
 from service.engine.runner.model_runner import build_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -261,6 +262,16 @@ def bench_variant(engine: Engine, args: argparse.Namespace, throughput: bool) ->
     return out
 
 
+def variant_kernels(backend: str, options: list[str]) -> Kernels:
+    """The backend's bundle; option `tiledmoe` sends every batch size to the sorted-token grouped GEMMs (the
+    bundle uses grouped GEMVs for <= 16 (token, slot) pairs)."""
+    kernels = get_kernels(backend)
+    if "tiledmoe" in options:
+        from service.engine.kernels import triton_moe
+        kernels = dataclasses.replace(kernels, moe_experts=triton_moe.moe_experts)
+    return kernels
+
+
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=NANO_CONFIG, help="HF config.json of the model to build")
@@ -268,7 +279,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--variants", default="triton,triton+graphs",
                     help="comma list of torch | triton | triton+graphs (CUDA graphs for decode-only steps, and for "
-                         "the plain decode rows of mixed steps) | triton+graphs+nosplit (mixed steps all eager)")
+                         "the plain decode rows of mixed steps) | triton+graphs+nosplit (mixed steps all eager); "
+                         "+tiledmoe: routed experts always as grouped GEMMs")
     ap.add_argument("--throughput-variants", default="triton+graphs", help="variants that run the throughput test")
     ap.add_argument("--isl", default="1024,8192")
     ap.add_argument("--decode-batches", default="1,64,256")
@@ -307,7 +319,7 @@ def main() -> None:
     results: dict[str, dict[str, float]] = {}
     for variant in variants:
         backend, _, extra = variant.partition("+")
-        model.kernels = get_kernels(backend)
+        model.kernels = variant_kernels(backend, extra.split("+"))
         t0 = time.perf_counter()
         engine = Engine(EngineConfig(**base, kernel_backend=backend, cuda_graphs=extra.startswith("graphs")),
                         model=model)

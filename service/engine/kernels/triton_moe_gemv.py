@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from service.engine.kernels.triton_gemv import dot_tiles
+from service.engine.kernels import triton_moe
 from service.engine.kernels.triton_moe import check_experts_args, sum_slots
 
 MAX_GEMV_PAIRS = 16          # (token, slot) pairs up to which `moe_experts_gemv` accepts a batch
@@ -91,3 +92,13 @@ def moe_experts_gemv(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, topk
         h, down, ids, w, y, d_in, inter, h.stride(0), down.stride(0), y.stride(0), EVEN_K=inter % t.block_k == 0,
         BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.warps, num_stages=1)
     return sum_slots(y, T, top_k)
+
+
+def moe_experts_by_size(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor) -> torch.Tensor:
+    """Routed experts (Triton), chosen by shape alone: the grouped GEMVs above for T * k <= MAX_GEMV_PAIRS (batch-1/2
+    decode: no alignment launch, no padded rows), else `triton_moe.moe_experts` (sorted-token grouped GEMMs).
+    Same signature and shapes as `moe.moe_experts_ref`."""
+    if topk_ids.numel() <= MAX_GEMV_PAIRS:
+        return moe_experts_gemv(x, up, down, topk_weights, topk_ids)
+    return triton_moe.moe_experts(x, up, down, topk_weights, topk_ids)
