@@ -28,6 +28,8 @@ import time
 
 import torch
 
+from benchmarks import roofline
+
 from service.engine import Engine, EngineConfig, SamplingParams
 from service.engine.config import ModelConfig
 from service.engine.kernels import Kernels, get_kernels
@@ -83,19 +85,6 @@ def active_bytes_per_token(model: torch.nn.Module, model_cfg: ModelConfig) -> fl
         else:
             total += nbytes
     return total + expert * model_cfg.num_experts_per_tok / model_cfg.n_routed_experts
-
-
-def copy_bandwidth_gbs(device: str) -> float:
-    a = torch.randn(2 ** 28, device=device, dtype=torch.bfloat16)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(20):
-        b.copy_(a)
-    sync(device)
-    return 20 * 2 * a.numel() * 2 / (time.perf_counter() - t0) / 1e9
 
 
 def sync(device: str) -> None:
@@ -338,21 +327,30 @@ def _fmt(v: float) -> str:
     return f"{v:.1f}" if abs(v) >= 100 else f"{v:.3f}"
 
 
+def bandwidth_limit_lines(results: dict[str, dict[str, float]], active: float, device: str) -> list[str]:
+    """The batch-1 decode limit: active weight bytes per step / the measured HBM bandwidth, the higher of the 1 GiB
+    copy (read + write) and the 1 GiB read-only stream (`roofline`, the same ceilings as benchmarks/kernels.py);
+    and each variant's fraction of it."""
+    if not device.startswith("cuda"):
+        return ["decode weight-bandwidth limit: needs a CUDA device"]
+    copy, read = roofline.copy_gbs(device), roofline.read_gbs(device)
+    bw = max(copy, read)
+    limit = bw * 1e9 / active
+    lines = [f"decode weight-bandwidth limit at batch 1: {active / 1e9:.2f} GB active weights per step / {bw:.0f} GB/s "
+             f"measured (1 GiB copy {copy:.0f}, 1 GiB read {read:.0f}) = {limit:.0f} tok/s"]
+    for b, r in results.items():
+        if "decode B=1" in r:
+            lines.append(f"  {b}: decode B=1 reaches {100 * r['decode B=1'] / limit:.1f}% of it")
+    return lines
+
+
 def report(results: dict[str, dict[str, float]], model, model_cfg: ModelConfig, args: argparse.Namespace) -> None:
     backends = list(results)
     keys = list(dict.fromkeys(k for b in backends for k in results[b]))
     lines = ["| metric (tok/s unless named) | " + " | ".join(backends) + " |", "| --- |" + " ---: |" * len(backends)]
     lines += [f"| {k} | " + " | ".join(_fmt(results[b][k]) if k in results[b] else "-" for b in backends) + " |"
               for k in keys]
-    active = active_bytes_per_token(model, model_cfg)
-    bw = copy_bandwidth_gbs(args.device)
-    limit = bw * 1e9 / active
-    lines.append("")
-    lines.append(f"decode weight-bandwidth limit at batch 1: {active / 1e9:.2f} GB active weights per step / "
-                 f"{bw:.0f} GB/s measured copy = {limit:.0f} tok/s")
-    for b in backends:
-        if "decode B=1" in results[b]:
-            lines.append(f"  {b}: decode B=1 reaches {100 * results[b]['decode B=1'] / limit:.1f}% of it")
+    lines += [""] + bandwidth_limit_lines(results, active_bytes_per_token(model, model_cfg), args.device)
     meta = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
             "torch": torch.__version__, "prompt_len(decode)": args.prompt_len, "decode_steps": args.decode_steps,
             "max_num_batched_tokens": args.max_batched_tokens, "page_size": args.page_size,

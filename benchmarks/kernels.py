@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
+from benchmarks import roofline
+
 from service.engine.kernels import attention, conv1d, moe, norm, ssd
 from service.engine.kernels.triton_attention import (DECODE_TILE_VARIANTS, PrefillTiles, paged_attention,
                                                      paged_attention_tiled)
@@ -56,13 +58,7 @@ class Case:
 
 def measure_ceilings() -> tuple[float, float]:
     """(copy GB/s counting read + write, bf16 matmul TFLOP/s on random data)."""
-    a = torch.randn(2 ** 29, device=DEV, dtype=BF16)          # 1 GiB
-    b = torch.empty_like(a)
-    t_copy = triton.testing.do_bench(lambda: b.copy_(a), warmup=50, rep=300, return_mode="median")
-    x = torch.randn(8192, 8192, device=DEV, dtype=BF16)
-    y = torch.randn(8192, 8192, device=DEV, dtype=BF16)
-    t_mm = triton.testing.do_bench(lambda: x @ y, warmup=50, rep=300, return_mode="median")
-    return 2 * a.numel() * 2 / t_copy / 1e6, 2 * 8192 ** 3 / t_mm / 1e9
+    return roofline.copy_gbs(DEV), roofline.matmul_tflops(DEV)
 
 
 def rotating(case: Case) -> list[tuple]:

@@ -9,16 +9,18 @@ import torch
 import triton
 import triton.language as tl
 
-from service.engine.kernels.triton_common import check_dtype
+from service.engine.kernels.triton_common import check_dtype, pdl_release, pdl_wait, use_pdl
 
 _BLOCK = 1024
 
 
 @triton.jit
-def _relu2_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _relu2_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    pdl_release(PDL)
     r = tl.where(x < 0.0, 0.0, x)                     # keeps NaN, like torch.relu
     tl.store(out_ptr + offs, (r * r).to(out_ptr.dtype.element_ty), mask=m)
 
@@ -31,5 +33,6 @@ def relu2(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(x)
     n = x.numel()
     if n > 0:
-        _relu2_kernel[(triton.cdiv(n, _BLOCK),)](x, out, n, BLOCK=_BLOCK, num_warps=4)
+        _relu2_kernel[(triton.cdiv(n, _BLOCK),)](x, out, n, BLOCK=_BLOCK, PDL=use_pdl(x), num_warps=4,
+                                                 launch_pdl=use_pdl(x))
     return out

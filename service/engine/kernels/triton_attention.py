@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from service.engine.kernels.triton_common import (TARGET_PROGRAMS, block_dim, check_dim, check_inner_contiguous,
-                                                  check_same_device, dot_precision)
+                                                  check_same_device, dot_precision, pdl_release, pdl_wait,
+                                                  use_pdl)
 
 _LOG2E = 1.4426950408889634
 
@@ -89,10 +90,11 @@ def _load_kv_tile(cache_ptr, pt_row_ptr, offs_n, n_end, kvh, offs_d, s_slot, s_h
 def _decode_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, prefix_ptr, o_ptr, part_o_ptr, part_ml_ptr, qk_scale, Dh, page_size,
                    num_splits, min_split, s_q_t, s_q_h, s_k_slot, s_k_head, s_v_slot, s_v_head, s_pt, s_o_t, s_o_h,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """One program: request b, KV head kvh, keys [lo, hi) of split sp, the GROUP query heads of kvh as the rows of
     one [BLOCK_G, BLOCK_D] x [BLOCK_D, BLOCK_N] dot per step. SPLIT: store the unnormalised partial and (m, l);
     an empty split stores only m = -inf, l = 0."""
+    pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -126,6 +128,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, prefix_ptr, o_ptr, part_o_ptr, p
                     mask=mn[:, None] & md[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
+    pdl_release(PDL)
     if SPLIT:
         row = (b * (GROUP * tl.num_programs(1)) + heads) * num_splits + sp          # [(b, head), split]
         nonempty = offs_g < tl.where(lo < hi, GROUP, 0)          # (a scalar & vector mask trips the interpreter)
@@ -140,8 +143,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, prefix_ptr, o_ptr, part_o_ptr, p
 
 @triton.jit
 def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, Hq, Dh, num_splits, s_o_t, s_o_h,
-                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Merge the split partials of (request b, query head h) by log-sum-exp; empty splits (l = 0) are not read."""
+    pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -153,6 +157,7 @@ def _combine_kernel(part_o_ptr, part_ml_ptr, o_ptr, Hq, Dh, num_splits, s_o_t, s
     m_max = tl.max(m, axis=0)
     w = tl.where(l > 0, tl.exp2(m - m_max), 0.0)
     acc = tl.load(part_o_ptr + row[:, None] * BLOCK_D + offs_d[None, :], mask=(l > 0)[:, None], other=0.0)
+    pdl_release(PDL)
     out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
     tl.store(o_ptr + b * s_o_t + h * s_o_h + offs_d, out.to(o_ptr.dtype.element_ty), mask=offs_d < Dh)
 
@@ -295,8 +300,9 @@ def _decode(q, k_cache, v_cache, page_table, prefix_lens, max_seq_len, page_size
         q, k_cache, v_cache, page_table, prefix_lens, out, part_o, part_ml, qk_scale, Dh, page_size, splits,
         triton.cdiv(tiles.min_split, block_n) * block_n, q.stride(0), q.stride(1), k_cache.stride(0),
         k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), page_table.stride(0), out.stride(0), out.stride(1),
-        BLOCK_G=block_dim(common["GROUP"]), BLOCK_N=block_n, SPLIT=splits > 1, num_warps=tiles.warps,
-        num_stages=tiles.stages, **common)
+        BLOCK_G=block_dim(common["GROUP"]), BLOCK_N=block_n, SPLIT=splits > 1, PDL=use_pdl(q), num_warps=tiles.warps,
+        num_stages=tiles.stages, launch_pdl=use_pdl(q), **common)
     if splits > 1:
         _combine_kernel[(B, Hq)](part_o, part_ml, out, Hq, Dh, splits, out.stride(0), out.stride(1),
-                                 BLOCK_S=block_dim(splits, 1), BLOCK_D=bd, num_warps=4)
+                                 BLOCK_S=block_dim(splits, 1), BLOCK_D=bd, PDL=use_pdl(q), num_warps=4,
+                                 launch_pdl=use_pdl(q))

@@ -1,8 +1,21 @@
-"""Small helpers shared by the Triton launchers: block sizes, dot precision, argument checks."""
+"""Small helpers shared by the Triton launchers: block sizes, dot precision, argument checks, and programmatic
+dependent launch (PDL).
+
+PDL (Hopper+): a kernel launched with `launch_pdl=True` may start while the kernel before it in the stream is still
+running, as soon as every program of that one has called `griddepcontrol.launch_dependents` (or exited). Our PDL
+kernels call `pdl_release` first thing and `pdl_wait` before their first read of anything an earlier kernel may
+write (activations, state pools, KV pages, scratch); before the wait they read only weights and write nothing.
+A kernel after the wait sees every write of the kernel before it, and that one waited for its own predecessor, so
+the order of a plain stream holds. Kernels launched without PDL (torch, cuBLAS) start after their predecessor ends.
+`use_pdl(t)` decides per launch from t's device alone; under the CPU interpreter it is False."""
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # Programs per launch we aim for when a launcher may split work (e.g. attention split-KV):
 # about two waves on a 132-SM H200, and fixed so CPU (interpreter) and GPU runs take the same path.
@@ -44,3 +57,27 @@ def check_same_device(**tensors: torch.Tensor) -> None:
     devices = {name: t.device for name, t in tensors.items()}
     if len(set(devices.values())) > 1:
         raise ValueError(f"all tensors must be on one device, got {devices}")
+
+
+@functools.cache
+def _pdl_capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def use_pdl(t: torch.Tensor) -> bool:
+    """Launch with programmatic dependent launch: t is on a CUDA device of compute capability >= 9."""
+    return t.is_cuda and _pdl_capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+@triton.jit
+def pdl_release(PDL: tl.constexpr):
+    """Lets the next PDL kernel in the stream launch once every program of this one has passed here."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Blocks until the kernel before this one has finished and its writes are visible (no-op without PDL)."""
+    if PDL:
+        gdc_wait()

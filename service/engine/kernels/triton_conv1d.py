@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from service.engine.kernels.triton_common import (block_dim, check_dim, check_inner_contiguous, check_same_device,
-                                                  check_shape)
+                                                  check_shape, pdl_release, pdl_wait, use_pdl)
 
 
 @dataclass(frozen=True)
@@ -196,9 +196,11 @@ def causal_conv1d_varlen_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torc
 @triton.jit
 def _conv_update_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, new_ptr, slot_ptr, Dm,
                         s_x_b, s_w_d, s_w_k, s_s_b, s_s_d, s_s_k, s_n_b, s_n_d, s_n_k, s_o_b,
-                        K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SLOTS: tl.constexpr):
+                        K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SLOTS: tl.constexpr,
+                        PDL: tl.constexpr):
     """HAS_SLOTS: state rows are pool slots slot_ptr[b] and new_ptr is the pool (in place: column k is read
     before column k-1 is overwritten, each by the thread that owns it)."""
+    pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     row = b
     dst_ptr = new_ptr
@@ -214,6 +216,7 @@ def _conv_update_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, new_ptr, slo
         acc += sv.to(tl.float32) * tl.load(w_ptr + offs_d * s_w_d + k * s_w_k, mask=md, other=0.0).to(tl.float32)
         if k > 0:
             tl.store(dst_ptr + row * s_n_b + offs_d * s_n_d + (k - 1) * s_n_k, sv.to(dst_ptr.dtype.element_ty), mask=md)
+    pdl_release(PDL)
     tl.store(dst_ptr + row * s_n_b + offs_d * s_n_d + (K - 2) * s_n_k, xv.to(dst_ptr.dtype.element_ty), mask=md)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_d, mask=md, other=0.0).to(tl.float32)
@@ -237,7 +240,7 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     _conv_update_kernel[(Bq, triton.cdiv(Dm, bd))](
         x, weight, bias if bias is not None else weight, state, out, new, x, Dm, x.stride(0),
         weight.stride(0), weight.stride(1), *state.stride(), *new.stride(), out.stride(0),
-        K=K, HAS_BIAS=bias is not None, BLOCK_D=bd, HAS_SLOTS=False, num_warps=4)
+        K=K, HAS_BIAS=bias is not None, BLOCK_D=bd, HAS_SLOTS=False, PDL=False, num_warps=4)
     return out, new
 
 
@@ -258,5 +261,6 @@ def causal_conv1d_update_slots(x: torch.Tensor, weight: torch.Tensor, bias: torc
     _conv_update_kernel[(Bq, triton.cdiv(Dm, bd))](
         x, weight, bias if bias is not None else weight, conv_pool, out, conv_pool, slot_ids, Dm, x.stride(0),
         weight.stride(0), weight.stride(1), *conv_pool.stride(), *conv_pool.stride(), out.stride(0),
-        K=K, HAS_BIAS=bias is not None, BLOCK_D=bd, HAS_SLOTS=True, num_warps=4)
+        K=K, HAS_BIAS=bias is not None, BLOCK_D=bd, HAS_SLOTS=True, PDL=use_pdl(x), num_warps=4,
+        launch_pdl=use_pdl(x))
     return out

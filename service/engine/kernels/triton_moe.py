@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from service.engine.kernels.triton_common import (block_dim, check_dim, check_inner_contiguous, check_same_device,
-                                                  check_shape, dot_precision)
+                                                  check_shape, dot_precision, pdl_release, pdl_wait, use_pdl)
 from service.engine.kernels.triton_moe_route import moe_route  # noqa: F401  (the backend's moe_route)
 
 
@@ -309,14 +309,16 @@ def _down_kernel(h_ptr, w_ptr, pairs_ptr, block_expert_ptr, topk_w_ptr, y_ptr, n
 
 
 @triton.jit
-def _sum_slots_kernel(y_ptr, out_ptr, top_k, d, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+def _sum_slots_kernel(y_ptr, out_ptr, top_k, d, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """out[t] = sum_j y[t * top_k + j] in fp32, cast to out's dtype."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_k = tl.arange(0, BLOCK_K)
     md = offs_d < d
     v = tl.load(y_ptr + (t * top_k + offs_k[:, None]) * d + offs_d[None, :],
                 mask=(offs_k < top_k)[:, None] & md[None, :], other=0.0)
+    pdl_release(PDL)
     tl.store(out_ptr + t * d + offs_d, tl.sum(v.to(tl.float32), axis=0).to(out_ptr.dtype.element_ty), mask=md)
 
 
@@ -384,7 +386,8 @@ def sum_slots(y: torch.Tensor, T: int, top_k: int) -> torch.Tensor:
     d = y.shape[1]
     out = torch.empty(T, d, dtype=y.dtype, device=y.device)
     _sum_slots_kernel[(T, triton.cdiv(d, 1024))](y, out, top_k, d, BLOCK_K=block_dim(top_k, 1),
-                                                 BLOCK_D=min(block_dim(d, 1), 1024), num_warps=4)
+                                                 BLOCK_D=min(block_dim(d, 1), 1024), PDL=use_pdl(y), num_warps=4,
+                                                 launch_pdl=use_pdl(y))
     return out
 
 

@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 from service.engine.kernels.triton_common import (TARGET_PROGRAMS, block_dim, check_dim, check_inner_contiguous,
-                                                  check_same_device, check_shape)
+                                                  check_same_device, check_shape, pdl_release, pdl_wait,
+                                                  use_pdl)
 
 MAX_EXPERTS = 1024          # the selection holds a [rows, next_pow2(E)] tile in registers
 SELECT_TILE = 2048          # rows * padded experts per selection step (int64 keys)
@@ -178,7 +179,8 @@ def _moe_route_kernel(h_ptr, w_ptr, bias_ptr, part_ptr, count_ptr, w_out_ptr, id
                       MODE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                       K_STEPS: tl.constexpr, N_ARRIVE: tl.constexpr, SEL_T: tl.constexpr, KS_TILE: tl.constexpr,
                       E_PAD: tl.constexpr, K_PAD: tl.constexpr, G_PAD: tl.constexpr, GROUPED: tl.constexpr,
-                      NORM: tl.constexpr, DOT_TY: tl.constexpr):
+                      NORM: tl.constexpr, DOT_TY: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     pid_t = tl.program_id(0)
     pid_k = tl.program_id(2)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -192,6 +194,7 @@ def _moe_route_kernel(h_ptr, w_ptr, bias_ptr, part_ptr, count_ptr, w_out_ptr, id
         acc = _fma_logits(h_rows, w_rows, k0, d, mt, me, BLOCK_T, BLOCK_E, BLOCK_K, K_STEPS)
     else:
         acc = _dot_logits(h_rows, w_rows, k0, d, mt, me, BLOCK_T, BLOCK_E, BLOCK_K, K_STEPS, MODE == 2, DOT_TY)
+    pdl_release(PDL)
     tl.store(part_ptr + (pid_k * T + offs_t.to(tl.int64))[:, None] * E + offs_e[None, :], acc,
              mask=mt[:, None] & me[None, :])
     tl.debug_barrier()          # every thread's stores are done before the read-back / the counter
@@ -330,5 +333,6 @@ def moe_route_tiled(h: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
         MODE=MODES[cfg.mode], BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k, K_STEPS=cfg.k_steps,
         N_ARRIVE=n_arrive, SEL_T=sel_t, KS_TILE=ks_tile, E_PAD=e_pad, K_PAD=k_pad,
         G_PAD=triton.next_power_of_2(n_group), GROUPED=n_group > 1, NORM=bool(norm_topk_prob),
-        DOT_TY=tl.bfloat16 if dev.type == "cuda" else tl.float32, num_warps=cfg.warps, num_stages=cfg.stages)
+        DOT_TY=tl.bfloat16 if dev.type == "cuda" else tl.float32, PDL=use_pdl(h), num_warps=cfg.warps,
+        num_stages=cfg.stages, launch_pdl=use_pdl(h))
     return weights, ids

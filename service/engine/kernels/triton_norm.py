@@ -1,6 +1,7 @@
 """Triton RMSNorm, residual add + RMSNorm, and gated group RMSNorm (the Mamba-2 output norm), fp32 math.
 
 Same signatures and semantics as `norm.rms_norm_ref` / `norm.add_rms_norm_ref` / `norm.gated_group_rms_norm_ref`.
+PDL launches on Hopper+ (triton_common): the norm weight is read before the wait, the activations after it.
 """
 from __future__ import annotations
 
@@ -9,17 +10,19 @@ import triton
 import triton.language as tl
 
 from service.engine.kernels.triton_common import (block_dim, check_dim, check_inner_contiguous, check_same_device,
-                                                  check_shape)
+                                                  check_shape, pdl_release, pdl_wait, use_pdl)
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, d, s_x, s_o, eps, BLOCK_D: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, d, s_x, s_o, eps, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     m = offs < d
-    x = tl.load(x_ptr + row * s_x + offs, mask=m, other=0.0).to(tl.float32)
-    r = tl.rsqrt(tl.sum(x * x, axis=0) / d + eps)
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    pdl_wait(PDL)
+    x = tl.load(x_ptr + row * s_x + offs, mask=m, other=0.0).to(tl.float32)
+    pdl_release(PDL)
+    r = tl.rsqrt(tl.sum(x * x, axis=0) / d + eps)
     tl.store(out_ptr + row * s_o + offs, (w * (x * r)).to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -35,24 +38,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x2.shape[0] == 0:
         return out.view(x.shape)
     bd = block_dim(d, 1)
-    _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, d, x2.stride(0), out.stride(0), eps, BLOCK_D=bd,
-                                     num_warps=min(max(bd // 512, 1), 8))
+    pdl = use_pdl(x)
+    _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, d, x2.stride(0), out.stride(0), eps, BLOCK_D=bd, PDL=pdl,
+                                     num_warps=min(max(bd // 512, 1), 8), launch_pdl=pdl)
     return out.view(x.shape)
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, d, s_x, s_r, s_o, s_n, eps,
-                         BLOCK_D: tl.constexpr):
+                         BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     m = offs < d
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    pdl_wait(PDL)
     x = tl.load(x_ptr + row * s_x + offs, mask=m, other=0.0).to(tl.float32)
     res = tl.load(res_ptr + row * s_r + offs, mask=m, other=0.0).to(tl.float32)
+    pdl_release(PDL)
     h = (res + x).to(new_res_ptr.dtype.element_ty)          # rounded once, like torch's `residual + x`
     tl.store(new_res_ptr + row * s_n + offs, h, mask=m)
     hf = h.to(tl.float32)
     r = tl.rsqrt(tl.sum(hf * hf, axis=0) / d + eps)
-    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * s_o + offs, (w * (hf * r)).to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -76,22 +82,26 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     new_res = torch.empty_like(out)
     if r2.shape[0] > 0:
         bd = block_dim(d, 1)
+        pdl = use_pdl(x)
         _add_rms_norm_kernel[(r2.shape[0],)](x2, r2, weight, out, new_res, d, x2.stride(0), r2.stride(0),
-                                             out.stride(0), new_res.stride(0), eps, BLOCK_D=bd,
-                                             num_warps=min(max(bd // 512, 1), 8))
+                                             out.stride(0), new_res.stride(0), eps, BLOCK_D=bd, PDL=pdl,
+                                             num_warps=min(max(bd // 512, 1), 8), launch_pdl=pdl)
     return out.view(residual.shape), new_res.view(residual.shape)
 
 
 @triton.jit
-def _gated_rms_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, group_size, s_y, s_z, s_o, eps, BLOCK: tl.constexpr):
+def _gated_rms_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, group_size, s_y, s_z, s_o, eps, BLOCK: tl.constexpr,
+                           PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * group_size + tl.arange(0, BLOCK)
     m = tl.arange(0, BLOCK) < group_size
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    pdl_wait(PDL)
     y = tl.load(y_ptr + row * s_y + offs, mask=m, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + row * s_z + offs, mask=m, other=0.0).to(tl.float32)
+    pdl_release(PDL)
     h = y * z * tl.sigmoid(z)
     r = tl.rsqrt(tl.sum(h * h, axis=0) / group_size + eps)
-    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * s_o + offs, (w * (h * r)).to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -111,6 +121,8 @@ def gated_group_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
     if T == 0:
         return out
     bg = block_dim(group_size, 1)
+    pdl = use_pdl(y)
     _gated_rms_norm_kernel[(T, Di // group_size)](y, z, weight, out, group_size, y.stride(0), z.stride(0),
-                                                   out.stride(0), eps, BLOCK=bg, num_warps=min(max(bg // 512, 1), 8))
+                                                   out.stride(0), eps, BLOCK=bg, PDL=pdl,
+                                                   num_warps=min(max(bg // 512, 1), 8), launch_pdl=pdl)
     return out

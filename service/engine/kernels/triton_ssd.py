@@ -27,7 +27,8 @@ import triton.language as tl
 
 from service.engine.kernels.ssd import ChunkLayout
 from service.engine.kernels.triton_common import (block_dim, check_dim, check_dtype, check_inner_contiguous,
-                                                  check_same_device, check_shape, dot_precision)
+                                                  check_same_device, check_shape, dot_precision, pdl_release,
+                                                  pdl_wait, use_pdl)
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -265,7 +266,7 @@ def _ssu_kernel(state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, new
                 dt_lo, dt_hi, H, P, N, heads_per_group, s_st_b, s_st_h, s_x_b, s_x_h, s_dt_b, s_dt_h,
                 s_b_b, s_b_g, s_c_b, s_c_g, s_y_b, s_y_h,
                 BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SLOTS: tl.constexpr, RAW_DT: tl.constexpr,
-                DT_CLAMP: tl.constexpr):
+                DT_CLAMP: tl.constexpr, PDL: tl.constexpr):
     """HAS_SLOTS: state rows are pool slots slot_ptr[b] and new_ptr is the pool itself (in place).
     RAW_DT: dt is in_proj's raw dt and A_ptr holds A_log: dt <- softplus(dt + dt_bias) (clamped to [dt_lo, dt_hi]
     if DT_CLAMP), A = -exp(A_log), all fp32."""
@@ -279,13 +280,15 @@ def _ssu_kernel(state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, new
     st_off = offs_p[:, None] * N + offs_n[None, :]
     row = b
     dst_ptr = new_ptr
+    a = tl.load(A_ptr + h).to(tl.float32)
+    d_skip = tl.load(D_ptr + h).to(tl.float32)
+    pdl_wait(PDL)                      # weights above, everything an earlier kernel writes below
     if HAS_SLOTS:                      # one base pointer for the in-place read and write
         row = tl.load(slot_ptr + b).to(tl.int64)
         dst_ptr = state_ptr
     st = tl.load(state_ptr + row * s_st_b + h * s_st_h + st_off, mask=m2, other=0.0)
     x = tl.load(x_ptr + b * s_x_b + h * s_x_h + offs_p, mask=mp, other=0.0).to(tl.float32)
     dt = tl.load(dt_ptr + b * s_dt_b + h * s_dt_h).to(tl.float32)
-    a = tl.load(A_ptr + h).to(tl.float32)
     if RAW_DT:
         dt = _softplus(dt + tl.load(dt_bias_ptr + h).to(tl.float32))
         if DT_CLAMP:
@@ -293,9 +296,10 @@ def _ssu_kernel(state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, new
         a = -tl.exp(a)
     bv = tl.load(B_ptr + b * s_b_b + g * s_b_g + offs_n, mask=mn, other=0.0).to(tl.float32)
     cv = tl.load(C_ptr + b * s_c_b + g * s_c_g + offs_n, mask=mn, other=0.0).to(tl.float32)
+    pdl_release(PDL)
     new = st * tl.exp(dt * a) + (dt * x)[:, None] * bv[None, :]
     tl.store(dst_ptr + row * s_st_b + h * s_st_h + st_off, new, mask=m2)
-    y = tl.sum(new * cv[None, :], axis=1) + tl.load(D_ptr + h).to(tl.float32) * x
+    y = tl.sum(new * cv[None, :], axis=1) + d_skip * x
     tl.store(y_ptr + b * s_y_b + h * s_y_h + offs_p, y, mask=mp)
 
 
@@ -326,7 +330,7 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
     _ssu_kernel[(Bq, H, triton.cdiv(P, bp))](
         state, x, dt, A, B, C, D, y, new, x, dt, 0.0, 0.0, H, P, N, H // G, state.stride(0), state.stride(1),
         x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
-        y.stride(0), y.stride(1), BLOCK_P=bp, BLOCK_N=block_dim(N, 1), HAS_SLOTS=False, RAW_DT=False,
+        y.stride(0), y.stride(1), BLOCK_P=bp, BLOCK_N=block_dim(N, 1), HAS_SLOTS=False, RAW_DT=False, PDL=False,
         DT_CLAMP=False, num_warps=4)
     return y, new
 
@@ -381,5 +385,6 @@ def _launch_ssu_slots(ssm_pool, slot_ids, x, dt, A, B, C, D, dt_bias, dt_clamp) 
         ssm_pool, x, dt, A, B, C, D, y, ssm_pool, slot_ids, dt_bias if raw else dt, float(lo), hi, H, P, N, H // G,
         ssm_pool.stride(0), ssm_pool.stride(1), x.stride(0), x.stride(1), dt.stride(0), dt.stride(1),
         B.stride(0), B.stride(1), C.stride(0), C.stride(1), y.stride(0), y.stride(1),
-        BLOCK_P=bp, BLOCK_N=block_dim(N, 1), HAS_SLOTS=True, RAW_DT=raw, DT_CLAMP=clamp, num_warps=4)
+        BLOCK_P=bp, BLOCK_N=block_dim(N, 1), HAS_SLOTS=True, RAW_DT=raw, DT_CLAMP=clamp, PDL=use_pdl(x),
+        num_warps=4, launch_pdl=use_pdl(x))
     return y
