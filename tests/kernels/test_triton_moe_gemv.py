@@ -1,14 +1,23 @@
-"""Grouped-GEMV MoE experts (batch-1/2 decode) vs the torch reference and the tiled Triton path."""
+"""Grouped-GEMV MoE experts (batch-1/2 decode) vs the torch reference and the tiled Triton path; the shared expert
+folded into them (and into the reference, vs a plain-torch oracle)."""
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from triton_test_util import DEVICE, assert_close, gpu, moe_inputs, needs_cuda
 from service.engine.kernels import moe
 from service.engine.kernels.triton_moe import moe_experts
 from service.engine.kernels.triton_moe_gemv import (EXPERT_GEMV_TILE_VARIANTS, MAX_GEMV_PAIRS, ExpertGemvTiles,
-                                                    moe_experts_gemv)
+                                                    moe_experts_by_size, moe_experts_gemv, moe_experts_tiled_shared)
+
+
+def _shared_weights(S: int, d: int, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+    """The shared expert's keyword args: shared_up [S, d], shared_down [d, S] (scaled like `moe_inputs`' experts)."""
+    g = torch.Generator().manual_seed(seed)
+    return dict(shared_up=(torch.randn(S, d, generator=g) * d ** -0.5).to(DEVICE, dtype),
+                shared_down=(torch.randn(d, S, generator=g) * S ** -0.5).to(DEVICE, dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -35,6 +44,60 @@ def test_moe_experts_gemv_repeated_expert_and_limits():
         moe_experts_gemv(x[:1].expand(many, 24), up, down, w[:1].expand(many, 2), ids[:1].expand(many, 2))
 
 
+# ---------------- the shared expert ----------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T,k,d,inter,S", [(1, 6, 40, 24, 37), (2, 3, 33, 70, 13), (1, 1, 700, 9, 30),
+                                           (2, 1, 64, 128, 64), (2, 6, 16, 64, 128)])
+def test_moe_experts_gemv_shared_matches_ref(T, k, d, inter, S, dtype):
+    """S above and below I, S not a multiple of BLOCK_N, d_in and I / S each even and uneven in BLOCK_K."""
+    args = moe_inputs(T, E=12, k=k, d=d, inter=inter, dtype=dtype, seed=T * 100 + d)
+    shared = _shared_weights(S, d, dtype, seed=S)
+    ref = moe.moe_experts_ref(*args, **shared)
+    for tiles in (None, ExpertGemvTiles(8, 64, 4), ExpertGemvTiles(4, 64, 2)):
+        out = moe_experts_gemv(*args, tiles, **shared)
+        assert out.dtype == dtype and out.shape == (T, d)
+        assert_close(out, ref, dtype, f"moe_experts_gemv + shared {tiles}")
+    assert_close(moe_experts_tiled_shared(*args, **shared), ref, dtype, "tiled + shared")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_moe_experts_ref_shared_equals_routed_plus_shared_mlp(dtype):
+    """Oracle: the reference's shared expert is the routed reference plus a plain-torch ReLU² MLP (fp32)."""
+    args = moe_inputs(3, E=8, k=2, d=48, inter=40, dtype=dtype, seed=7)
+    shared = _shared_weights(56, 48, dtype, seed=8)
+    x, up_s, down_s = args[0].float(), shared["shared_up"].float(), shared["shared_down"].float()
+    oracle = moe.moe_experts_ref(*args).float() + F.linear(F.linear(x, up_s).relu().square(), down_s)
+    out = moe.moe_experts_ref(*args, **shared)
+    assert out.dtype == dtype
+    assert_close(out, oracle, dtype, "moe_experts_ref + shared")
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 20])
+def test_moe_experts_by_size_shared(T):
+    """Both sides of the GEMV limit (k = 6: T <= 2 grouped GEMVs, T >= 3 tiled GEMMs + the shared MLP)."""
+    args = moe_inputs(T, E=16, k=6, d=40, inter=24, dtype=torch.float16, seed=T)
+    shared = _shared_weights(36, 40, torch.float16, seed=T + 1)
+    assert_close(moe_experts_by_size(*args, **shared), moe.moe_experts_ref(*args, **shared), torch.float16,
+                 f"moe_experts_by_size + shared T={T}")
+    assert_close(moe_experts_by_size(*args), moe.moe_experts_ref(*args), torch.float16, f"by size T={T}")
+
+
+@pytest.mark.parametrize("op", [moe.moe_experts_ref, moe_experts_gemv, moe_experts_by_size], ids=lambda f: f.__name__)
+def test_moe_experts_shared_args_checked(op):
+    args = moe_inputs(1, E=4, k=2, d=24, inter=20, dtype=torch.float32, seed=3)
+    shared = _shared_weights(12, 24, torch.float32, seed=4)
+    for name in ("shared_up", "shared_down"):
+        with pytest.raises(ValueError, match="pass both shared_up .* and shared_down"):
+            op(*args, **{name: shared[name]})
+    with pytest.raises(ValueError, match="shared_up must be"):
+        op(*args, shared_up=shared["shared_up"], shared_down=shared["shared_down"].t())
+    if op is not moe.moe_experts_ref:
+        with pytest.raises(ValueError, match="shared_up must have dtype"):
+            op(*args, shared_up=shared["shared_up"].half(), shared_down=shared["shared_down"])
+        with pytest.raises(ValueError, match="contiguous"):
+            op(*args, shared_up=shared["shared_up"], shared_down=shared["shared_down"].t().contiguous().t())
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("tiles", EXPERT_GEMV_TILE_VARIANTS, ids=str)
@@ -43,3 +106,15 @@ def test_moe_experts_gemv_gpu_nano(T, tiles):
     args = moe_inputs(T, E=128, k=6, d=2688, inter=1856, dtype=torch.bfloat16, seed=T)
     out = moe_experts_gemv(*args, tiles)
     assert_close(out, moe.moe_experts_ref(*args), torch.bfloat16, f"moe_experts_gemv {tiles}")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("tiles", EXPERT_GEMV_TILE_VARIANTS, ids=str)
+@pytest.mark.parametrize("T", [1, 2])
+def test_moe_experts_gemv_shared_gpu_nano(T, tiles):
+    """Nemotron-3-Nano: 128 experts, top-6, d 2688, I 1856, shared expert S 3712, bf16."""
+    args = moe_inputs(T, E=128, k=6, d=2688, inter=1856, dtype=torch.bfloat16, seed=T)
+    shared = _shared_weights(3712, 2688, torch.bfloat16, seed=T + 10)
+    out = moe_experts_gemv(*args, tiles, **shared)
+    assert_close(out, moe.moe_experts_ref(*args, **shared), torch.bfloat16, f"moe_experts_gemv + shared {tiles}")

@@ -25,7 +25,7 @@ class Kernels:
     write_kv: Callable                 # attention.write_kv_ref signature
     paged_attention: Callable          # attention.paged_attention_ref signature
     moe_route: Callable                # moe.moe_route_ref signature
-    moe_experts: Callable              # moe.moe_experts_ref signature
+    moe_experts: Callable              # moe.moe_experts_ref signature (+ optional shared expert, keyword args)
     rms_norm: Callable                 # norm.rms_norm_ref signature
     add_rms_norm: Callable             # norm.add_rms_norm_ref signature (residual add + the next RMSNorm)
     gated_rms_norm: Callable           # norm.gated_group_rms_norm_ref signature

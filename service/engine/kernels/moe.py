@@ -3,7 +3,8 @@
 Routing: fp32 logits `h @ W.T`, `s = sigmoid`, pick top-k of `s + bias` (group-limited when
 n_group > 1: keep the topk_group groups with the largest sum of their top-2), weights = s at the
 picked experts, renormalised if norm_topk_prob, times routed_scaling_factor.
-Experts: non-gated ReLU² MLPs `down(relu(up(x))**2)`.
+Experts: non-gated ReLU² MLPs `down(relu(up(x))**2)`; the shared expert (when passed to `moe_experts_ref`) is one
+more such MLP with weight 1, added in fp32 before the one rounding to x's dtype.
 """
 from __future__ import annotations
 
@@ -36,10 +37,30 @@ def relu2(x: torch.Tensor) -> torch.Tensor:
     return torch.relu(x).square()
 
 
+def check_shared_expert(x: torch.Tensor, shared_up: torch.Tensor | None, shared_down: torch.Tensor | None) -> int:
+    """Shape checks of the optional shared expert of the routed-experts ops: both or neither of shared_up [S, d_in]
+    and shared_down [d_in, S] (x [T, d_in]); returns S, 0 when neither is given."""
+    if (shared_up is None) != (shared_down is None):
+        raise ValueError("pass both shared_up [S, d_in] and shared_down [d_in, S] (the shared expert's up_proj and "
+                         "down_proj weights) or neither, got only "
+                         + ("shared_up" if shared_up is not None else "shared_down"))
+    if shared_up is None or shared_down is None:
+        return 0
+    d_in = x.shape[-1]
+    S = shared_up.shape[0]
+    if shared_up.dim() != 2 or shared_up.shape[1] != d_in or tuple(shared_down.shape) != (d_in, S):
+        raise ValueError(f"shared_up must be [S, d_in] and shared_down [d_in, S] with d_in={d_in}, got "
+                         f"{tuple(shared_up.shape)} and {tuple(shared_down.shape)}")
+    return S
+
+
 def moe_experts_ref(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor) -> torch.Tensor:
-    """x [T, d_in], up [E, I, d_in], down [E, d_in, I], topk [T, k] -> sum_k w * expert(x) [T, d_in].
-    Accumulates in fp32 like transformers (weights fp32), returns x's dtype."""
+                    topk_ids: torch.Tensor, *, shared_up: torch.Tensor | None = None,
+                    shared_down: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, d_in], up [E, I, d_in], down [E, d_in, I], topk [T, k] -> sum_k w * expert(x) [T, d_in], plus the shared
+    expert shared_down(relu(shared_up(x))^2) when shared_up [S, d_in] and shared_down [d_in, S] are given (both or
+    neither). Accumulates in fp32 like transformers (weights fp32), returns x's dtype."""
+    n_shared = check_shared_expert(x, shared_up, shared_down)
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     flat_ids = topk_ids.flatten()
     order = torch.argsort(flat_ids, stable=True)
@@ -54,4 +75,6 @@ def moe_experts_ref(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, topk_
         hidden = F.linear(relu2(F.linear(x[t], up[e])), down[e])
         out.index_add_(0, t, hidden.float() * w[start:start + n, None])
         start += n
+    if n_shared:
+        out += F.linear(relu2(F.linear(x, shared_up)), shared_down).float()
     return out.to(x.dtype)

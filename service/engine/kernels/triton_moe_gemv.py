@@ -2,11 +2,15 @@
 
 Same signature and semantics as `moe.moe_experts_ref` and `triton_moe.moe_experts` (h and the per-slot outputs are
 rounded to x's dtype at the same points as the tiled path). At batch 1 the tiled path runs 16-row tiles with one
-valid row per expert; here there is no alignment and no padding: program (p, j) of the up pass streams BLOCK_N rows
-of `up[ids[p]]` against token p // k's x and writes relu(.)² of them; program (p, j) of the down pass streams
-BLOCK_N rows of `down[ids[p]]` against that h row, times the pair's routing weight. Each program keeps fp32 partial
-products in a [BLOCK_N, BLOCK_K] register tile with the next step's tile loaded before this step's FMAs
-(`triton_gemv.dot_tiles`, one reduction at the end). The k slots of a token are then summed by `triton_moe.sum_slots`.
+valid row per expert; here there is no alignment and no padding. Each token has k routed slots, plus one for the
+shared expert (weight 1) when shared_up/shared_down are given: rows q = t * slots + j of the h and y scratch.
+Program (q, j) of the up pass streams BLOCK_N rows of slot q's up matrix (`up[ids[t, j]]` [I, d_in], or shared_up
+[S, d_in]) against token t's x and writes relu(.)² of them (the grid covers max(I, S) rows; blocks past the slot's
+own size return at once); program (q, j) of the down pass streams BLOCK_N rows of that slot's down matrix against
+its h row (K = I or S), times the pair's routing weight. Each program keeps fp32 partial products in a
+[BLOCK_N, BLOCK_K] register tile with the next step's tile loaded before this step's FMAs (`triton_gemv.dot_tiles`,
+one reduction at the end). `triton_moe.sum_slots` then sums each token's slots in fp32 with one rounding: one MoE
+layer with its shared expert is route + up + down + sum = 4 launches at batch 1.
 Weight bytes are read once per pair, so the tiled path (one read per expert) wins as soon as pairs share experts:
 this path is for T * k up to MAX_GEMV_PAIRS.
 """
@@ -18,8 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
+from service.engine.kernels import moe, triton_gemv, triton_moe
+from service.engine.kernels.triton_activation import relu2
+from service.engine.kernels.triton_common import check_dtype, check_same_device
 from service.engine.kernels.triton_gemv import dot_tiles
-from service.engine.kernels import triton_moe
 from service.engine.kernels.triton_moe import check_experts_args, sum_slots
 
 MAX_GEMV_PAIRS = 16          # (token, slot) pairs up to which `moe_experts_gemv` accepts a batch
@@ -38,67 +44,116 @@ EXPERT_GEMV_TILE_VARIANTS = (ExpertGemvTiles(), ExpertGemvTiles(8, 256, 4), Expe
 
 
 @triton.jit
-def _pair_rows(ids_ptr, n_out, BLOCK_N: tl.constexpr):
-    """Program (p, j): pair p, its expert e, output rows offs_n of block j and the weight rows they read (clamped
-    to n_out - 1: loads stay unmasked, the stores are masked)."""
-    p = tl.program_id(0)
+def _slot_expert(ids_ptr, w_ptr, w_shared_ptr, s_w_e, top_k, n_routed, n_shared, SHARED: tl.constexpr):
+    """Program (q, .) -> row q of the [T, k + SHARED] slot layout (slot k: the shared expert): its token t, its
+    routed pair index t * k + slot (not read for the shared slot), whether it is the shared slot, its expert's
+    weight matrix ([I, d_in] / [d_in, I], or the shared [S, d_in] / [d_in, S]) and its intermediate size (I or S)."""
+    q = tl.program_id(0)
+    t = q // (top_k + SHARED)
+    slot = q - t * (top_k + SHARED)
+    p = t * top_k + slot
+    shared = slot == top_k
+    e = tl.load(ids_ptr + p, mask=slot < top_k, other=0).to(tl.int64)
+    w = tl.where(shared, w_shared_ptr, w_ptr + e * s_w_e)
+    return t.to(tl.int64), p, shared, w, tl.where(shared, n_shared, n_routed)
+
+
+@triton.jit
+def _expert_up_kernel(x_ptr, w_ptr, w_shared_ptr, ids_ptr, h_ptr, top_k, n_routed, n_shared, K, s_x, s_w_e, s_h,
+                      SHARED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """h[q, :n] = relu(W_q x_t)^2 for slot q's expert W_q [n, K] (n = I, or S for the shared slot)."""
+    t, _, _, w, n_out = _slot_expert(ids_ptr, w_ptr, w_shared_ptr, s_w_e, top_k, n_routed, n_shared, SHARED)
+    if tl.program_id(1) * BLOCK_N >= n_out:      # the grid covers max(I, S) rows
+        return
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return p, tl.load(ids_ptr + p).to(tl.int64), offs_n, tl.minimum(offs_n, n_out - 1).to(tl.int64)
+    rows = tl.minimum(offs_n, n_out - 1).to(tl.int64)       # loads unmasked, stores masked
+    r, _, _, _ = dot_tiles(w + rows[:, None] * K, x_ptr + t * s_x, 0, 0, K, K, 1, EVEN_K, True, BLOCK_N, BLOCK_K)
+    r = tl.maximum(tl.sum(r, axis=1), 0.0)
+    q = tl.program_id(0).to(tl.int64)
+    tl.store(h_ptr + q * s_h + offs_n, (r * r).to(h_ptr.dtype.element_ty), mask=offs_n < n_out)
 
 
 @triton.jit
-def _expert_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, top_k, n_out, K, s_x, s_w_e, s_h,
-                      EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    p, e, offs_n, rows = _pair_rows(ids_ptr, n_out, BLOCK_N)
-    r, _, _, _ = dot_tiles(w_ptr + e * s_w_e + rows[:, None] * K, x_ptr + (p // top_k).to(tl.int64) * s_x, 0, 0,
-                           K, K, 1, EVEN_K, True, BLOCK_N, BLOCK_K)
-    r = tl.sum(r, axis=1)
-    r = tl.maximum(r, 0.0)
-    tl.store(h_ptr + p.to(tl.int64) * s_h + offs_n, (r * r).to(h_ptr.dtype.element_ty), mask=offs_n < n_out)
+def _expert_down_kernel(h_ptr, w_ptr, w_shared_ptr, ids_ptr, topk_w_ptr, y_ptr, top_k, n_routed, n_shared, n_out,
+                        s_h, s_w_e, s_y, SHARED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    """y[q] = w_q * W_q h[q, :K] for slot q's expert W_q [n_out, K] (K = I, or S for the shared slot, weight 1)."""
+    _, p, shared, w, K = _slot_expert(ids_ptr, w_ptr, w_shared_ptr, s_w_e, top_k, n_routed, n_shared, SHARED)
+    q = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, n_out - 1).to(tl.int64)
+    r, _, _, _ = dot_tiles(w + rows[:, None] * K, h_ptr + q * s_h, 0, 0, K, K, 1, EVEN_K, True, BLOCK_N, BLOCK_K)
+    r = tl.sum(r, axis=1) * tl.load(topk_w_ptr + p, mask=~shared, other=1.0).to(tl.float32)
+    tl.store(y_ptr + q * s_y + offs_n, r.to(y_ptr.dtype.element_ty), mask=offs_n < n_out)
 
 
-@triton.jit
-def _expert_down_kernel(h_ptr, w_ptr, ids_ptr, topk_w_ptr, y_ptr, n_out, K, s_h, s_w_e, s_y,
-                        EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    p, e, offs_n, rows = _pair_rows(ids_ptr, n_out, BLOCK_N)
-    r, _, _, _ = dot_tiles(w_ptr + e * s_w_e + rows[:, None] * K, h_ptr + p.to(tl.int64) * s_h, 0, 0, K, K, 1,
-                           EVEN_K, True, BLOCK_N, BLOCK_K)
-    r = tl.sum(r, axis=1)
-    r = r * tl.load(topk_w_ptr + p).to(tl.float32)
-    tl.store(y_ptr + p.to(tl.int64) * s_y + offs_n, r.to(y_ptr.dtype.element_ty), mask=offs_n < n_out)
+def check_shared_args(x: torch.Tensor, shared_up: torch.Tensor | None, shared_down: torch.Tensor | None) -> int:
+    """The optional shared expert of the Triton routed-experts ops: shapes (`moe.check_shared_expert`: both or
+    neither, shared_up [S, d_in], shared_down [d_in, S]), x's dtype, contiguous, x's device. Returns S (0: none)."""
+    n_shared = moe.check_shared_expert(x, shared_up, shared_down)
+    if shared_up is None or shared_down is None:
+        return 0
+    check_dtype("shared_up", shared_up, (x.dtype,))
+    check_dtype("shared_down", shared_down, (x.dtype,))
+    if not (shared_up.is_contiguous() and shared_down.is_contiguous()):
+        raise ValueError("shared_up and shared_down must be contiguous")
+    check_same_device(x=x, shared_up=shared_up, shared_down=shared_down)
+    return n_shared
 
 
 def moe_experts_gemv(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor, tiles: ExpertGemvTiles | None = None) -> torch.Tensor:
-    """Routed experts as grouped GEMVs (Triton) for T * k <= MAX_GEMV_PAIRS pairs.
+                     topk_ids: torch.Tensor, tiles: ExpertGemvTiles | None = None, *,
+                     shared_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed experts (+ the shared expert) as grouped GEMVs (Triton) for T * k <= MAX_GEMV_PAIRS pairs.
     x [T, d_in] (unit stride in d_in), up [E, I, d_in], down [E, d_in, I] (contiguous), topk_weights [T, k]
-    (fp32), topk_ids [T, k] -> sum_k w * down(relu(up(x))^2) [T, d_in] in x's dtype."""
+    (fp32), topk_ids [T, k], optional shared_up [S, d_in] and shared_down [d_in, S] (both or neither, contiguous)
+    -> sum_k w * down(relu(up(x))^2) (+ shared_down(relu(shared_up(x))^2)) [T, d_in] in x's dtype."""
     T, d_in, E, inter, top_k = check_experts_args(x, up, down, topk_weights, topk_ids)
-    pairs = T * top_k
-    if pairs > MAX_GEMV_PAIRS:
-        raise ValueError(f"moe_experts_gemv takes up to {MAX_GEMV_PAIRS} (token, slot) pairs, got {pairs}: "
+    n_shared = check_shared_args(x, shared_up, shared_down)
+    if T * top_k > MAX_GEMV_PAIRS:
+        raise ValueError(f"moe_experts_gemv takes up to {MAX_GEMV_PAIRS} (token, slot) pairs, got {T * top_k}: "
                          "use triton_moe.moe_experts")
     if T == 0:
         return torch.empty(0, d_in, dtype=x.dtype, device=x.device)
     t = tiles or ExpertGemvTiles()
+    slots = top_k + (1 if n_shared else 0)              # per token: k routed slots, then the shared one
+    s_up, s_down = (shared_up, shared_down) if n_shared else (up, down)     # placeholders, never read
     ids = topk_ids.reshape(-1).contiguous()
-    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    _expert_up_kernel[(pairs, triton.cdiv(inter, t.block_n))](
-        x, up, ids, h, top_k, inter, d_in, x.stride(0), up.stride(0), h.stride(0), EVEN_K=d_in % t.block_k == 0,
-        BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.warps, num_stages=1)
-    y = torch.empty(pairs, d_in, dtype=x.dtype, device=x.device)
+    h = torch.empty(T * slots, max(inter, n_shared), dtype=x.dtype, device=x.device)
+    launch = dict(SHARED=slots - top_k, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.warps, num_stages=1)
+    _expert_up_kernel[(T * slots, triton.cdiv(h.shape[1], t.block_n))](
+        x, up, s_up, ids, h, top_k, inter, n_shared, d_in, x.stride(0), up.stride(0), h.stride(0),
+        EVEN_K=d_in % t.block_k == 0, **launch)
+    y = torch.empty(T * slots, d_in, dtype=x.dtype, device=x.device)
     w = topk_weights.to(torch.float32).reshape(-1).contiguous()
-    _expert_down_kernel[(pairs, triton.cdiv(d_in, t.block_n))](
-        h, down, ids, w, y, d_in, inter, h.stride(0), down.stride(0), y.stride(0), EVEN_K=inter % t.block_k == 0,
-        BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.warps, num_stages=1)
-    return sum_slots(y, T, top_k)
+    _expert_down_kernel[(T * slots, triton.cdiv(d_in, t.block_n))](
+        h, down, s_down, ids, w, y, top_k, inter, n_shared, d_in, h.stride(0), down.stride(0), y.stride(0),
+        EVEN_K=inter % t.block_k == 0 and n_shared % t.block_k == 0, **launch)
+    return sum_slots(y, T, slots)
+
+
+def moe_experts_tiled_shared(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
+                             topk_ids: torch.Tensor, *, shared_up: torch.Tensor | None = None,
+                             shared_down: torch.Tensor | None = None) -> torch.Tensor:
+    """`triton_moe.moe_experts` (sorted-token grouped GEMMs) for the routed experts, plus the shared expert as
+    `triton_gemv.linear` -> `triton_activation.relu2` -> `triton_gemv.linear` when given. Same signature and shapes
+    as `moe.moe_experts_ref`. The routed sum is rounded to x's dtype once before the add (torch adds fp16/bf16 in
+    fp32 and rounds once): one rounding more than the reference, which adds both in fp32."""
+    n_shared = check_shared_args(x, shared_up, shared_down)
+    routed = triton_moe.moe_experts(x, up, down, topk_weights, topk_ids)
+    if not n_shared:
+        return routed
+    return routed + triton_gemv.linear(relu2(triton_gemv.linear(x, shared_up)), shared_down)
 
 
 def moe_experts_by_size(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-                        topk_ids: torch.Tensor) -> torch.Tensor:
-    """Routed experts (Triton), chosen by shape alone: the grouped GEMVs above for T * k <= MAX_GEMV_PAIRS (batch-1/2
-    decode: no alignment launch, no padded rows), else `triton_moe.moe_experts` (sorted-token grouped GEMMs).
+                        topk_ids: torch.Tensor, *, shared_up: torch.Tensor | None = None,
+                        shared_down: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed experts (+ the shared expert when shared_up/shared_down are given), Triton, chosen by shape alone: the
+    grouped GEMVs above for T * k <= MAX_GEMV_PAIRS (batch-1/2 decode: no alignment launch, no padded rows, the
+    shared expert folded into the same two launches), else `moe_experts_tiled_shared`.
     Same signature and shapes as `moe.moe_experts_ref`."""
     if topk_ids.numel() <= MAX_GEMV_PAIRS:
-        return moe_experts_gemv(x, up, down, topk_weights, topk_ids)
-    return triton_moe.moe_experts(x, up, down, topk_weights, topk_ids)
+        return moe_experts_gemv(x, up, down, topk_weights, topk_ids, shared_up=shared_up, shared_down=shared_down)
+    return moe_experts_tiled_shared(x, up, down, topk_weights, topk_ids, shared_up=shared_up,
+                                    shared_down=shared_down)

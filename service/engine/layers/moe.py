@@ -49,10 +49,15 @@ class MoE(nn.Module):
             self.fc2_latent_proj = nn.Linear(cfg.moe_latent_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, h: torch.Tensor, k: Kernels) -> torch.Tensor:
-        """h [T, hidden] -> [T, hidden]."""
+        """h [T, hidden] -> [T, hidden]. Without a latent projection and biases the shared expert goes into the
+        routed-experts op (one fp32 sum, one rounding; the Triton bundle folds it into its batch-1/2 launches)."""
         c = self.cfg
         weights, ids = k.moe_route(h, self.gate.weight, self.gate.e_score_correction_bias, c.num_experts_per_tok,
                                    c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
+        if not c.moe_latent_size and not c.mlp_bias:
+            return k.moe_experts(h, self.experts.up_proj, self.experts.down_proj, weights, ids,
+                                 shared_up=self.shared_experts.up_proj.weight,
+                                 shared_down=self.shared_experts.down_proj.weight)
         x = project(k, self.fc1_latent_proj, h) if c.moe_latent_size else h
         routed = k.moe_experts(x, self.experts.up_proj, self.experts.down_proj, weights, ids)
         if c.moe_latent_size:
