@@ -252,12 +252,12 @@ def bench_variant(engine: Engine, args: argparse.Namespace, throughput: bool) ->
 
 
 def variant_kernels(backend: str, options: list[str]) -> Kernels:
-    """The backend's bundle; option `tiledmoe` sends every batch size to the sorted-token grouped GEMMs (the
-    bundle uses grouped GEMVs for <= 16 (token, slot) pairs)."""
+    """The backend's bundle; option `tiledmoe` sends every batch size to the sorted-token grouped GEMMs with the
+    shared expert as separate linears (the bundle uses grouped GEMVs, shared expert included, for <= 16 pairs)."""
     kernels = get_kernels(backend)
     if "tiledmoe" in options:
-        from service.engine.kernels import triton_moe
-        kernels = dataclasses.replace(kernels, moe_experts=triton_moe.moe_experts)
+        from service.engine.kernels import triton_moe_gemv
+        kernels = dataclasses.replace(kernels, moe_experts=triton_moe_gemv.moe_experts_tiled_shared)
     return kernels
 
 

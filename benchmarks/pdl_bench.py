@@ -33,19 +33,24 @@ def graph_ms(step: Callable[[], torch.Tensor]) -> float:
     return triton.testing.do_bench(graph.replay, warmup=20, rep=200, return_mode="median")
 
 
-def gemv_chain(links: int, linear: Callable) -> tuple[Callable[[], torch.Tensor], float]:
-    """`links` dependent single-row linears alternating [3712, 2688] and [2688, 3712] weights (each its own
-    tensor, 20 MB: the chain is far above L2); returns the chain and its weight bytes."""
-    ws = [torch.randn((SHARED_INTER, HIDDEN) if i % 2 == 0 else (HIDDEN, SHARED_INTER), device=DEV, dtype=BF16)
-          * 0.02 for i in range(links)]
-    x = torch.randn(1, HIDDEN, device=DEV, dtype=BF16)
+def gemv_chain(links: int, shapes: tuple[tuple[int, int], ...], linear: Callable
+               ) -> tuple[Callable[[], torch.Tensor], float]:
+    """`links` single-row linears cycling over the weight shapes (N, K), each weight its own tensor (the chain is
+    far above L2); link i reads link i-1's output when the widths match, else a fixed row. Stream order makes every
+    link wait for the one before either way. Returns the chain and its weight bytes."""
+    ws = [torch.randn(shapes[i % len(shapes)], device=DEV, dtype=BF16) * 0.02 for i in range(links)]
+    rows = {k: torch.randn(1, k, device=DEV, dtype=BF16) for _, k in shapes}
 
     def chain() -> torch.Tensor:
-        y = x
+        y = rows[ws[0].shape[1]]
         for w in ws:
-            y = linear(y, w)
+            y = linear(y if y.shape[1] == w.shape[1] else rows[w.shape[1]], w)
         return y
     return chain, sum(w.numel() * w.element_size() for w in ws)
+
+
+CHAINS = {"shared up/down 20 MB": ((SHARED_INTER, HIDDEN), (HIDDEN, SHARED_INTER)),
+          "mamba in_proj 55 MB": ((10304, HIDDEN),)}
 
 
 def main() -> None:
@@ -60,20 +65,22 @@ def main() -> None:
     variants = {"cuBLAS F.linear": F.linear,
                 "Triton gemv, no PDL": lambda x, w: gemv(x, w, pdl=False),
                 "Triton gemv, PDL": lambda x, w: gemv(x, w, pdl=True)}
-    outs = {}
-    for name, linear in variants.items():
-        torch.manual_seed(0)
-        chain, nbytes = gemv_chain(args.links, linear)
-        ms = graph_ms(chain)
-        outs[name] = chain()
-        gbs = nbytes / ms / 1e6
-        lines.append(f"| {args.links} x {name} | {ms:.4f} | {1e3 * ms / args.links:.2f} | {gbs:.0f} "
-                     f"| {100 * gbs / copy:.0f}% | {100 * gbs / read:.0f}% |")
-        print(lines[-1], flush=True)
-        del chain
-    ref = outs["Triton gemv, no PDL"].float()
-    err = (outs["Triton gemv, PDL"].float() - ref).abs().max().item()
-    lines.append(f"\nmax |PDL - no PDL| over the chain output: {err:.3e} (same kernel, same order: expected 0)")
+    errs = []
+    for chain_name, shapes in CHAINS.items():
+        outs = {}
+        for name, linear in variants.items():
+            torch.manual_seed(0)
+            chain, nbytes = gemv_chain(args.links, shapes, linear)
+            ms = graph_ms(chain)
+            outs[name] = chain()
+            gbs = nbytes / ms / 1e6
+            lines.append(f"| {chain_name}: {args.links} x {name} | {ms:.4f} | {1e3 * ms / args.links:.2f} | {gbs:.0f} "
+                         f"| {100 * gbs / copy:.0f}% | {100 * gbs / read:.0f}% |")
+            print(lines[-1], flush=True)
+            del chain
+        ref = outs["Triton gemv, no PDL"].float()
+        errs.append((outs["Triton gemv, PDL"].float() - ref).abs().max().item())
+    lines.append(f"\nmax |PDL - no PDL| over the chain outputs: {max(errs):.3e} (same kernel, same order: expected 0)")
     text = "\n".join(lines)
     print(text)
     if args.out:

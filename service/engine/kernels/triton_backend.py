@@ -7,7 +7,7 @@ Triton ops:  ssd_varlen, selective_state_update, selective_state_update_slots_ra
              moe_route (triton_moe_route: router GEMV + top-k in one launch), moe_experts (triton_moe_gemv:
              grouped GEMVs for <= 16 (token, slot) pairs, else triton_moe's sorted-token grouped GEMMs);
              rms_norm, add_rms_norm (residual add + RMSNorm), gated_rms_norm (triton_norm); relu2 (triton_activation);
-             linear (triton_gemv.linear: one-launch GEMV for single-row decode linears up to 16 M weights,
+             linear (triton_gemv.linear: one-launch GEMV for single-row decode linears up to 32 M weights,
              cuBLAS otherwise).
 Torch references used on purpose (each a single gather/scatter, no Python loop):
              conv_windows = conv1d.conv_state_windows_ref, write_kv = attention.write_kv_ref.

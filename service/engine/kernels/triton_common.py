@@ -6,7 +6,9 @@ running, as soon as every program of that one has called `griddepcontrol.launch_
 kernels call `pdl_release` first thing and `pdl_wait` before their first read of anything an earlier kernel may
 write (activations, state pools, KV pages, scratch); before the wait they read only weights and write nothing.
 A kernel after the wait sees every write of the kernel before it, and that one waited for its own predecessor, so
-the order of a plain stream holds. Kernels launched without PDL (torch, cuBLAS) start after their predecessor ends.
+the order of a plain stream holds. Every PDL kernel releases only after its own wait, so when a kernel starts, all
+kernels before its predecessor have finished: data written two or more launches earlier is final even before the
+wait (used by the MoE down pass for the router's expert ids). Kernels launched without PDL (torch, cuBLAS) start after their predecessor ends.
 `use_pdl(t)` decides per launch from t's device alone; under the CPU interpreter it is False."""
 from __future__ import annotations
 

@@ -271,7 +271,9 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     return F.linear(x, weight, bias)
 
 
-MAX_GEMV_WEIGHT_ELEMENTS = 16 * 2 ** 20   # above this cuBLAS streams as fast (in_proj 27.7 M, lm_head 352 M: ties)
+# Up to this the GEMV runs single rows: with PDL it beat cuBLAS on mamba in_proj too (27.7 M: 15.7 vs 16.6 us per
+# 55 MB in a chain of 16, H200, benchmarks/pdl_bench.py); lm_head (352 M) stays on cuBLAS (102 % of copy bandwidth).
+MAX_GEMV_WEIGHT_ELEMENTS = 32 * 2 ** 20
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -4,10 +4,11 @@ Same signature and semantics as `moe.moe_experts_ref` and `triton_moe.moe_expert
 rounded to x's dtype at the same points as the tiled path). At batch 1 the tiled path runs 16-row tiles with one
 valid row per expert; here there is no alignment and no padding. Each token has k routed slots, plus one for the
 shared expert (weight 1) when shared_up/shared_down are given: rows q = t * slots + j of the h and y scratch.
-Program (q, j) of the up pass streams BLOCK_N rows of slot q's up matrix (`up[ids[t, j]]` [I, d_in], or shared_up
-[S, d_in]) against token t's x and writes relu(.)² of them (the grid covers max(I, S) rows; blocks past the slot's
-own size return at once); program (q, j) of the down pass streams BLOCK_N rows of that slot's down matrix against
-its h row (K = I or S), times the pair's routing weight. Each program keeps fp32 partial products in a
+Up pass: one program per (slot q, block j of BLOCK_N rows) of slot q's up matrix (`up[ids[t, j]]` [I, d_in], or
+shared_up [S, d_in]): it streams those rows against token t's x and writes relu(.)² of them. Down pass: one program
+per (q, block of BLOCK_N rows) of that slot's down matrix against its h row (K = I or S), times the pair's routing
+weight. Both grids are 1-d, each slot's blocks consecutive: neighbouring programs stream neighbouring rows (an
+earlier 2-d grid (slot, block) interleaved 7 matrices and launched max(I, S) / BLOCK_N blocks for every slot). Each program keeps fp32 partial products in a
 [BLOCK_N, BLOCK_K] register tile with the next step's tile loaded before this step's FMAs (`triton_gemv.dot_tiles`,
 one reduction at the end). `triton_moe.sum_slots` then sums each token's slots in fp32 with one rounding: one MoE
 layer with its shared expert is route + up + down + sum = 4 launches at batch 1.
@@ -24,7 +25,7 @@ import triton.language as tl
 
 from service.engine.kernels import moe, triton_gemv, triton_moe
 from service.engine.kernels.triton_activation import relu2
-from service.engine.kernels.triton_common import check_dtype, check_same_device
+from service.engine.kernels.triton_common import check_dtype, check_same_device, pdl_release, pdl_wait, use_pdl
 from service.engine.kernels.triton_gemv import dot_tiles
 from service.engine.kernels.triton_moe import check_experts_args, sum_slots
 
@@ -44,11 +45,10 @@ EXPERT_GEMV_TILE_VARIANTS = (ExpertGemvTiles(), ExpertGemvTiles(8, 256, 4), Expe
 
 
 @triton.jit
-def _slot_expert(ids_ptr, w_ptr, w_shared_ptr, s_w_e, top_k, n_routed, n_shared, SHARED: tl.constexpr):
-    """Program (q, .) -> row q of the [T, k + SHARED] slot layout (slot k: the shared expert): its token t, its
-    routed pair index t * k + slot (not read for the shared slot), whether it is the shared slot, its expert's
-    weight matrix ([I, d_in] / [d_in, I], or the shared [S, d_in] / [d_in, S]) and its intermediate size (I or S)."""
-    q = tl.program_id(0)
+def _slot_expert(q, ids_ptr, w_ptr, w_shared_ptr, s_w_e, top_k, n_routed, n_shared, SHARED: tl.constexpr):
+    """Row q of the [T, k + SHARED] slot layout (slot k: the shared expert) -> its token t, its routed pair index
+    t * k + slot (not read for the shared slot), whether it is the shared slot, its expert's weight matrix
+    ([I, d_in] / [d_in, I], or the shared [S, d_in] / [d_in, S]) and its intermediate size (I or S)."""
     t = q // (top_k + SHARED)
     slot = q - t * (top_k + SHARED)
     p = t * top_k + slot
@@ -59,30 +59,53 @@ def _slot_expert(ids_ptr, w_ptr, w_shared_ptr, s_w_e, top_k, n_routed, n_shared,
 
 
 @triton.jit
-def _expert_up_kernel(x_ptr, w_ptr, w_shared_ptr, ids_ptr, h_ptr, top_k, n_routed, n_shared, K, s_x, s_w_e, s_h,
-                      SHARED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """h[q, :n] = relu(W_q x_t)^2 for slot q's expert W_q [n, K] (n = I, or S for the shared slot)."""
-    t, _, _, w, n_out = _slot_expert(ids_ptr, w_ptr, w_shared_ptr, s_w_e, top_k, n_routed, n_shared, SHARED)
-    if tl.program_id(1) * BLOCK_N >= n_out:      # the grid covers max(I, S) rows
-        return
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _up_program(top_k, nb_routed, nb_shared, SHARED: tl.constexpr):
+    """Program -> (slot row q, row block j) of the up pass: per token, k * nb_routed blocks of its routed slots, then
+    nb_shared blocks of its shared slot, each slot's blocks consecutive (programs stream contiguous rows)."""
+    pid = tl.program_id(0)
+    per_token = top_k * nb_routed + nb_shared
+    t = pid // per_token
+    r = pid - t * per_token
+    slot = tl.where(r < top_k * nb_routed, r // nb_routed, top_k)
+    j = tl.where(r < top_k * nb_routed, r - slot * nb_routed, r - top_k * nb_routed)
+    return t * (top_k + SHARED) + slot, j
+
+
+@triton.jit
+def _expert_up_kernel(x_ptr, w_ptr, w_shared_ptr, ids_ptr, h_ptr, top_k, n_routed, n_shared, nb_routed, nb_shared,
+                      K, s_x, s_w_e, s_h, SHARED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """h[q, :n] = relu(W_q x_t)^2 for slot q's expert W_q [n, K] (n = I, or S for the shared slot).
+    PDL: waits first (the expert ids are the router's output, usually the kernel just before)."""
+    pdl_wait(PDL)
+    q, j = _up_program(top_k, nb_routed, nb_shared, SHARED)
+    t, _, _, w, n_out = _slot_expert(q, ids_ptr, w_ptr, w_shared_ptr, s_w_e, top_k, n_routed, n_shared, SHARED)
+    offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, n_out - 1).to(tl.int64)       # loads unmasked, stores masked
     r, _, _, _ = dot_tiles(w + rows[:, None] * K, x_ptr + t * s_x, 0, 0, K, K, 1, EVEN_K, True, BLOCK_N, BLOCK_K)
+    pdl_release(PDL)
     r = tl.maximum(tl.sum(r, axis=1), 0.0)
-    q = tl.program_id(0).to(tl.int64)
-    tl.store(h_ptr + q * s_h + offs_n, (r * r).to(h_ptr.dtype.element_ty), mask=offs_n < n_out)
+    tl.store(h_ptr + q.to(tl.int64) * s_h + offs_n, (r * r).to(h_ptr.dtype.element_ty), mask=offs_n < n_out)
 
 
 @triton.jit
 def _expert_down_kernel(h_ptr, w_ptr, w_shared_ptr, ids_ptr, topk_w_ptr, y_ptr, top_k, n_routed, n_shared, n_out,
-                        s_h, s_w_e, s_y, SHARED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
-    """y[q] = w_q * W_q h[q, :K] for slot q's expert W_q [n_out, K] (K = I, or S for the shared slot, weight 1)."""
-    _, p, shared, w, K = _slot_expert(ids_ptr, w_ptr, w_shared_ptr, s_w_e, top_k, n_routed, n_shared, SHARED)
-    q = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+                        nb_out, s_h, s_w_e, s_y, SHARED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """y[q] = w_q * W_q h[q, :K] for slot q's expert W_q [n_out, K] (K = I, or S for the shared slot, weight 1);
+    program -> (q, row block j), each slot's blocks consecutive.
+    PDL: the ids are read and the first weight tile loaded before the wait (the ids were written before the up
+    pass started, and a PDL kernel releases its successor only after its own wait: so they are final here);
+    h, the up pass's output, after it."""
+    q = tl.program_id(0) // nb_out
+    j = tl.program_id(0) - q * nb_out
+    _, p, shared, w, K = _slot_expert(q, ids_ptr, w_ptr, w_shared_ptr, s_w_e, top_k, n_routed, n_shared, SHARED)
+    q = q.to(tl.int64)
+    offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, n_out - 1).to(tl.int64)
-    r, _, _, _ = dot_tiles(w + rows[:, None] * K, h_ptr + q * s_h, 0, 0, K, K, 1, EVEN_K, True, BLOCK_N, BLOCK_K)
+    r, _, _, _ = dot_tiles(w + rows[:, None] * K, h_ptr + q * s_h, 0, 0, K, K, 1, EVEN_K, True, BLOCK_N, BLOCK_K,
+                           PDL)
+    pdl_release(PDL)
     r = tl.sum(r, axis=1) * tl.load(topk_w_ptr + p, mask=~shared, other=1.0).to(tl.float32)
     tl.store(y_ptr + q * s_y + offs_n, r.to(y_ptr.dtype.element_ty), mask=offs_n < n_out)
 
@@ -120,14 +143,17 @@ def moe_experts_gemv(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, topk
     s_up, s_down = (shared_up, shared_down) if n_shared else (up, down)     # placeholders, never read
     ids = topk_ids.reshape(-1).contiguous()
     h = torch.empty(T * slots, max(inter, n_shared), dtype=x.dtype, device=x.device)
-    launch = dict(SHARED=slots - top_k, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.warps, num_stages=1)
-    _expert_up_kernel[(T * slots, triton.cdiv(h.shape[1], t.block_n))](
-        x, up, s_up, ids, h, top_k, inter, n_shared, d_in, x.stride(0), up.stride(0), h.stride(0),
-        EVEN_K=d_in % t.block_k == 0, **launch)
+    pdl = use_pdl(x)
+    launch = dict(SHARED=slots - top_k, BLOCK_N=t.block_n, BLOCK_K=t.block_k, PDL=pdl, num_warps=t.warps,
+                  num_stages=1, launch_pdl=pdl)
+    nb_routed, nb_shared, nb_out = (triton.cdiv(n, t.block_n) for n in (inter, n_shared, d_in))
+    _expert_up_kernel[(T * (top_k * nb_routed + nb_shared),)](
+        x, up, s_up, ids, h, top_k, inter, n_shared, nb_routed, nb_shared, d_in, x.stride(0), up.stride(0),
+        h.stride(0), EVEN_K=d_in % t.block_k == 0, **launch)
     y = torch.empty(T * slots, d_in, dtype=x.dtype, device=x.device)
     w = topk_weights.to(torch.float32).reshape(-1).contiguous()
-    _expert_down_kernel[(T * slots, triton.cdiv(d_in, t.block_n))](
-        h, down, s_down, ids, w, y, top_k, inter, n_shared, d_in, h.stride(0), down.stride(0), y.stride(0),
+    _expert_down_kernel[(T * slots * nb_out,)](
+        h, down, s_down, ids, w, y, top_k, inter, n_shared, d_in, nb_out, h.stride(0), down.stride(0), y.stride(0),
         EVEN_K=inter % t.block_k == 0 and n_shared % t.block_k == 0, **launch)
     return sum_slots(y, T, slots)
 
