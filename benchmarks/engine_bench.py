@@ -100,7 +100,7 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 def prefill_tps(engine: Engine, isl: int, num_reqs: int, seed: int) -> float:
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    engine.generate(random_prompts(min(num_reqs, 2), isl, vocab, seed), params)          # warm-up / compile
+    engine.generate(random_prompts(num_reqs, isl, vocab, seed), params)   # warm-up: compiles this step shape's kernels
     prompts = random_prompts(num_reqs, isl, vocab, seed + 1)
     sync(engine.config.device)
     t0 = time.perf_counter()

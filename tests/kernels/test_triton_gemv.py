@@ -193,3 +193,42 @@ def test_linear_dispatch_by_shape():
     assert torch.equal(linear(xb, big), torch.nn.functional.linear(xb, big))
     for y, x in ((out.view(1, 24), x1.view(1, 40)), (linear(x3, w, b), x3)):
         assert (y - gemv_ref(x, w, b)).abs().max() <= 1e-4 * gemv_ref(x, w, b).abs().max()
+
+
+def test_use_pdl_only_on_cuda():
+    """Programmatic dependent launch is chosen by the tensor's device: never for CPU tensors (the interpreter)."""
+    from service.engine.kernels.triton_common import use_pdl
+    assert not use_pdl(torch.zeros(1))
+    if torch.cuda.is_available():
+        assert use_pdl(torch.zeros(1, device="cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
+
+
+@gpu
+@needs_cuda
+def test_gemv_gpu_pdl_chain_in_graph():
+    """A chain of dependent GEMVs (each reads the one before's output, 20 MB weights: no link fits in L2) captured
+    in a CUDA graph with PDL and without: bit-equal outputs on every replay with new inputs, and equal to the
+    eager chain. A PDL kernel reading its input before the previous kernel finished would break this."""
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+    ws = [(torch.randn((3712, 2688) if i % 2 == 0 else (2688, 3712), generator=g, device=DEVICE) * 0.02)
+          .to(torch.bfloat16) for i in range(12)]
+    x = torch.randn(1, 2688, generator=g, device=DEVICE).to(torch.bfloat16)
+
+    def chain(pdl: bool) -> torch.Tensor:
+        y = x
+        for w in ws:
+            y = gemv(y, w, pdl=pdl)
+        return y
+    outs, graphs = {}, {}
+    for pdl in (False, True):
+        chain(pdl)                                  # compile outside the capture
+        torch.cuda.synchronize()
+        graphs[pdl] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[pdl]):
+            outs[pdl] = chain(pdl)
+    for seed in range(5):
+        x.copy_(torch.randn(1, 2688, generator=g, device=DEVICE).to(torch.bfloat16))
+        for pdl in (False, True):
+            graphs[pdl].replay()
+        assert torch.equal(outs[True], outs[False]), f"replay {seed}: PDL chain differs"
+        assert torch.equal(outs[True], chain(False)), f"replay {seed}: graph differs from the eager chain"
