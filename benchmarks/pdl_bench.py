@@ -61,7 +61,8 @@ def main() -> None:
     copy, read = roofline.copy_gbs(DEV), roofline.read_gbs(DEV)
     lines = [f"GPU: {torch.cuda.get_device_name()}; ceilings: 1 GiB copy {copy:.0f} GB/s (read + write), "
              f"1 GiB read {read:.0f} GB/s", "",
-             "| chain | device ms per chain | us per kernel | weight GB/s | % copy | % read |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+             "| chain | device ms per chain | us per kernel | weight GB/s | % copy | % read |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
     variants = {"cuBLAS F.linear": F.linear,
                 "Triton gemv, no PDL": lambda x, w: gemv(x, w, pdl=False),
                 "Triton gemv, PDL": lambda x, w: gemv(x, w, pdl=True)}

@@ -102,19 +102,10 @@ def test_moe_experts_shared_args_checked(op):
 @needs_cuda
 @pytest.mark.parametrize("tiles", EXPERT_GEMV_TILE_VARIANTS, ids=str)
 @pytest.mark.parametrize("T", [1, 2])
-def test_moe_experts_gemv_gpu_nano(T, tiles):
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_moe_experts_gemv_gpu_nano(T, tiles, with_shared):
+    """Nemotron-3-Nano: 128 experts, top-6, d 2688, I 1856, bf16; with_shared: the shared expert S 3712 too."""
     args = moe_inputs(T, E=128, k=6, d=2688, inter=1856, dtype=torch.bfloat16, seed=T)
-    out = moe_experts_gemv(*args, tiles)
-    assert_close(out, moe.moe_experts_ref(*args), torch.bfloat16, f"moe_experts_gemv {tiles}")
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("tiles", EXPERT_GEMV_TILE_VARIANTS, ids=str)
-@pytest.mark.parametrize("T", [1, 2])
-def test_moe_experts_gemv_shared_gpu_nano(T, tiles):
-    """Nemotron-3-Nano: 128 experts, top-6, d 2688, I 1856, shared expert S 3712, bf16."""
-    args = moe_inputs(T, E=128, k=6, d=2688, inter=1856, dtype=torch.bfloat16, seed=T)
-    shared = _shared_weights(3712, 2688, torch.bfloat16, seed=T + 10)
+    shared = _shared_weights(3712, 2688, torch.bfloat16, seed=T + 10) if with_shared else {}
     out = moe_experts_gemv(*args, tiles, **shared)
-    assert_close(out, moe.moe_experts_ref(*args, **shared), torch.bfloat16, f"moe_experts_gemv + shared {tiles}")
+    assert_close(out, moe.moe_experts_ref(*args, **shared), torch.bfloat16, f"gemv {tiles} shared={with_shared}")

@@ -3,12 +3,14 @@ dependent launch (PDL).
 
 PDL (Hopper+): a kernel launched with `launch_pdl=True` may start while the kernel before it in the stream is still
 running, as soon as every program of that one has called `griddepcontrol.launch_dependents` (or exited). Our PDL
-kernels call `pdl_release` first thing and `pdl_wait` before their first read of anything an earlier kernel may
-write (activations, state pools, KV pages, scratch); before the wait they read only weights and write nothing.
-A kernel after the wait sees every write of the kernel before it, and that one waited for its own predecessor, so
-the order of a plain stream holds. Every PDL kernel releases only after its own wait, so when a kernel starts, all
-kernels before its predecessor have finished: data written two or more launches earlier is final even before the
-wait (used by the MoE down pass for the router's expert ids). Kernels launched without PDL (torch, cuBLAS) start after their predecessor ends.
+kernels call `pdl_wait` before their first read of anything an earlier kernel may write (activations, state pools,
+KV pages, scratch; before it they read only weights and write nothing) and `pdl_release` after their loads
+(releasing first thing let a whole chain launch and stall: slower on the H200, benchmarks/pdl_bench.py). A kernel
+after the wait sees every write of the kernel before it, and that one waited for its own predecessor, so the order
+of a plain stream holds. As every PDL kernel releases only after its own wait, when a kernel starts all kernels
+before its predecessor have finished: data written two or more launches earlier is final even before the wait
+(the MoE down pass reads the router's expert ids there). Kernels launched without PDL (torch, cuBLAS) start after
+their predecessor ends.
 `use_pdl(t)` decides per launch from t's device alone; under the CPU interpreter it is False."""
 from __future__ import annotations
 

@@ -8,10 +8,11 @@ Up pass: one program per (slot q, block j of BLOCK_N rows) of slot q's up matrix
 shared_up [S, d_in]): it streams those rows against token t's x and writes relu(.)² of them. Down pass: one program
 per (q, block of BLOCK_N rows) of that slot's down matrix against its h row (K = I or S), times the pair's routing
 weight. Both grids are 1-d, each slot's blocks consecutive: neighbouring programs stream neighbouring rows (an
-earlier 2-d grid (slot, block) interleaved 7 matrices and launched max(I, S) / BLOCK_N blocks for every slot). Each program keeps fp32 partial products in a
-[BLOCK_N, BLOCK_K] register tile with the next step's tile loaded before this step's FMAs (`triton_gemv.dot_tiles`,
-one reduction at the end). `triton_moe.sum_slots` then sums each token's slots in fp32 with one rounding: one MoE
-layer with its shared expert is route + up + down + sum = 4 launches at batch 1.
+earlier 2-d grid (slot, block) interleaved 7 matrices and launched max(I, S) / BLOCK_N blocks for every slot).
+Each program keeps fp32 partial products in a [BLOCK_N, BLOCK_K] register tile with the next step's tile loaded
+before this step's FMAs (`triton_gemv.dot_tiles`, one reduction at the end). `triton_moe.sum_slots` then sums each
+token's slots in fp32 with one rounding: one MoE layer with its shared expert is route + up + down + sum = 4
+launches at batch 1. PDL launches on Hopper+ (triton_common).
 Weight bytes are read once per pair, so the tiled path (one read per expert) wins as soon as pairs share experts:
 this path is for T * k up to MAX_GEMV_PAIRS.
 """
