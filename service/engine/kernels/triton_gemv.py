@@ -12,6 +12,8 @@ counter of its column block; the last to arrive adds the SPLIT_K partials in spl
 bias, writes y in x's dtype and sets the counter back to 0. The counters are a fresh zeroed buffer (one memset
 launch) unless the caller passes a persistent zeroed one, which every launch leaves zeroed (then the GEMV is one
 launch, graph-capturable either way: no host sync).
+On Hopper+ the launch uses PDL (triton_common): the first weight tile is loaded before waiting for the previous
+kernel, x after; the next kernel is released after the K loop.
 """
 from __future__ import annotations
 
