@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from service.engine.kernels.triton_common import check_dtype, pdl_release, pdl_wait, use_pdl
+from service.engine.kernels.triton_common import check_dtype, pdl_args, pdl_release, pdl_wait
 
 _BLOCK = 1024
 
@@ -33,6 +33,5 @@ def relu2(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(x)
     n = x.numel()
     if n > 0:
-        _relu2_kernel[(triton.cdiv(n, _BLOCK),)](x, out, n, BLOCK=_BLOCK, PDL=use_pdl(x), num_warps=4,
-                                                 launch_pdl=use_pdl(x))
+        _relu2_kernel[(triton.cdiv(n, _BLOCK),)](x, out, n, BLOCK=_BLOCK, num_warps=4, **pdl_args(x))
     return out

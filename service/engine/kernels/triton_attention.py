@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from service.engine.kernels.triton_common import (TARGET_PROGRAMS, block_dim, check_dim, check_inner_contiguous,
-                                                  check_same_device, dot_precision, pdl_release, pdl_wait,
-                                                  use_pdl)
+                                                  check_same_device, dot_precision, pdl_args, pdl_release,
+                                                  pdl_wait)
 
 _LOG2E = 1.4426950408889634
 
@@ -300,9 +300,8 @@ def _decode(q, k_cache, v_cache, page_table, prefix_lens, max_seq_len, page_size
         q, k_cache, v_cache, page_table, prefix_lens, out, part_o, part_ml, qk_scale, Dh, page_size, splits,
         triton.cdiv(tiles.min_split, block_n) * block_n, q.stride(0), q.stride(1), k_cache.stride(0),
         k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), page_table.stride(0), out.stride(0), out.stride(1),
-        BLOCK_G=block_dim(common["GROUP"]), BLOCK_N=block_n, SPLIT=splits > 1, PDL=use_pdl(q), num_warps=tiles.warps,
-        num_stages=tiles.stages, launch_pdl=use_pdl(q), **common)
+        BLOCK_G=block_dim(common["GROUP"]), BLOCK_N=block_n, SPLIT=splits > 1, num_warps=tiles.warps,
+        num_stages=tiles.stages, **pdl_args(q), **common)
     if splits > 1:
         _combine_kernel[(B, Hq)](part_o, part_ml, out, Hq, Dh, splits, out.stride(0), out.stride(1),
-                                 BLOCK_S=block_dim(splits, 1), BLOCK_D=bd, PDL=use_pdl(q), num_warps=4,
-                                 launch_pdl=use_pdl(q))
+                                 BLOCK_S=block_dim(splits, 1), BLOCK_D=bd, num_warps=4, **pdl_args(q))

@@ -73,6 +73,13 @@ def use_pdl(t: torch.Tensor) -> bool:
     return t.is_cuda and _pdl_capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
+def pdl_args(t: torch.Tensor, pdl: bool | None = None) -> dict[str, bool]:
+    """Launch keyword args of a kernel with a `PDL` constexpr: the constexpr and Triton's `launch_pdl` flag, always
+    equal (a PDL launch whose kernel skipped `pdl_wait` would race its predecessor). pdl None = `use_pdl(t)`."""
+    on = use_pdl(t) if pdl is None else pdl
+    return {"PDL": on, "launch_pdl": on}
+
+
 @triton.jit
 def pdl_release(PDL: tl.constexpr):
     """Lets the next PDL kernel in the stream launch once every program of this one has passed here."""

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from service.engine.kernels.triton_common import (block_dim, check_dim, check_inner_contiguous, check_same_device,
-                                                  check_shape, pdl_release, pdl_wait, use_pdl)
+                                                  check_shape, pdl_args, pdl_release, pdl_wait)
 
 
 @dataclass(frozen=True)
@@ -261,6 +261,5 @@ def causal_conv1d_update_slots(x: torch.Tensor, weight: torch.Tensor, bias: torc
     _conv_update_kernel[(Bq, triton.cdiv(Dm, bd))](
         x, weight, bias if bias is not None else weight, conv_pool, out, conv_pool, slot_ids, Dm, x.stride(0),
         weight.stride(0), weight.stride(1), *conv_pool.stride(), *conv_pool.stride(), out.stride(0),
-        K=K, HAS_BIAS=bias is not None, BLOCK_D=bd, HAS_SLOTS=True, PDL=use_pdl(x), num_warps=4,
-        launch_pdl=use_pdl(x))
+        K=K, HAS_BIAS=bias is not None, BLOCK_D=bd, HAS_SLOTS=True, num_warps=4, **pdl_args(x))
     return out

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from service.engine.kernels.triton_common import (TARGET_PROGRAMS, check_dim, check_inner_contiguous,
-                                                  check_same_device, check_shape, pdl_release, pdl_wait, use_pdl)
+                                                  check_same_device, check_shape, pdl_args, pdl_release, pdl_wait)
 
 MAX_ROWS = 4                # rows of x one launch takes (one fp32 register tile per row)
 ACC_PER_THREAD = 64         # fp32 accumulator registers per thread over all rows before block_k is halved
@@ -255,7 +255,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     blocks = triton.cdiv(N, t.block_n)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     part = cnt = y                                            # unused unless split > 1
-    pdl = use_pdl(x) if pdl is None else pdl
     if split > 1:
         part = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
         cnt = counters if counters is not None else torch.zeros(blocks, dtype=torch.int32, device=x.device)
@@ -264,7 +263,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(blocks, split)](
         x, weight, bias if bias is not None else y, y, part, cnt, N, K, k_split, x.stride(0), y.stride(0),
         ROWS=M, HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_K=K % bk == 0, PREFETCH=t.prefetch,
-        BLOCK_N=t.block_n, BLOCK_K=bk, PDL=pdl, num_warps=t.warps, num_stages=1, launch_pdl=pdl)
+        BLOCK_N=t.block_n, BLOCK_K=bk, num_warps=t.warps, num_stages=1, **pdl_args(x, pdl))
     return y
 
 

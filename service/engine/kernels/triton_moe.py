@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from service.engine.kernels.triton_common import (block_dim, check_dim, check_inner_contiguous, check_same_device,
-                                                  check_shape, dot_precision, pdl_release, pdl_wait, use_pdl)
+                                                  check_shape, dot_precision, pdl_args, pdl_release, pdl_wait)
 from service.engine.kernels.triton_moe_route import moe_route  # noqa: F401  (the backend's moe_route)
 
 
@@ -386,8 +386,8 @@ def sum_slots(y: torch.Tensor, T: int, top_k: int) -> torch.Tensor:
     d = y.shape[1]
     out = torch.empty(T, d, dtype=y.dtype, device=y.device)
     _sum_slots_kernel[(T, triton.cdiv(d, 1024))](y, out, top_k, d, BLOCK_K=block_dim(top_k, 1),
-                                                 BLOCK_D=min(block_dim(d, 1), 1024), PDL=use_pdl(y), num_warps=4,
-                                                 launch_pdl=use_pdl(y))
+                                                 BLOCK_D=min(block_dim(d, 1), 1024), num_warps=4,
+                                                 **pdl_args(y))
     return out
 
 

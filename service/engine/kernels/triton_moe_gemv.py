@@ -26,7 +26,7 @@ import triton.language as tl
 
 from service.engine.kernels import moe, triton_gemv, triton_moe
 from service.engine.kernels.triton_activation import relu2
-from service.engine.kernels.triton_common import check_dtype, check_same_device, pdl_release, pdl_wait, use_pdl
+from service.engine.kernels.triton_common import check_dtype, check_same_device, pdl_args, pdl_release, pdl_wait
 from service.engine.kernels.triton_gemv import dot_tiles
 from service.engine.kernels.triton_moe import check_experts_args, sum_slots
 
@@ -144,9 +144,8 @@ def moe_experts_gemv(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, topk
     s_up, s_down = (shared_up, shared_down) if n_shared else (up, down)     # placeholders, never read
     ids = topk_ids.reshape(-1).contiguous()
     h = torch.empty(T * slots, max(inter, n_shared), dtype=x.dtype, device=x.device)
-    pdl = use_pdl(x)
-    launch = dict(SHARED=slots - top_k, BLOCK_N=t.block_n, BLOCK_K=t.block_k, PDL=pdl, num_warps=t.warps,
-                  num_stages=1, launch_pdl=pdl)
+    launch = dict(SHARED=slots - top_k, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.warps, num_stages=1,
+                  **pdl_args(x))
     nb_routed, nb_shared, nb_out = (triton.cdiv(n, t.block_n) for n in (inter, n_shared, d_in))
     _expert_up_kernel[(T * (top_k * nb_routed + nb_shared),)](
         x, up, s_up, ids, h, top_k, inter, n_shared, nb_routed, nb_shared, d_in, x.stride(0), up.stride(0),

@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from service.engine.kernels.triton_common import (TARGET_PROGRAMS, block_dim, check_dim, check_inner_contiguous,
-                                                  check_same_device, check_shape, pdl_release, pdl_wait,
-                                                  use_pdl)
+                                                  check_same_device, check_shape, pdl_args, pdl_release,
+                                                  pdl_wait)
 
 MAX_EXPERTS = 1024          # the selection holds a [rows, next_pow2(E)] tile in registers
 SELECT_TILE = 2048          # rows * padded experts per selection step (int64 keys)
@@ -333,6 +333,6 @@ def moe_route_tiled(h: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
         MODE=MODES[cfg.mode], BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k, K_STEPS=cfg.k_steps,
         N_ARRIVE=n_arrive, SEL_T=sel_t, KS_TILE=ks_tile, E_PAD=e_pad, K_PAD=k_pad,
         G_PAD=triton.next_power_of_2(n_group), GROUPED=n_group > 1, NORM=bool(norm_topk_prob),
-        DOT_TY=tl.bfloat16 if dev.type == "cuda" else tl.float32, PDL=use_pdl(h), num_warps=cfg.warps,
-        num_stages=cfg.stages, launch_pdl=use_pdl(h))
+        DOT_TY=tl.bfloat16 if dev.type == "cuda" else tl.float32, num_warps=cfg.warps,
+        num_stages=cfg.stages, **pdl_args(h))
     return weights, ids

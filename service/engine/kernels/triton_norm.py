@@ -10,20 +10,38 @@ import triton
 import triton.language as tl
 
 from service.engine.kernels.triton_common import (block_dim, check_dim, check_inner_contiguous, check_same_device,
-                                                  check_shape, pdl_release, pdl_wait, use_pdl)
+                                                  check_shape, pdl_args, pdl_release, pdl_wait)
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, d, s_x, s_o, eps, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+def _row_weight(w_ptr, d, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    """Program row: (row, offs, mask, fp32 norm weight [BLOCK_D]); the weight is read before `pdl_wait`."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     m = offs < d
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     pdl_wait(PDL)
+    return row, offs, m, w
+
+
+@triton.jit
+def _scale_store(out_ptr, offs, m, w, h, n, eps):
+    """out[offs] = w * h / sqrt(mean(h^2) over n + eps), in out's dtype (h fp32, zero where masked)."""
+    r = tl.rsqrt(tl.sum(h * h, axis=0) / n + eps)
+    tl.store(out_ptr + offs, (w * (h * r)).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _warps(block: int) -> int:
+    """Warps of a one-row norm program over `block` elements: one per 512, 1 to 8."""
+    return min(max(block // 512, 1), 8)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, d, s_x, s_o, eps, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    row, offs, m, w = _row_weight(w_ptr, d, BLOCK_D, PDL)
     x = tl.load(x_ptr + row * s_x + offs, mask=m, other=0.0).to(tl.float32)
     pdl_release(PDL)
-    r = tl.rsqrt(tl.sum(x * x, axis=0) / d + eps)
-    tl.store(out_ptr + row * s_o + offs, (w * (x * r)).to(out_ptr.dtype.element_ty), mask=m)
+    _scale_store(out_ptr + row * s_o, offs, m, w, x, d, eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -38,28 +56,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x2.shape[0] == 0:
         return out.view(x.shape)
     bd = block_dim(d, 1)
-    pdl = use_pdl(x)
-    _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, d, x2.stride(0), out.stride(0), eps, BLOCK_D=bd, PDL=pdl,
-                                     num_warps=min(max(bd // 512, 1), 8), launch_pdl=pdl)
+    _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, d, x2.stride(0), out.stride(0), eps, BLOCK_D=bd,
+                                     num_warps=_warps(bd), **pdl_args(x))
     return out.view(x.shape)
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, d, s_x, s_r, s_o, s_n, eps,
                          BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_D)
-    m = offs < d
-    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    pdl_wait(PDL)
+    row, offs, m, w = _row_weight(w_ptr, d, BLOCK_D, PDL)
     x = tl.load(x_ptr + row * s_x + offs, mask=m, other=0.0).to(tl.float32)
     res = tl.load(res_ptr + row * s_r + offs, mask=m, other=0.0).to(tl.float32)
     pdl_release(PDL)
     h = (res + x).to(new_res_ptr.dtype.element_ty)          # rounded once, like torch's `residual + x`
     tl.store(new_res_ptr + row * s_n + offs, h, mask=m)
-    hf = h.to(tl.float32)
-    r = tl.rsqrt(tl.sum(hf * hf, axis=0) / d + eps)
-    tl.store(out_ptr + row * s_o + offs, (w * (hf * r)).to(out_ptr.dtype.element_ty), mask=m)
+    _scale_store(out_ptr + row * s_o, offs, m, w, h.to(tl.float32), d, eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -82,10 +93,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     new_res = torch.empty_like(out)
     if r2.shape[0] > 0:
         bd = block_dim(d, 1)
-        pdl = use_pdl(x)
         _add_rms_norm_kernel[(r2.shape[0],)](x2, r2, weight, out, new_res, d, x2.stride(0), r2.stride(0),
-                                             out.stride(0), new_res.stride(0), eps, BLOCK_D=bd, PDL=pdl,
-                                             num_warps=min(max(bd // 512, 1), 8), launch_pdl=pdl)
+                                             out.stride(0), new_res.stride(0), eps, BLOCK_D=bd, num_warps=_warps(bd),
+                                             **pdl_args(x))
     return out.view(residual.shape), new_res.view(residual.shape)
 
 
@@ -100,9 +110,7 @@ def _gated_rms_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, group_size, s_y, s_z, s
     y = tl.load(y_ptr + row * s_y + offs, mask=m, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + row * s_z + offs, mask=m, other=0.0).to(tl.float32)
     pdl_release(PDL)
-    h = y * z * tl.sigmoid(z)
-    r = tl.rsqrt(tl.sum(h * h, axis=0) / group_size + eps)
-    tl.store(out_ptr + row * s_o + offs, (w * (h * r)).to(out_ptr.dtype.element_ty), mask=m)
+    _scale_store(out_ptr + row * s_o, offs, m, w, y * z * tl.sigmoid(z), group_size, eps)
 
 
 def gated_group_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,
@@ -121,8 +129,7 @@ def gated_group_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
     if T == 0:
         return out
     bg = block_dim(group_size, 1)
-    pdl = use_pdl(y)
     _gated_rms_norm_kernel[(T, Di // group_size)](y, z, weight, out, group_size, y.stride(0), z.stride(0),
-                                                   out.stride(0), eps, BLOCK=bg, PDL=pdl,
-                                                   num_warps=min(max(bg // 512, 1), 8), launch_pdl=pdl)
+                                                   out.stride(0), eps, BLOCK=bg, num_warps=_warps(bg),
+                                                   **pdl_args(y))
     return out

@@ -27,8 +27,8 @@ import triton.language as tl
 
 from service.engine.kernels.ssd import ChunkLayout
 from service.engine.kernels.triton_common import (block_dim, check_dim, check_dtype, check_inner_contiguous,
-                                                  check_same_device, check_shape, dot_precision, pdl_release,
-                                                  pdl_wait, use_pdl)
+                                                  check_same_device, check_shape, dot_precision, pdl_args,
+                                                  pdl_release, pdl_wait)
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -385,6 +385,6 @@ def _launch_ssu_slots(ssm_pool, slot_ids, x, dt, A, B, C, D, dt_bias, dt_clamp) 
         ssm_pool, x, dt, A, B, C, D, y, ssm_pool, slot_ids, dt_bias if raw else dt, float(lo), hi, H, P, N, H // G,
         ssm_pool.stride(0), ssm_pool.stride(1), x.stride(0), x.stride(1), dt.stride(0), dt.stride(1),
         B.stride(0), B.stride(1), C.stride(0), C.stride(1), y.stride(0), y.stride(1),
-        BLOCK_P=bp, BLOCK_N=block_dim(N, 1), HAS_SLOTS=True, RAW_DT=raw, DT_CLAMP=clamp, PDL=use_pdl(x),
-        num_warps=4, launch_pdl=use_pdl(x))
+        BLOCK_P=bp, BLOCK_N=block_dim(N, 1), HAS_SLOTS=True, RAW_DT=raw, DT_CLAMP=clamp,
+        num_warps=4, **pdl_args(x))
     return y
