@@ -140,7 +140,7 @@ def decode_tps(engine: Engine, batch: int, prompt_len: int, steps: int, seed: in
     phases = phase_ms(engine, phases0, f"decode B={batch}")
     g = engine.runner.graphs
     if g is not None:
-        phases[f"decode B={batch} replay ms (real inputs)"] = replay_ms(engine, next(x for x in g.buckets if x >= batch))
+        phases[f"decode B={batch} replay ms (real inputs)"] = replay_ms(engine, g.bucket_for(batch))
     if trace_dir:
         profile_steps(engine, os.path.join(trace_dir, f"trace_decode_b{batch}.json"))
     for i in ids:
@@ -174,7 +174,8 @@ def throughput_run(engine: Engine, num_prompts: int, isl: int, osl: int, concurr
     tpot = sorted((done[r] - first[r]) / (osl - 1) for r in sent) if osl > 1 else [0.0]
     return {"tp output tok/s": num_prompts * osl / elapsed, "tp TTFT median ms": 1e3 * ttft[len(ttft) // 2],
             "tp TPOT median ms": 1e3 * tpot[len(tpot) // 2], "tp seconds": elapsed,
-            "tp split steps": float(engine.runner.num_split_steps - split0), "tp steps": float(engine.num_steps - phases0[0]),
+            "tp split steps": float(engine.runner.num_split_steps - split0),
+            "tp steps": float(engine.num_steps - phases0[0]),
             **phase_ms(engine, phases0, "tp")}
 
 
@@ -196,7 +197,7 @@ def graph_replay_ms(engine: Engine, batches: list[int]) -> dict[str, float]:
     """Device time of one captured decode forward on the all-zero capture inputs (every row the same token, so
     the MoE touches only top_k experts: a lower bound; `decode_tps` also times replays on real inputs)."""
     g = engine.runner.graphs
-    return {f"graph replay ms B={b} (zero inputs)": replay_ms(engine, next(x for x in g.buckets if x >= b))
+    return {f"graph replay ms B={b} (zero inputs)": replay_ms(engine, g.bucket_for(b))
             for b in batches}
 
 
@@ -217,7 +218,7 @@ def profile_steps(engine: Engine, path: str) -> None:
 def profile_decode(engine: Engine, batch: int, path: str) -> None:
     """Kernel device times of eager decode forwards on the graph's static (scratch) inputs, top 25 by time."""
     g = engine.runner.graphs
-    bucket = next(x for x in g.buckets if x >= batch)
+    bucket = g.bucket_for(batch)
     g._forward(bucket)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -63,9 +63,11 @@ class OutputProcessor:
             text = text[:len(text) - _partial_stop_len(text, req.params.stop)]
         p = req.params
         return RequestOutput(
-            req.request_id, req.prompt_token_ids, text, req.finish_reason.value if req.finish_reason else None,
-            req.num_cached_tokens, len(req.output_token_ids), req.output_token_ids,
-            req.output_logprobs if p.logprobs else None, req.output_top_logprobs if p.top_logprobs else None)
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, text=text,
+            finish_reason=req.finish_reason.value if req.finish_reason else None,
+            num_cached_tokens=req.num_cached_tokens, num_output_tokens=len(req.output_token_ids),
+            output_token_ids=req.output_token_ids, output_logprobs=req.output_logprobs if p.logprobs else None,
+            output_top_logprobs=req.output_top_logprobs if p.top_logprobs else None)
 
     def release(self, request_id: str) -> None:
         self.text.pop(request_id, None)

@@ -81,6 +81,10 @@ class DecodeGraphs:
     def max_batch(self) -> int:
         return self.buckets[-1]
 
+    def bucket_for(self, batch: int) -> int:
+        """The smallest captured bucket that holds `batch` rows (batch <= max_batch)."""
+        return next(x for x in self.buckets if x >= batch)
+
     def _metas(self, b: int) -> tuple[torch.Tensor, AttentionMeta, MambaMeta]:
         """(input ids, attention and mamba metadata) of bucket b over the static buffers."""
         ids, slots, kv_slots, prefix = self.small[0, :b], self.small[1, :b], self.small[2, :b], self.small[3, :b]
@@ -142,7 +146,7 @@ class DecodeGraphs:
         harmless; padding rows (context 1) read column 0 = scratch page 0."""
         reqs = sched.scheduled
         B = len(reqs)
-        b = next(x for x in self.buckets if x >= B)
+        b = self.bucket_for(B)
         w = max(len(s.request.page_ids) for s in reqs)
         small = self.host_small.numpy()
         table = self.host_table[:b * w].view(b, w).numpy()

@@ -59,9 +59,9 @@ class ModelRunner:
         self.cfg, self.model_cfg = cfg, model_cfg
         self.device = torch.device(cfg.device)
         self.dtype = resolve_dtype(cfg, model_cfg)
-        if model is not None and model.kernels.name != cfg.kernel_backend:
-            model.kernels = get_kernels(cfg.kernel_backend)    # a prebuilt model runs the configured backend
-        if model is not None:   # (a bundle of that backend with some ops swapped, e.g. by a benchmark, is kept)
+        if model is not None:   # a prebuilt model runs the configured backend (a bundle of that backend with
+            if model.kernels.name != cfg.kernel_backend:        # some ops swapped, e.g. by a benchmark, is kept)
+                model.kernels = get_kernels(cfg.kernel_backend)
             log.info("kernel backend: %s", model.kernels.name)
         self.model = model if model is not None else build_model(cfg, model_cfg, self.dtype, self.device)
         m = model_cfg
