@@ -328,6 +328,7 @@ class EngineConfig:
     seed: int = 0
     debug_integrity: bool = False            # check_integrity() after every step
     cuda_graphs: bool = True                 # replay captured decode-only steps (CUDA + triton kernels; else ignored)
+    async_scheduling: bool = True            # launch the next plain decode step before reading this one's tokens
     tp: int = 1
     ep: int = 1
     extra: dict[str, Any] = field(default_factory=dict)

@@ -12,9 +12,9 @@ from service.engine.cache.manager import CacheManager
 from service.engine.config import EngineConfig, ModelConfig
 from service.engine.output import OutputProcessor
 from service.engine.request import CapturedState, FinishReason, Request, RequestOutput, SamplingParams
-from service.engine.runner.model_runner import ModelRunner
+from service.engine.runner.model_runner import InFlightStep, ModelRunner
 from service.engine.runner.sampler import SamplerOutput
-from service.engine.scheduler.scheduler import Scheduler, SchedulerOutput
+from service.engine.scheduler.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from service.engine.tokenizer import Tokenizer
 
 
@@ -38,9 +38,11 @@ class Engine:
         self.requests: dict[str, Request] = {}   # request_id -> unfinished request
         self.captured: dict[str, dict[str, CapturedState]] = {}  # request_id -> "hit"|"prompt" -> state copy
         self._order = itertools.count()
+        self._inflight: InFlightStep | None = None   # launched step whose results are not read yet (async)
         self.num_prompt_tokens = 0               # prompt tokens of admitted requests
         self.num_generation_tokens = 0           # tokens sampled
         self.num_steps = 0                       # steps that ran a forward
+        self.num_steps_ahead = 0                 # steps launched before the previous step's tokens were read
         # phase -> host seconds spent in it over all steps ("execute" includes waiting for the device)
         self.step_seconds = {"schedule": 0.0, "execute": 0.0, "update": 0.0}
 
@@ -89,8 +91,16 @@ class Engine:
         if req is None:
             return None
         req.finish_reason = FinishReason.ABORT
-        self.scheduler.finish(req)
+        self._finish(req)
         return self._retire(req)
+
+    def _finish(self, req: Request) -> None:
+        """Ends req in the scheduler (its pages and slot are freed). If the in-flight step holds req, that step
+        computes req's last known token: count it first, so a state published at release (no_buffer) covers
+        exactly the tokens it is keyed by (the publishing copy is enqueued after that step)."""
+        if self._inflight is not None and self._inflight.holds(req):
+            req.num_computed_tokens += 1
+        self.scheduler.finish(req)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
@@ -98,18 +108,60 @@ class Engine:
     # ---------- the step ----------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
-        if not sched.scheduled:
-            return [self._retire(r) for r in sched.finished]
-        self._capture_hits(sched)
+        if self._inflight is None:
+            sched = self.scheduler.schedule()
+            if not sched.scheduled:
+                return [self._retire(r) for r in sched.finished]
+            self._capture_hits(sched)
+            if not self._may_launch_ahead(sched):
+                t1 = time.perf_counter()
+                return self._finish_step(sched, self.runner.execute(sched), t0, t1, time.perf_counter())
+            self._inflight = self.runner.launch(sched)
+        cur = self._inflight                 # async scheduling: launch the next step before reading this one
+        nxt = self._lookahead(cur)
+        self._inflight = self.runner.launch(nxt, prev=cur) if nxt is not None else None
+        self.num_steps_ahead += nxt is not None
         t1 = time.perf_counter()
-        sampled = self.runner.execute(sched)
-        t2 = time.perf_counter()
+        sampled = cur.host.result()          # waits for cur's tokens only; the device goes on with nxt
+        return self._finish_step(cur.sched, sampled, t0, t1, time.perf_counter())
+
+    def _finish_step(self, sched: SchedulerOutput, sampled: SamplerOutput, t0: float, t1: float,
+                     t2: float) -> list[RequestOutput]:
         outputs = self._update(sched, sampled)
         if self.config.debug_integrity:
             self.check_integrity()
         self._time_step(t0, t1, t2, time.perf_counter())
         return outputs
+
+    def _may_launch_ahead(self, sched: SchedulerOutput) -> bool:
+        return (self.config.async_scheduling and self.runner.can_launch(sched)
+                and not any(s.request.capture_states for s in sched.scheduled))
+
+    def _lookahead(self, cur: InFlightStep) -> SchedulerOutput | None:
+        """The step after the in-flight `cur`, when it is certain without cur's tokens: nobody waits for a free
+        seat, and each of cur's requests that can go on decodes one more token, no snapshot due (a request that
+        stops on cur's token costs one wasted row; the token it feeds is real, so its KV and state stay right).
+        None: the scheduler decides after cur's results. Allocates the rows' pages."""
+        sch = self.scheduler
+        if sch.waiting and len(sch.running) < sch.max_num_seqs:
+            return None
+        rows = []
+        for s in cur.sched.scheduled:
+            req = s.request
+            if req.finish_reason is not None or self._ends_by_length(req):
+                continue
+            p = s.prefix_len + 1           # cur feeds position s.prefix_len; the next step feeds the token after
+            if self.cache.decode_snapshot_due(req, p) or not self.cache.grow(req, p + 1):
+                return None
+            rows.append(ScheduledRequest(req, p, 1, True, ()))
+        nxt = SchedulerOutput(tuple(rows), (), (), ())
+        ok = 0 < len(rows) <= sch.token_budget and self.runner.can_launch(nxt)
+        return nxt if ok else None
+
+    def _ends_by_length(self, req: Request) -> bool:
+        """The in-flight token certainly ends req by max_tokens or max_model_len."""
+        return (len(req.output_token_ids) + 1 >= req.params.max_tokens
+                or req.num_tokens + 1 >= self.max_model_len)
 
     def _time_step(self, t0: float, t1: float, t2: float, t3: float) -> None:
         s = self.step_seconds
@@ -122,6 +174,9 @@ class Engine:
         outputs, row = [self._retire(r) for r in sched.finished], 0
         for s in sched.scheduled:
             req = s.request
+            if req.finish_reason is not None:    # ended while this step was in flight: its row is dropped
+                row += int(s.sample)
+                continue
             req.num_computed_tokens += s.num_new_tokens
             if req.capture_states and s.prefix_len < len(req.prompt_token_ids) <= req.num_computed_tokens:
                 self._capture(req.request_id, "prompt", req.num_computed_tokens, req.live_slot)
@@ -135,7 +190,7 @@ class Engine:
             self.num_generation_tokens += 1
             row += 1
             if req.finish_reason is not None:
-                self.scheduler.finish(req)
+                self._finish(req)
                 outputs.append(self._retire(req))
             else:
                 outputs.append(self.output.make_output(req))

@@ -120,7 +120,7 @@ class CacheManager:
         end = p + num_new_tokens
         positions = set()
         if num_new_tokens == 1 and len(req.output_token_ids) > 0:      # decode
-            if end % self.track_interval == 0:
+            if self._decode_track_point(end):
                 positions.add(end)
         else:
             last = (end // g) * g
@@ -137,6 +137,17 @@ class CacheManager:
                 break
             points.append(SnapshotPoint(s, slot))
         return tuple(points)
+
+    def _decode_track_point(self, end: int) -> bool:
+        return end % self.track_interval == 0
+
+    def decode_snapshot_due(self, req: Request, prefix_len: int) -> bool:
+        """Whether a decode step of req (one token after >= 1 output) from prefix_len takes a snapshot, i.e. would
+        get points from `plan_snapshots` (allocates nothing: async scheduling asks before it launches a step)."""
+        if self.strategy != "extra_buffer" or req.bypass_cache:
+            return False
+        end = prefix_len + 1
+        return self._decode_track_point(end) or prefix_len < req.branch_point <= end
 
     def _alloc_snapshot_slot(self) -> int | None:
         if self.pools.snapshots.num_free == 0 and not self.tree.evict_snapshot():

@@ -36,8 +36,10 @@ def scheduled_token_ids(sched: SchedulerOutput) -> np.ndarray:
                        count=sum(s.num_new_tokens for s in sched.scheduled))
 
 
-def build_forward_batch(sched: SchedulerOutput, page_size: int, chunk_size: int,
-                        device: torch.device) -> ForwardBatch:
+def build_forward_batch(sched: SchedulerOutput, page_size: int, chunk_size: int, device: torch.device,
+                        input_ids: torch.Tensor | None = None) -> ForwardBatch:
+    """input_ids: [T] int64 on the device, the step's tokens when they are not on the host yet (None: read from
+    the requests)."""
     reqs = sched.scheduled
     B = len(reqs)
     qlens = np.array([s.num_new_tokens for s in reqs], dtype=np.int64)
@@ -66,7 +68,8 @@ def build_forward_batch(sched: SchedulerOutput, page_size: int, chunk_size: int,
         slot_ids=dev(np.array([s.request.live_slot for s in reqs], dtype=np.int64)),
         query_start_loc=qsl_dev, token_req=dev(token_req), decode_only=decode_only, layout=layout,
         snapshots=_snapshot_plan(sched, layout, device))
-    return ForwardBatch(dev(scheduled_token_ids(sched)), attn, mamba, dev(logits_idx), sample_rows)
+    ids = dev(scheduled_token_ids(sched)) if input_ids is None else input_ids
+    return ForwardBatch(ids, attn, mamba, dev(logits_idx), sample_rows)
 
 
 def _snapshot_plan(sched: SchedulerOutput, layout, device: torch.device) -> SnapshotPlan:

@@ -68,8 +68,11 @@ class DecodeGraphs:
         self.small = torch.zeros(_FIELDS, nb, dtype=torch.int64, device=device)
         self.page_table = torch.zeros(nb, max_pages, dtype=torch.int64, device=device)
         self.arange = torch.arange(nb + 1, dtype=torch.int64, device=device)   # query_start_loc, logits rows
-        self.host_small = torch.zeros(_FIELDS, nb, dtype=torch.int64).pin_memory()
-        self.host_table = torch.zeros(nb * max_pages, dtype=torch.int64).pin_memory()   # [b, w] rows, packed
+        # two pinned sets used in turn: a step's host-to-device copy may still be queued while the next step
+        # (launched ahead by async scheduling) packs its inputs; the set is reused only after its step's results
+        # were waited for, which is after its copies ran
+        self.host_small = [torch.zeros(_FIELDS, nb, dtype=torch.int64).pin_memory() for _ in range(2)]
+        self.host_table = [torch.zeros(nb * max_pages, dtype=torch.int64).pin_memory() for _ in range(2)]  # [b, w]
         empty = torch.zeros(0, dtype=torch.int64, device=device)
         self.no_snapshots = SnapshotPlan(empty, empty, empty, empty)
         self.segments = layer_segments(len(model.backbone.layers))
@@ -140,27 +143,32 @@ class DecodeGraphs:
             graph.replay()
         return self.logits[bucket]
 
-    def run(self, sched: SchedulerOutput) -> torch.Tensor:
-        """Replay the smallest bucket that holds the step (`is_graphable(sched)` must hold). Only the first w
-        page columns are written: attention never reads a page past a request's context, so stale columns are
-        harmless; padding rows (context 1) read column 0 = scratch page 0."""
+    def run(self, sched: SchedulerOutput, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay the smallest bucket that holds the step (`is_graphable(sched)` must hold). token_ids: [B] int64
+        on the device, the rows' input tokens (None: taken from the requests). Only the first w page columns are
+        written: attention never reads a page past a request's context, so stale columns are harmless; padding
+        rows (context 1) read column 0 = scratch page 0. Never waits for the device."""
         reqs = sched.scheduled
         B = len(reqs)
         b = self.bucket_for(B)
         w = max(len(s.request.page_ids) for s in reqs)
-        small = self.host_small.numpy()
-        table = self.host_table[:b * w].view(b, w).numpy()
-        pack_decode_inputs(sched, self.page_size, small[:, :b], table)
-        self.small.copy_(self.host_small, non_blocking=True)       # whole buffer: one contiguous pinned copy
-        self.page_table[:b, :w].copy_(self.host_table[:b * w].view(b, w), non_blocking=True)
+        host_small, host_table = self.host_small[self.num_replays % 2], self.host_table[self.num_replays % 2]
+        table = host_table[:b * w].view(b, w)
+        pack_decode_inputs(sched, self.page_size, host_small.numpy()[:, :b], table.numpy(), token_ids is None)
+        self.small.copy_(host_small, non_blocking=True)       # whole buffer: one contiguous pinned copy
+        self.page_table[:b, :w].copy_(table, non_blocking=True)
+        if token_ids is not None:
+            self.small[0, :B].copy_(token_ids)
         self.num_replays += 1
         return self.replay(b)[:B]
 
 
-def pack_decode_inputs(sched: SchedulerOutput, page_size: int, small: np.ndarray, table: np.ndarray) -> None:
+def pack_decode_inputs(sched: SchedulerOutput, page_size: int, small: np.ndarray, table: np.ndarray,
+                       with_ids: bool = True) -> None:
     """Fills the host buffers of a decode-only step of B requests for a bucket of b >= B rows:
     small [_FIELDS, b] (token ids, live slots, KV slot of the new token, prefix lengths), table [b, w] page ids
-    (w >= every request's page count). Rows past B (padding) are all zero: scratch slot 0, scratch page 0."""
+    (w >= every request's page count). Rows past B (padding) are all zero: scratch slot 0, scratch page 0.
+    with_ids=False leaves the token ids zero (they come from the device)."""
     reqs = sched.scheduled
     B = len(reqs)
     pages = [s.request.page_ids for s in reqs]
@@ -170,7 +178,8 @@ def pack_decode_inputs(sched: SchedulerOutput, page_size: int, small: np.ndarray
         itertools.chain.from_iterable(pages), dtype=np.int64, count=int(lens.sum()))
     prefix = np.fromiter((s.prefix_len for s in reqs), dtype=np.int64, count=B)
     small[:, B:] = 0
-    small[0, :B] = scheduled_token_ids(sched)
+    if with_ids:
+        small[0, :B] = scheduled_token_ids(sched)
     small[1, :B] = np.fromiter((s.request.live_slot for s in reqs), dtype=np.int64, count=B)
     small[2, :B] = table[np.arange(B), prefix // page_size] * page_size + prefix % page_size
     small[3, :B] = prefix

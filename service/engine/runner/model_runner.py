@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -13,8 +14,8 @@ from service.engine.model.nemotron_h import NemotronHForCausalLM
 from service.engine.model.weights import load_weights
 from service.engine.runner.batch import build_forward_batch
 from service.engine.runner.cuda_graph import DecodeGraphs, is_graphable
-from service.engine.runner.sampler import Sampler, SamplerOutput
-from service.engine.runner.split import StepSplit, restore_batch_order, split_step, sub_schedule
+from service.engine.runner.sampler import HostSample, Sampler, SamplerOutput
+from service.engine.runner.split import StepSplit, is_plain_decode, restore_batch_order, split_step, sub_schedule
 from service.engine.scheduler.scheduler import SchedulerOutput
 
 log = logging.getLogger("hybrid_serve.engine")
@@ -51,6 +52,18 @@ def build_model(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, d
     if load:
         load_weights(model, cfg.model_path, model_cfg.tie_word_embeddings)
     return model.eval()
+
+
+@dataclass(frozen=True)
+class InFlightStep:
+    """A plain decode step that was launched and whose results are not read yet (async scheduling)."""
+    sched: SchedulerOutput                  # every row decodes one token and samples
+    rows: dict[int, int]                    # id(request) -> its row in sched.scheduled
+    token_ids: torch.Tensor                 # [B] int64 sampled tokens on the device: the next step's inputs
+    host: HostSample                        # the sampled tokens (and logprobs) on their way to the host
+
+    def holds(self, req) -> bool:
+        return id(req) in self.rows
 
 
 class ModelRunner:
@@ -104,6 +117,43 @@ class ModelRunner:
         return SamplerOutput(restore_batch_order(out.token_ids, rows),
                              None if out.logprobs is None else restore_batch_order(out.logprobs, rows),
                              None if out.top_logprobs is None else restore_batch_order(out.top_logprobs, rows))
+
+    def can_launch(self, sched: SchedulerOutput) -> bool:
+        """Whether `launch` takes the step: plain decode rows only that one forward runs (replayed from a graph
+        when the runner has graphs)."""
+        if not sched.scheduled:
+            return False
+        if self.graphs is not None:
+            return is_graphable(sched, self.graphs.max_batch, self.graphs.max_pages)
+        return all(is_plain_decode(s, 1 << 62) for s in sched.scheduled)
+
+    def launch(self, sched: SchedulerOutput, prev: InFlightStep | None = None) -> InFlightStep:
+        """Enqueues a plain decode step (`can_launch`): slot copies, the forward, sampling and the copy of the
+        results to the host, without waiting for the device. prev: the in-flight step whose sampled tokens are
+        this step's inputs (every request of sched is in prev); None: inputs come from the requests."""
+        self.pools.copy_slots([s for s, _ in sched.slot_copies], [d for _, d in sched.slot_copies])
+        self.pools.zero_slots(list(sched.slot_zeros))
+        token_ids = None if prev is None else self._carried_tokens(sched, prev)
+        if self.graphs is not None:
+            logits = self.graphs.run(sched, token_ids)
+        else:
+            batch = build_forward_batch(sched, self.cfg.page_size, self.model_cfg.chunk_size, self.device, token_ids)
+            logits = self.model(batch.input_ids, batch.attn, batch.mamba, batch.logits_indices,
+                                self.pools.kv, self.pools.conv, self.pools.ssm)
+        reqs = [s.request for s in sched.scheduled]
+        gens = [self._generator(r.request_id, r.params.seed) for r in reqs]
+        sample = self.sampler.sample(logits, [r.params for r in reqs], gens)
+        return InFlightStep(sched, {id(r): i for i, r in enumerate(reqs)}, sample.token_ids, sample.to_host())
+
+    def _carried_tokens(self, sched: SchedulerOutput, prev: InFlightStep) -> torch.Tensor:
+        """[B] int64 on the device: prev's sampled token of each of sched's requests (a device gather)."""
+        rows = [prev.rows[id(s.request)] for s in sched.scheduled]
+        if rows == list(range(len(prev.rows))):
+            return prev.token_ids
+        index = torch.tensor(rows, dtype=torch.int64)
+        if self.device.type == "cuda":
+            index = index.pin_memory()
+        return prev.token_ids.index_select(0, index.to(self.device, non_blocking=True))
 
     def _split(self, sched: SchedulerOutput) -> StepSplit | None:
         """How to run the step: None = one eager forward (no graphs, or no plain decode row)."""
