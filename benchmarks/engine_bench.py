@@ -131,13 +131,14 @@ def decode_tps(engine: Engine, batch: int, prompt_len: int, steps: int, seed: in
     for _ in range(3):                                                                 # warm-up decode steps
         engine.step()
     sync(engine.config.device)
-    phases0 = step_phases(engine)
+    phases0, ahead0 = step_phases(engine), engine.num_steps_ahead
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
     sync(engine.config.device)
     elapsed = time.perf_counter() - t0
     phases = phase_ms(engine, phases0, f"decode B={batch}")
+    phases[f"decode B={batch} steps launched ahead"] = float(engine.num_steps_ahead - ahead0)
     g = engine.runner.graphs
     if g is not None:
         phases[f"decode B={batch} replay ms (real inputs)"] = replay_ms(engine, g.bucket_for(batch))
@@ -270,7 +271,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--variants", default="triton,triton+graphs",
                     help="comma list of torch | triton | triton+graphs (CUDA graphs for decode-only steps, and for "
                          "the plain decode rows of mixed steps) | triton+graphs+nosplit (mixed steps all eager); "
-                         "+tiledmoe: routed experts always as grouped GEMMs")
+                         "+tiledmoe: routed experts always as grouped GEMMs; +sync: async scheduling off (each step's "
+                         "tokens are read before the next step is launched)")
     ap.add_argument("--throughput-variants", default="triton+graphs", help="variants that run the throughput test")
     ap.add_argument("--isl", default="1024,8192")
     ap.add_argument("--decode-batches", default="1,64,256")
@@ -311,8 +313,8 @@ def main() -> None:
         backend, _, extra = variant.partition("+")
         model.kernels = variant_kernels(backend, extra.split("+"))
         t0 = time.perf_counter()
-        engine = Engine(EngineConfig(**base, kernel_backend=backend, cuda_graphs=extra.startswith("graphs")),
-                        model=model)
+        engine = Engine(EngineConfig(**base, kernel_backend=backend, cuda_graphs=extra.startswith("graphs"),
+                                     async_scheduling="sync" not in extra.split("+")), model=model)
         engine.runner.split_steps = engine.runner.graphs is not None and "nosplit" not in extra
         print(f"variant {variant}: engine ready in {time.perf_counter() - t0:.1f} s "
               f"(graphs: {engine.runner.graphs.buckets if engine.runner.graphs else None})", flush=True)
