@@ -5,30 +5,34 @@ overhead when the GPU outruns it), device time per call (torch.profiler: sum of 
 and over the device time the achieved GB/s (fewest bytes the op must move) and TFLOP/s (useful FLOPs), as
 fractions of the ceilings measured first in the same run (device-to-device copy, read + write; an 8192^3 bf16
 matmul on random data). Inputs rotate over several sets when one set would sit in L2. The `tune` group times
-launch-shape variants of the Triton ops (no reference); `gemv` times cuBLAS F.linear and the Triton GEMV variants at
-batch-1 decode shapes, `moe_tune` the MoE decode tile variants (these three run only when named in --only).
+launch-shape variants of the Triton ops (no reference); `moe_tune` the MoE decode tile variants; `gemv` and
+`moe_tune` also run the batch-1 launch-shape sweeps of benchmarks/gemv_sweep.py (single-row GEMVs; the grouped
+expert GEMVs with the shared expert, as the engine calls them), a table of their own with a best-vs-default summary,
+before the main table (these three groups run only when named in --only). --tiny: only the sweeps, at shrunken
+sizes with one or two variants each, on the CPU interpreter when there is no GPU (a smoke test).
 
     PYTHONPATH=. python benchmarks/kernels.py [--only ssd,moe,tune] [--out results.md] [--log kernels.log]
+    PYTHONPATH=. python benchmarks/kernels.py --only gemv,moe_tune --out tune.md --budget-s 480
 """
 from __future__ import annotations
 
 import argparse
 import itertools
+import math
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 import triton.testing
 
-from benchmarks import roofline
+from benchmarks import gemv_sweep, roofline
 
 from service.engine.kernels import attention, conv1d, moe, norm, ssd
 from service.engine.kernels.triton_attention import (DECODE_TILE_VARIANTS, PrefillTiles, paged_attention,
                                                      paged_attention_tiled)
 from service.engine.kernels.triton_conv1d import (CONV_TILE_VARIANTS, causal_conv1d_update, causal_conv1d_varlen,
                                                   causal_conv1d_varlen_tiled)
-from service.engine.kernels.triton_gemv import GEMV_SHAPES, GEMV_TILE_VARIANTS, GemvTiles, gemv
 from service.engine.kernels.triton_moe import MOE_DECODE_TILE_VARIANTS, MoeTiles, moe_experts, moe_experts_tiled
 from service.engine.kernels.triton_moe import (align_by_expert, align_by_expert_ref, default_tiles, max_expert_blocks,
                                                moe_route)
@@ -43,6 +47,7 @@ HQ, HKV, DH = 32, 2, 128                                     # Nano attention
 E, TOPK, INTER = 128, 6, 1856                                # Nano MoE
 L2_BYTES = 60e6
 TUNING_GROUPS = ("tune", "gemv", "moe_tune")                 # run only when named in --only
+SWEEP_GROUPS = ("gemv", "moe_tune")                          # with a gemv_sweep part
 
 
 @dataclass(frozen=True)
@@ -268,20 +273,22 @@ def all_cases(only: set[str]) -> list[Case]:
         "moe": lambda: [_moe_case(t) for t in (1, 32, 128, 8192)],
         "route": route_cases,
         "tune": tune_cases,
-        "gemv": gemv_cases,
+        "gemv": lambda: [],                                     # only the sweep (gemv_sweep.gemv_case)
         "moe_tune": moe_tune_cases,
     }
     return [c for name, make in groups.items() if (not only and name not in TUNING_GROUPS) or name in only
             for c in make()]
 
 
-def run(only: set[str], log: list[str]) -> list[str]:
-    copy_gbs, mm_tflops = measure_ceilings()
-    lines = [f"ceilings: copy {copy_gbs:.0f} GB/s (read+write), bf16 matmul {mm_tflops:.0f} TFLOP/s", "",
-             "| case | wall ms | device ms | torch ref wall ms | speedup | GB/s | % copy BW | TFLOP/s | % bf16 peak "
+def run(only: set[str], log: list[str], ceilings: tuple[float, float], deadline: float = math.inf) -> list[str]:
+    copy_gbs, mm_tflops = ceilings
+    lines = ["| case | wall ms | device ms | torch ref wall ms | speedup | GB/s | % copy BW | TFLOP/s | % bf16 peak "
              "| rel err |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     print("\n".join(lines), flush=True)
     for case in all_cases(only):
+        if time.monotonic() > deadline:
+            lines.append(f"| {case.name} | skipped: past --budget-s |")
+            continue
         sets = rotating(case)
         t = time_ms(case.triton_fn, sets)
         t_dev, breakdown = device_ms(case.triton_fn, sets)
@@ -296,6 +303,18 @@ def run(only: set[str], log: list[str]) -> list[str]:
         del sets
         torch.cuda.empty_cache()
     return lines
+
+
+def sweep_cases(only: set[str], tiny: bool, device: str) -> list[gemv_sweep.SweepCase]:
+    """The gemv_sweep cases of the named groups (Nano shapes from the repo's config, or gemv_sweep.TINY)."""
+    shapes = gemv_sweep.TINY if tiny else gemv_sweep.nano_shapes()
+    out = []
+    if "gemv" in only:
+        out += [gemv_sweep.gemv_case(name, n, k, device, tiny, proxies=not tiny or i == 0)
+                for i, (name, n, k) in enumerate(shapes.gemv)]
+    if "moe_tune" in only:
+        out += gemv_sweep.moe_cases(shapes, device, tiny)
+    return out
 
 
 def tune_cases() -> list[Case]:
@@ -328,41 +347,10 @@ def tune_cases() -> list[Case]:
     return out
 
 
-def _gemv_tiles_name(t: GemvTiles) -> str:
-    return f"bn={t.block_n} bk={t.block_k} w={t.warps} {'prefetch' if t.prefetch else 'no-prefetch'} split={t.split_k}"
-
-
-def _gemv_shape_cases(name: str, n: int, k: int) -> list[Case]:
-    """cuBLAS (F.linear) and every Triton variant at M=1, bf16, a fresh weight per input set; split-K variants get
-    a persistent counter buffer per set (the kernel leaves it zeroed: one launch), the first one also without
-    (+ a counter memset, as `gemv` does when no buffer is given)."""
-    def make(counters: bool) -> Callable[[], tuple]:
-        def build():
-            x = torch.randn(1, k, device=DEV, dtype=BF16)
-            w = torch.randn(n, k, device=DEV, dtype=BF16) * k ** -0.5
-            return (x, w, torch.zeros(n, dtype=torch.int32, device=DEV)) if counters else (x, w)
-        return build
-    moved, flops, label = n * k * 2 + (n + k) * 2, 2.0 * n * k, f"gemv {name} N={n} K={k}"
-    out = [Case(f"{label} cuBLAS F.linear", make(False), F.linear, None, moved, flops)]
-    memset_done = False
-    for t in GEMV_TILE_VARIANTS[(n, k)]:
-        out.append(Case(f"{label} {_gemv_tiles_name(t)}", make(True), lambda x, w, c, t=t: gemv(x, w, None, t, c),
-                        None, moved, flops, lambda x, w, c: F.linear(x, w)))
-        if t.split_k > 1 and not memset_done:
-            memset_done = True
-            out.append(Case(f"{label} {_gemv_tiles_name(t)} +memset", make(False),
-                            lambda x, w, t=t: gemv(x, w, None, t), None, moved, flops, F.linear))
-    return out
-
-
-def gemv_cases() -> list[Case]:
-    """Decode linear layers of Nano-30B-A3B at batch 1: cuBLAS vs the Triton GEMV launch shapes (device ms column)."""
-    return [c for name, n, k in GEMV_SHAPES for c in _gemv_shape_cases(name, n, k)]
-
-
 def moe_tune_cases() -> list[Case]:
     """Routed experts at decode sizes T = 1, 2, 8, 64 over MOE_DECODE_TILE_VARIANTS (first = the default), and the
-    grouped-GEMV experts (`triton_moe_gemv`) where T * k fits, each compared with moe_experts_ref (rel err column)."""
+    grouped-GEMV experts (`triton_moe_gemv`) where T * k fits, each compared with moe_experts_ref (rel err column).
+    The batch-1 case with the shared expert and its tile sweep: `sweep_cases` (gemv_sweep.moe_cases)."""
     out = []
     for T in (1, 2, 8, 64):
         base = _moe_case(T)
@@ -395,22 +383,59 @@ def compiled_kernel_report() -> list[str]:
     return sorted(set(out))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="comma list of groups: ssd,ssu,conv,norm,attn,moe,route "
                     "(run only when named: tune,gemv,moe_tune)")
-    ap.add_argument("--out", default="", help="also write the table to this file")
+    ap.add_argument("--out", default="", help="also write the tables to this file (rewritten after every sweep row)")
     ap.add_argument("--log", default="", help="write per-kernel device-time breakdowns and register use here")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/kernels.py needs a CUDA GPU")
+    ap.add_argument("--tiny", action="store_true", help="only the gemv/moe_tune sweeps, shrunken, 1-2 variants "
+                    "each; runs on the CPU interpreter (TRITON_INTERPRET=1) when there is no GPU")
+    ap.add_argument("--budget-s", type=float, default=0.0, help="start no case after this many seconds from "
+                    "launch (the rest is listed as skipped, the summary covers what ran); 0 = no limit")
+    args = ap.parse_args(argv)
+    start = time.monotonic()
+    deadline = start + args.budget_s if args.budget_s > 0 else math.inf
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.tiny:
+        raise SystemExit("benchmarks/kernels.py needs a CUDA GPU (or --tiny under TRITON_INTERPRET=1)")
+    only = {s for s in args.only.split(",") if s}
+    if args.tiny:
+        only = only & set(SWEEP_GROUPS) or set(SWEEP_GROUPS)
     torch.manual_seed(0)
+    device = "cuda" if cuda else "cpu"
+    ceilings = ((gemv_sweep.small_copy_gbs(device), math.nan) if args.tiny else measure_ceilings())
+    gpu = f"GPU: {torch.cuda.get_device_name()}" if cuda else "CPU (Triton interpreter)"
+    head = [f"{gpu}, torch {torch.__version__}, triton {triton.__version__}", "",
+            f"ceilings: copy {ceilings[0]:.0f} GB/s (read+write), bf16 matmul {ceilings[1]:.0f} TFLOP/s", ""]
+    print("\n".join(head), flush=True)
+    sweep_rows: list[str] = []
+
+    def write_out(tail: list[str]) -> None:
+        if args.out:
+            with open(args.out, "w", encoding="utf-8") as f:
+                f.write("\n".join(head + tail) + "\n")
+
+    def emit(row: str) -> None:
+        print(row, flush=True)
+        sweep_rows.append(row)
+        write_out(gemv_sweep.HEADER + sweep_rows)
+
+    cases = sweep_cases(only, args.tiny, device)
+    sweep = []
+    if cases:
+        print("\n".join(gemv_sweep.HEADER), flush=True)
+        rows, summary = gemv_sweep.run(cases, ceilings[0], device, args.tiny, deadline, emit)
+        sweep = gemv_sweep.HEADER + rows + summary + [""]
+        print("\n".join(summary) + "\n", flush=True)
+        write_out(sweep)
     log: list[str] = []
-    lines = run({s for s in args.only.split(",") if s}, log)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}\n\n")
-            f.write("\n".join(lines) + "\n")
+    if not args.tiny and (not only or only - {"gemv"}):       # "gemv" alone has no main-table cases
+        lines = run(only, log, ceilings, deadline)
+        write_out(sweep + lines)
+        if cases:                                               # the sweep's summary last again
+            print("\n".join(summary), flush=True)
+    print(f"total {time.monotonic() - start:.0f} s", flush=True)
     if args.log:
         with open(args.log, "w", encoding="utf-8") as f:
             f.write("\n".join(log + [""] + compiled_kernel_report()) + "\n")

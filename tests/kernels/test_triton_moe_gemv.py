@@ -60,6 +60,27 @@ def test_moe_experts_gemv_shared_matches_ref(T, k, d, inter, S, dtype):
     assert_close(moe_experts_tiled_shared(*args, **shared), ref, dtype, "tiled + shared")
 
 
+@pytest.mark.parametrize("up_tiles,down_tiles", [
+    (ExpertGemvTiles(4, 32, 2, depth=1), None),
+    (ExpertGemvTiles(4, 32, 2, depth=3), ExpertGemvTiles(8, 16, 4, depth=4)),
+    (ExpertGemvTiles(8, 32, 4, depth=1, stages=3), ExpertGemvTiles(4, 64, 2, depth=1, stages=2)),
+    (ExpertGemvTiles(2, 128, 1, depth=4), ExpertGemvTiles(2, 16, 1, depth=3))], ids=str)
+def test_moe_experts_gemv_tile_knobs(up_tiles, down_tiles):
+    """The tuning knobs (register prefetch depth 1-4, Triton's loop pipeline) and separate down-pass tiles: same
+    result as the reference with the shared expert; d_in and I / S even and uneven in BLOCK_K, K of one step."""
+    for T, k, d, inter, S in ((2, 3, 40, 24, 37), (1, 2, 64, 16, 128)):
+        args = moe_inputs(T, E=6, k=k, d=d, inter=inter, dtype=torch.float32, seed=d + S)
+        shared = _shared_weights(S, d, torch.float32, seed=S)
+        out = moe_experts_gemv(*args, up_tiles, down_tiles=down_tiles, **shared)
+        assert_close(out, moe.moe_experts_ref(*args, **shared), torch.float32, f"{up_tiles} / {down_tiles}")
+
+
+def test_expert_gemv_tiles_rejects_bad_knobs():
+    for kw in (dict(depth=0), dict(depth=5), dict(stages=0), dict(stages=3)):     # stages > 1 needs depth 1
+        with pytest.raises(ValueError):
+            ExpertGemvTiles(**kw)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_moe_experts_ref_shared_equals_routed_plus_shared_mlp(dtype):
     """Oracle: the reference's shared expert is the routed reference plus a plain-torch ReLU² MLP (fp32)."""

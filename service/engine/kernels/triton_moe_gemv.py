@@ -10,9 +10,10 @@ per (q, block of BLOCK_N rows) of that slot's down matrix against its h row (K =
 weight. Both grids are 1-d, each slot's blocks consecutive: neighbouring programs stream neighbouring rows (an
 earlier 2-d grid (slot, block) interleaved 7 matrices and launched max(I, S) / BLOCK_N blocks for every slot).
 Each program keeps fp32 partial products in a [BLOCK_N, BLOCK_K] register tile with the next step's tile loaded
-before this step's FMAs (`triton_gemv.dot_tiles`, one reduction at the end). `triton_moe.sum_slots` then sums each
-token's slots in fp32 with one rounding: one MoE layer with its shared expert is route + up + down + sum = 4
-launches at batch 1. PDL launches on Hopper+ (triton_common).
+before this step's FMAs (`triton_gemv.dot_tiles`, one reduction at the end; `ExpertGemvTiles.depth` / `.stages` are
+tuning knobs for more tiles in flight, off by default). `triton_moe.sum_slots` then sums each token's slots in fp32
+with one rounding: one MoE layer with its shared expert is route + up + down + sum = 4 launches at batch 1. PDL
+launches on Hopper+ (triton_common).
 Weight bytes are read once per pair, so the tiled path (one read per expert) wins as soon as pairs share experts:
 this path is for T * k up to MAX_GEMV_PAIRS.
 """
@@ -27,7 +28,7 @@ import triton.language as tl
 from service.engine.kernels import moe, triton_gemv, triton_moe
 from service.engine.kernels.triton_activation import relu2
 from service.engine.kernels.triton_common import check_dtype, check_same_device, pdl_args, pdl_release, pdl_wait
-from service.engine.kernels.triton_gemv import dot_tiles
+from service.engine.kernels.triton_gemv import _load_w, _load_x, dot_tiles
 from service.engine.kernels.triton_moe import check_experts_args, sum_slots
 
 MAX_GEMV_PAIRS = 16          # (token, slot) pairs up to which `moe_experts_gemv` accepts a batch
@@ -35,14 +36,72 @@ MAX_GEMV_PAIRS = 16          # (token, slot) pairs up to which `moe_experts_gemv
 
 @dataclass(frozen=True)
 class ExpertGemvTiles:
-    """Launch shape of both grouped-GEMV passes."""
+    """Launch shape of a grouped-GEMV pass (`moe_experts_gemv` takes one for both passes, or one each)."""
     block_n: int = 4             # weight rows (outputs) per program
     block_k: int = 512           # reduction elements per step (16-byte loads of bf16)
     warps: int = 4               # warps per program
+    depth: int = 2               # weight tiles in flight per program, in registers: 1 = load, then FMA; 2 = the next
+                                 # step's tile loaded before this step's FMAs (`dot_tiles`' prefetch); 3-4 = 2-3 ahead
+    stages: int = 1              # > 1 (with depth 1): the K loop is `tl.range(num_stages=stages)`, Triton's pipeliner
+                                 # keeps stages - 1 steps of loads in flight through shared memory (the launch's
+                                 # num_stages would pipeline only loads feeding tl.dot: none here)
+
+    def __post_init__(self):
+        if not 1 <= self.depth <= 4:
+            raise ValueError(f"depth must be 1..4, got {self.depth}")
+        if self.stages < 1 or (self.stages > 1 and self.depth != 1):
+            raise ValueError(f"stages > 1 pipelines the plain loop: needs depth 1, got {self}")
 
 
 EXPERT_GEMV_TILE_VARIANTS = (ExpertGemvTiles(), ExpertGemvTiles(8, 256, 4), ExpertGemvTiles(8, 512, 4),
                              ExpertGemvTiles(4, 1024, 4), ExpertGemvTiles(16, 256, 8))
+
+
+@triton.jit
+def _expert_dot(w_rows, x_ptr, K, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                DEPTH: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False):
+    """Weight rows at w_rows [BLOCK_N, 1] (unit stride along K) times the x row at x_ptr over [0, K): the fp32
+    [BLOCK_N, BLOCK_K] partial products (the caller reduces axis 1). DEPTH 1-2 with STAGES 1 is `dot_tiles`
+    (DEPTH 2: its register prefetch, the default); DEPTH 3-4 keeps DEPTH - 1 further tiles in registers (the last
+    steps re-load the last tile, an L2 hit); STAGES > 1 is a plain loop that Triton software-pipelines.
+    PDL: the first weight tiles are loaded before `pdl_wait` (STAGES > 1: it waits first), x after it."""
+    if STAGES > 1:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        x_rows = x_ptr + tl.zeros((BLOCK_N, 1), tl.int32)
+        pdl_wait(PDL)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            w = _load_w(w_rows, k0, K, EVEN_K, BLOCK_K)
+            x, _, _, _ = _load_x(x_rows, 0, k0, K, 1, EVEN_K, BLOCK_K)
+            acc += w.to(tl.float32) * x.to(tl.float32)
+    elif DEPTH > 2:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        x_rows = x_ptr + tl.zeros((BLOCK_N, 1), tl.int32)
+        k_last = (K - 1) // BLOCK_K * BLOCK_K
+        k1 = tl.minimum(k_last, BLOCK_K)
+        k2 = tl.minimum(k_last, 2 * BLOCK_K)
+        w0 = _load_w(w_rows, 0, K, EVEN_K, BLOCK_K)
+        w1 = _load_w(w_rows, k1, K, EVEN_K, BLOCK_K)
+        w2 = w1
+        if DEPTH > 3:
+            w2 = _load_w(w_rows, k2, K, EVEN_K, BLOCK_K)
+        pdl_wait(PDL)
+        x0, _, _, _ = _load_x(x_rows, 0, 0, K, 1, EVEN_K, BLOCK_K)
+        x1, _, _, _ = _load_x(x_rows, 0, k1, K, 1, EVEN_K, BLOCK_K)
+        x2 = x1
+        if DEPTH > 3:
+            x2, _, _, _ = _load_x(x_rows, 0, k2, K, 1, EVEN_K, BLOCK_K)
+        for k0 in range(0, K, BLOCK_K):
+            k_next = tl.minimum(k0 + (DEPTH - 1) * BLOCK_K, k_last)
+            nw = _load_w(w_rows, k_next, K, EVEN_K, BLOCK_K)
+            nx, _, _, _ = _load_x(x_rows, 0, k_next, K, 1, EVEN_K, BLOCK_K)
+            acc += w0.to(tl.float32) * x0.to(tl.float32)
+            if DEPTH > 3:
+                w0, x0, w1, x1, w2, x2 = w1, x1, w2, x2, nw, nx
+            else:
+                w0, x0, w1, x1 = w1, x1, nw, nx
+    else:
+        acc, _, _, _ = dot_tiles(w_rows, x_ptr, 0, 0, K, K, 1, EVEN_K, DEPTH == 2, BLOCK_N, BLOCK_K, PDL)
+    return acc
 
 
 @triton.jit
@@ -75,7 +134,7 @@ def _up_program(top_k, nb_routed, nb_shared, SHARED: tl.constexpr):
 @triton.jit
 def _expert_up_kernel(x_ptr, w_ptr, w_shared_ptr, ids_ptr, h_ptr, top_k, n_routed, n_shared, nb_routed, nb_shared,
                       K, s_x, s_w_e, s_h, SHARED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                      BLOCK_K: tl.constexpr, DEPTH: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """h[q, :n] = relu(W_q x_t)^2 for slot q's expert W_q [n, K] (n = I, or S for the shared slot).
     PDL: waits first (the expert ids are the router's output, usually the kernel just before)."""
     pdl_wait(PDL)
@@ -83,7 +142,7 @@ def _expert_up_kernel(x_ptr, w_ptr, w_shared_ptr, ids_ptr, h_ptr, top_k, n_route
     t, _, _, w, n_out = _slot_expert(q, ids_ptr, w_ptr, w_shared_ptr, s_w_e, top_k, n_routed, n_shared, SHARED)
     offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, n_out - 1).to(tl.int64)       # loads unmasked, stores masked
-    r, _, _, _ = dot_tiles(w + rows[:, None] * K, x_ptr + t * s_x, 0, 0, K, K, 1, EVEN_K, True, BLOCK_N, BLOCK_K)
+    r = _expert_dot(w + rows[:, None] * K, x_ptr + t * s_x, K, EVEN_K, BLOCK_N, BLOCK_K, DEPTH, STAGES)
     pdl_release(PDL)
     r = tl.maximum(tl.sum(r, axis=1), 0.0)
     tl.store(h_ptr + q.to(tl.int64) * s_h + offs_n, (r * r).to(h_ptr.dtype.element_ty), mask=offs_n < n_out)
@@ -92,7 +151,7 @@ def _expert_up_kernel(x_ptr, w_ptr, w_shared_ptr, ids_ptr, h_ptr, top_k, n_route
 @triton.jit
 def _expert_down_kernel(h_ptr, w_ptr, w_shared_ptr, ids_ptr, topk_w_ptr, y_ptr, top_k, n_routed, n_shared, n_out,
                         nb_out, s_h, s_w_e, s_y, SHARED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_K: tl.constexpr, DEPTH: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """y[q] = w_q * W_q h[q, :K] for slot q's expert W_q [n_out, K] (K = I, or S for the shared slot, weight 1);
     program -> (q, row block j), each slot's blocks consecutive.
     PDL: the ids are read and the first weight tile loaded before the wait (the ids were written before the up
@@ -104,8 +163,7 @@ def _expert_down_kernel(h_ptr, w_ptr, w_shared_ptr, ids_ptr, topk_w_ptr, y_ptr, 
     q = q.to(tl.int64)
     offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, n_out - 1).to(tl.int64)
-    r, _, _, _ = dot_tiles(w + rows[:, None] * K, h_ptr + q * s_h, 0, 0, K, K, 1, EVEN_K, True, BLOCK_N, BLOCK_K,
-                           PDL)
+    r = _expert_dot(w + rows[:, None] * K, h_ptr + q * s_h, K, EVEN_K, BLOCK_N, BLOCK_K, DEPTH, STAGES, PDL)
     pdl_release(PDL)
     r = tl.sum(r, axis=1) * tl.load(topk_w_ptr + p, mask=~shared, other=1.0).to(tl.float32)
     tl.store(y_ptr + q * s_y + offs_n, r.to(y_ptr.dtype.element_ty), mask=offs_n < n_out)
@@ -125,13 +183,54 @@ def check_shared_args(x: torch.Tensor, shared_up: torch.Tensor | None, shared_do
     return n_shared
 
 
+def _launch_args(t: ExpertGemvTiles, like: torch.Tensor) -> dict:
+    return dict(BLOCK_N=t.block_n, BLOCK_K=t.block_k, DEPTH=t.depth, STAGES=t.stages, num_warps=t.warps,
+                num_stages=1, **pdl_args(like))
+
+
+def expert_up_pass(x: torch.Tensor, up: torch.Tensor, ids: torch.Tensor, top_k: int, tiles: ExpertGemvTiles,
+                   shared_up: torch.Tensor | None = None) -> torch.Tensor:
+    """The up pass of `moe_experts_gemv` (arguments checked there): x [T, d_in], up [E, I, d_in], ids [T * k]
+    contiguous, shared_up [S, d_in] or None -> h [T * slots, max(I, S)], row t * slots + j = relu(W x_t)^2 of
+    slot j (slot k: the shared expert)."""
+    T, d_in = x.shape
+    inter, n_shared = up.shape[1], 0 if shared_up is None else shared_up.shape[0]
+    slots = top_k + (1 if n_shared else 0)
+    h = torch.empty(T * slots, max(inter, n_shared), dtype=x.dtype, device=x.device)
+    nb_routed, nb_shared = triton.cdiv(inter, tiles.block_n), triton.cdiv(n_shared, tiles.block_n)
+    _expert_up_kernel[(T * (top_k * nb_routed + nb_shared),)](
+        x, up, shared_up if n_shared else up, ids, h, top_k, inter, n_shared, nb_routed, nb_shared, d_in,
+        x.stride(0), up.stride(0), h.stride(0), SHARED=slots - top_k, EVEN_K=d_in % tiles.block_k == 0,
+        **_launch_args(tiles, x))
+    return h
+
+
+def expert_down_pass(h: torch.Tensor, down: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, top_k: int,
+                     tiles: ExpertGemvTiles, shared_down: torch.Tensor | None = None) -> torch.Tensor:
+    """The down pass of `moe_experts_gemv`: h [T * slots, >= max(I, S)] from `expert_up_pass`, down [E, d_in, I],
+    ids [T * k], weights [T * k] fp32 contiguous, shared_down [d_in, S] or None -> y [T * slots, d_in], row q =
+    the routing weight (1 for the shared slot) times W_q h[q]."""
+    d_in, inter = down.shape[1], down.shape[2]
+    n_shared = 0 if shared_down is None else shared_down.shape[1]
+    slots = top_k + (1 if n_shared else 0)
+    y = torch.empty(h.shape[0], d_in, dtype=h.dtype, device=h.device)
+    nb_out = triton.cdiv(d_in, tiles.block_n)
+    _expert_down_kernel[(h.shape[0] * nb_out,)](
+        h, down, shared_down if n_shared else down, ids, weights, y, top_k, inter, n_shared, d_in, nb_out,
+        h.stride(0), down.stride(0), y.stride(0), SHARED=slots - top_k,
+        EVEN_K=inter % tiles.block_k == 0 and n_shared % tiles.block_k == 0, **_launch_args(tiles, h))
+    return y
+
+
 def moe_experts_gemv(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, tiles: ExpertGemvTiles | None = None, *,
-                     shared_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None) -> torch.Tensor:
+                     shared_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
+                     down_tiles: ExpertGemvTiles | None = None) -> torch.Tensor:
     """Routed experts (+ the shared expert) as grouped GEMVs (Triton) for T * k <= MAX_GEMV_PAIRS pairs.
     x [T, d_in] (unit stride in d_in), up [E, I, d_in], down [E, d_in, I] (contiguous), topk_weights [T, k]
     (fp32), topk_ids [T, k], optional shared_up [S, d_in] and shared_down [d_in, S] (both or neither, contiguous)
-    -> sum_k w * down(relu(up(x))^2) (+ shared_down(relu(shared_up(x))^2)) [T, d_in] in x's dtype."""
+    -> sum_k w * down(relu(up(x))^2) (+ shared_down(relu(shared_up(x))^2)) [T, d_in] in x's dtype.
+    tiles: both passes' launch shape (None: `ExpertGemvTiles()`); down_tiles: the down pass's (None: tiles)."""
     T, d_in, E, inter, top_k = check_experts_args(x, up, down, topk_weights, topk_ids)
     n_shared = check_shared_args(x, shared_up, shared_down)
     if T * top_k > MAX_GEMV_PAIRS:
@@ -141,20 +240,10 @@ def moe_experts_gemv(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, topk
         return torch.empty(0, d_in, dtype=x.dtype, device=x.device)
     t = tiles or ExpertGemvTiles()
     slots = top_k + (1 if n_shared else 0)              # per token: k routed slots, then the shared one
-    s_up, s_down = (shared_up, shared_down) if n_shared else (up, down)     # placeholders, never read
     ids = topk_ids.reshape(-1).contiguous()
-    h = torch.empty(T * slots, max(inter, n_shared), dtype=x.dtype, device=x.device)
-    launch = dict(SHARED=slots - top_k, BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.warps, num_stages=1,
-                  **pdl_args(x))
-    nb_routed, nb_shared, nb_out = (triton.cdiv(n, t.block_n) for n in (inter, n_shared, d_in))
-    _expert_up_kernel[(T * (top_k * nb_routed + nb_shared),)](
-        x, up, s_up, ids, h, top_k, inter, n_shared, nb_routed, nb_shared, d_in, x.stride(0), up.stride(0),
-        h.stride(0), EVEN_K=d_in % t.block_k == 0, **launch)
-    y = torch.empty(T * slots, d_in, dtype=x.dtype, device=x.device)
+    h = expert_up_pass(x, up, ids, top_k, t, shared_up if n_shared else None)
     w = topk_weights.to(torch.float32).reshape(-1).contiguous()
-    _expert_down_kernel[(T * slots * nb_out,)](
-        h, down, s_down, ids, w, y, top_k, inter, n_shared, d_in, nb_out, h.stride(0), down.stride(0), y.stride(0),
-        EVEN_K=inter % t.block_k == 0 and n_shared % t.block_k == 0, **launch)
+    y = expert_down_pass(h, down, ids, w, top_k, down_tiles or t, shared_down if n_shared else None)
     return sum_slots(y, T, slots)
 
 
