@@ -2,7 +2,9 @@
 
 Every layer is `h = h + mixer(RMSNorm(h))`; logits = `lm_head(RMSNorm_f(h))` at the requested rows. Each residual
 add runs fused with the norm that follows it (`Kernels.add_rms_norm`).
-Module names equal the HF checkpoint names under `backbone.` so weights load by name."""
+Module names equal the HF checkpoint names under `backbone.` so weights load by name, except attention's fused
+`qkv_proj`, which the loader fills from the checkpoint's `q_proj`/`k_proj`/`v_proj` by row range
+(`Attention.checkpoint_rows`)."""
 from __future__ import annotations
 
 import torch

@@ -1,8 +1,10 @@
 """Load HF safetensors checkpoints (single file or sharded with an index) by the checkpoint's own names.
 
 Accepted name forms: `backbone.*` (NVIDIA's) or `model.*` (transformers' in-memory), per-expert
-`mixer.experts.{j}.up_proj.weight` or stacked `mixer.experts.up_proj`. `mtp.*` tensors (MTP heads)
-are skipped for now. Missing or unexpected tensors raise one `ValueError` that lists them."""
+`mixer.experts.{j}.up_proj.weight` or stacked `mixer.experts.up_proj`. A module with `checkpoint_rows()` (attention:
+HF `q_proj`/`k_proj`/`v_proj` -> row ranges of the fused `qkv_proj`) takes those checkpoint tensors into row ranges of
+one parameter. `mtp.*` tensors (MTP heads) are skipped for now. Missing or unexpected tensors raise one `ValueError`
+that lists them."""
 from __future__ import annotations
 
 import json
@@ -36,10 +38,10 @@ def _canonical(name: str) -> str:
 
 def load_weights(model: nn.Module, model_path: str, tie_word_embeddings: bool = False) -> None:
     """Copies every checkpoint tensor into `model` (casting to the parameter's dtype/device)."""
-    params = dict(model.named_parameters())
-    expected: set[str] = set()
-    for name, p in params.items():
-        expected.update(_per_expert_names(name, p.shape[0]) if _is_stacked_experts(name) else [name])
+    fused = _fused_rows(model)
+    fused_targets = {param_name for param_name, _, _ in fused.values()}   # loaded only through their parts
+    params = {name: p for name, p in model.named_parameters() if name not in fused_targets}
+    expected = _expected_names(params) | set(fused)
     if tie_word_embeddings:
         expected.discard("lm_head.weight")
     loaded: set[str] = set()
@@ -50,7 +52,7 @@ def load_weights(model: nn.Module, model_path: str, tie_word_embeddings: bool = 
                 name = _canonical(raw)
                 if name.startswith("mtp."):
                     continue
-                target, index = _resolve(name, params)
+                target, index = _resolve(name, params, fused)
                 if target is None:
                     unexpected.append(raw)
                     continue
@@ -65,7 +67,31 @@ def load_weights(model: nn.Module, model_path: str, tie_word_embeddings: bool = 
         model.lm_head.weight = model.backbone.embeddings.weight
 
 
-def _resolve(name: str, params: dict[str, nn.Parameter]) -> tuple[nn.Parameter | None, int | None]:
+def _fused_rows(model: nn.Module) -> dict[str, tuple[str, nn.Parameter, slice]]:
+    """Checkpoint name -> (parameter name, parameter, its rows) for every module with `checkpoint_rows()`."""
+    fused: dict[str, tuple[str, nn.Parameter, slice]] = {}
+    for prefix, module in model.named_modules():
+        if hasattr(module, "checkpoint_rows"):
+            for part, (param, start, end) in module.checkpoint_rows().items():
+                fused[f"{prefix}.{part}" if prefix else part] = (f"{prefix}.{param}" if prefix else param,
+                                                                 module.get_parameter(param), slice(start, end))
+    return fused
+
+
+def _expected_names(params: dict[str, nn.Parameter]) -> set[str]:
+    """The checkpoint names `params` need (stacked experts: the per-expert names)."""
+    expected: set[str] = set()
+    for name, p in params.items():
+        expected.update(_per_expert_names(name, p.shape[0]) if _is_stacked_experts(name) else [name])
+    return expected
+
+
+def _resolve(name: str, params: dict[str, nn.Parameter], fused: dict[str, tuple[str, nn.Parameter, slice]]
+             ) -> tuple[nn.Parameter | None, int | slice | None]:
+    """The parameter a checkpoint tensor goes to, and where: an expert index, a row range, or None (all of it)."""
+    if name in fused:
+        _, param, rows = fused[name]
+        return param, rows
     m = _EXPERT.match(name)
     if m:
         return params.get(f"{m.group(1)}.{m.group(3)}"), int(m.group(2))
@@ -84,13 +110,13 @@ def _per_expert_names(stacked_name: str, num_experts: int) -> list[str]:
     return [f"{base}.{j}.{proj}.weight" for j in range(num_experts)]
 
 
-def _loaded_names(name: str, index: int | None, target: nn.Parameter) -> list[str]:
+def _loaded_names(name: str, index: int | slice | None, target: nn.Parameter) -> list[str]:
     if index is None and _is_stacked_experts(name):   # stacked form in the checkpoint
         return _per_expert_names(name, target.shape[0])
     return [name]
 
 
-def _copy(target: nn.Parameter, index: int | None, tensor: torch.Tensor, raw: str) -> None:
+def _copy(target: nn.Parameter, index: int | slice | None, tensor: torch.Tensor, raw: str) -> None:
     dst = target.data if index is None else target.data[index]
     if tuple(dst.shape) != tuple(tensor.shape):
         raise ValueError(f"tensor {raw!r} has shape {tuple(tensor.shape)}, the model expects {tuple(dst.shape)}")
