@@ -9,6 +9,8 @@ Triton ops:  ssd_varlen, selective_state_update, selective_state_update_slots_ra
              rms_norm, add_rms_norm (residual add + RMSNorm), gated_rms_norm (triton_norm); relu2 (triton_activation);
              linear (triton_gemv.linear: one-launch GEMV for single-row decode linears up to 32 M weights,
              cuBLAS otherwise).
+moe_route and linear are bound to the bundle's `ArrivalCounters` (one persistent zeroed counter buffer per device
+for the multi-program router and split-K GEMVs: no memset per launch).
 Torch references used on purpose (each a single gather/scatter, no Python loop):
              conv_windows = conv1d.conv_state_windows_ref, write_kv = attention.write_kv_ref.
 There is no runtime fallback: every field is fixed here.
@@ -17,14 +19,75 @@ On a machine without CUDA the Triton ops run only under TRITON_INTERPRET=1 (set 
 """
 from __future__ import annotations
 
+import torch
+
 from service.engine.kernels import Kernels, attention, conv1d
-from service.engine.kernels import triton_attention, triton_conv1d, triton_moe, triton_norm, triton_ssd
+from service.engine.kernels import triton_attention, triton_conv1d, triton_moe_route, triton_norm, triton_ssd
 from service.engine.kernels import triton_activation, triton_gemv, triton_moe_gemv
 
 TORCH_REFERENCE_OPS = ("conv_windows", "write_kv")   # fields that hold the torch reference
+ARRIVAL_COUNTER_SLOTS = 1 << 16     # int32 counters per device (256 KB): see `ArrivalCounters`
 
 
-def triton_kernels() -> Kernels:
+def _capturing(device: torch.device) -> bool:
+    """A CUDA graph capture is under way on device's current stream."""
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
+
+
+class ArrivalCounters:
+    """The triton bundle's persistent arrival counters: one zero-initialised int32 buffer of `slots` elements per
+    device, shared by every split-K GEMV (`linear`) and multi-program router (`moe_route`) the bundle launches, so
+    that no launch zero-fills a fresh counter buffer (in a CUDA graph a memset node per launch, ~2 us, which also
+    breaks the programmatic-dependent-launch chain between the Triton kernels).
+
+    Invariant (why one buffer serves every launch): (1) the launches that use it are serialised: one stream, or
+    streams ordered by wait_stream/events (the decode graphs warm up on a side stream ordered with the main one);
+    launches running concurrently on unordered streams would mix their counts. (2) Every launch leaves the counters
+    it touched at 0: the last arrival on each counter stores 0 after its reduction (`triton_gemv._gemv_kernel`,
+    `triton_moe_route._moe_route_kernel`). (3) A PDL successor bumps counters only after its `pdl_wait` (the GEMV
+    waits in `dot_tiles` before loading x, the router waits first thing), which returns once the predecessor has
+    finished and its writes, the 0 stores included, are visible. So every launch finds its counters at 0.
+    Sizing: the buffer must cover the largest grid it serves; the launchers check it and raise ValueError when a
+    launch needs more counters. The bundle's GEMVs take default tiles, which split K only with <= TARGET_PROGRAMS //
+    2 column blocks (one counter each); the router has one counter per token block and >= 16 tokens per block above
+    T = 8 (`route_tiles`): ARRIVAL_COUNTER_SLOTS covers 2^20 tokens per call.
+    The buffer is created on its device's first use, which must be eager (the decode graphs warm up eagerly before
+    capturing, runner/cuda_graph.py): created inside a capture it would live in the graph's pool and be zeroed by a
+    graph node, so that raises RuntimeError."""
+
+    def __init__(self, slots: int = ARRIVAL_COUNTER_SLOTS) -> None:
+        self.slots = slots
+        self._buffers: dict[torch.device, torch.Tensor] = {}
+
+    def on(self, device: torch.device | str) -> torch.Tensor:
+        """The device's buffer (all zero between launches), created on the first call."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        buf = self._buffers.get(device)
+        if buf is None:
+            if device.type == "cuda" and _capturing(device):
+                raise RuntimeError(f"the arrival counters of {device} would be allocated during CUDA graph capture: "
+                                   "run the triton bundle's linear / moe_route eagerly once before capturing")
+            buf = self._buffers[device] = torch.zeros(self.slots, dtype=torch.int32, device=device)
+        return buf
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`triton_gemv.linear` with these counters."""
+        return triton_gemv.linear(x, weight, bias, counters=self.on(x.device))
+
+    def moe_route(self, h: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
+                  n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`triton_moe_route.moe_route` with these counters."""
+        return triton_moe_route.moe_route(h, gate_weight, correction_bias, top_k, n_group, topk_group,
+                                          norm_topk_prob, scaling, counters=self.on(h.device))
+
+
+def triton_kernels(counters: ArrivalCounters | None = None) -> Kernels:
+    """The bundle; counters None gives it a fresh `ArrivalCounters`."""
+    counters = counters if counters is not None else ArrivalCounters()
     return Kernels(
         name="triton",
         ssd_varlen=triton_ssd.ssd_varlen,
@@ -36,11 +99,11 @@ def triton_kernels() -> Kernels:
         conv_windows=conv1d.conv_state_windows_ref,
         write_kv=attention.write_kv_ref,
         paged_attention=triton_attention.paged_attention,
-        moe_route=triton_moe.moe_route,
+        moe_route=counters.moe_route,
         moe_experts=triton_moe_gemv.moe_experts_by_size,
         rms_norm=triton_norm.rms_norm,
         add_rms_norm=triton_norm.add_rms_norm,
         gated_rms_norm=triton_norm.gated_group_rms_norm,
         relu2=triton_activation.relu2,
-        linear=triton_gemv.linear,
+        linear=counters.linear,
     )

@@ -11,7 +11,8 @@ it. SPLIT_K > 1: each program writes its fp32 row sums to a scratch [SPLIT_K, M,
 counter of its column block; the last to arrive adds the SPLIT_K partials in split order (deterministic), adds the
 bias, writes y in x's dtype and sets the counter back to 0. The counters are a fresh zeroed buffer (one memset
 launch) unless the caller passes a persistent zeroed one, which every launch leaves zeroed (then the GEMV is one
-launch, graph-capturable either way: no host sync).
+launch, graph-capturable either way: no host sync); the triton bundle passes its `ArrivalCounters`. The counter is
+bumped only after `pdl_wait` (in `dot_tiles`), so a PDL launch never touches it before its predecessor finished.
 On Hopper+ the launch uses PDL (triton_common): the first weight tile is loaded before waiting for the previous
 kernel, x after; the next kernel is released after the K loop.
 """
@@ -229,18 +230,39 @@ def _check_gemv_args(x, weight, bias, counters) -> None:
     if bias is not None:
         check_shape("bias", bias, (weight.shape[0],))
         check_same_device(x=x, bias=bias)
-    if counters is not None:
-        if counters.dtype != torch.int32 or counters.dim() != 1 or not counters.is_contiguous():
-            raise ValueError("counters must be a contiguous 1-d int32 tensor")
-        check_same_device(x=x, counters=counters)
+    check_counters(counters, x)
+
+
+def check_counters(counters: torch.Tensor | None, like: torch.Tensor, needed: int = 0) -> None:
+    """A persistent arrival-counter buffer (None: nothing to check) must be a contiguous 1-d int32 tensor on like's
+    device with >= needed elements (one per counter a launch bumps)."""
+    if counters is None:
+        return
+    if counters.dtype != torch.int32 or counters.dim() != 1 or not counters.is_contiguous():
+        raise ValueError(f"counters must be a contiguous 1-d int32 tensor, got {counters.dtype} "
+                         f"{tuple(counters.shape)} strides {counters.stride()}")
+    check_same_device(x=like, counters=counters)
+    if counters.numel() < needed:
+        raise ValueError(f"counters needs >= {needed} elements, got {counters.numel()}")
+
+
+def arrival_counters(counters: torch.Tensor | None, like: torch.Tensor, needed: int) -> torch.Tensor:
+    """The arrival counters of a launch that bumps `needed` of them: counters itself (checked, see
+    `check_counters`; all zero, as every launch leaves it) or, when None, a fresh zeroed buffer (one memset)."""
+    if counters is None:
+        return torch.zeros(needed, dtype=torch.int32, device=like.device)
+    check_counters(counters, like, needed)
+    return counters
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tiles: GemvTiles | None = None,
          counters: torch.Tensor | None = None, pdl: bool | None = None) -> torch.Tensor:
-    """y = x @ weight^T (+ bias) with fp32 accumulation, one Triton launch (+ a counter memset for split-K).
+    """y = x @ weight^T (+ bias) with fp32 accumulation, one Triton launch (+ a counter memset for split-K
+    without `counters`).
     x [M, K] (1 <= M <= 4; fp32/fp16/bf16, unit stride in K), weight [N, K] contiguous, bias [N] or None (x's
     dtype) -> y [M, N] in x's dtype. tiles None picks `default_gemv_tiles(N, K)`. counters: optional persistent
-    int32 zeros of >= cdiv(N, block_n) elements for split-K (left zeroed); None allocates a zeroed one.
+    int32 zeros of >= cdiv(N, block_n) elements for split-K (left zeroed; unused without a split); None allocates
+    a zeroed one.
     pdl: programmatic dependent launch (triton_common); None = `use_pdl(x)`."""
     _check_gemv_args(x, weight, bias, counters)
     M, K = x.shape
@@ -257,9 +279,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     part = cnt = y                                            # unused unless split > 1
     if split > 1:
         part = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-        cnt = counters if counters is not None else torch.zeros(blocks, dtype=torch.int32, device=x.device)
-        if cnt.numel() < blocks:
-            raise ValueError(f"counters needs >= {blocks} elements, got {cnt.numel()}")
+        cnt = arrival_counters(counters, x, blocks)
     _gemv_kernel[(blocks, split)](
         x, weight, bias if bias is not None else y, y, part, cnt, N, K, k_split, x.stride(0), y.stride(0),
         ROWS=M, HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_K=K % bk == 0, PREFETCH=t.prefetch,
@@ -277,12 +297,13 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 MAX_GEMV_WEIGHT_ELEMENTS = 32 * 2 ** 20
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           counters: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` for x [..., K]: a single row (batch-1 decode) on a weight of <= MAX_GEMV_WEIGHT_ELEMENTS runs
     `gemv` (one launch; cuBLAS picks split-K + a reduce kernel there and was 13-22 % slower on the H200), every
-    other case cuBLAS. Chosen by shape alone."""
+    other case cuBLAS. Chosen by shape alone. counters: `gemv`'s persistent split-K arrival counters (or None)."""
     K = x.shape[-1]
     if (x.numel() == K and weight.numel() <= MAX_GEMV_WEIGHT_ELEMENTS and x.dtype == weight.dtype
             and weight.is_contiguous() and x.dtype in (torch.float16, torch.bfloat16, torch.float32)):
-        return gemv(x.reshape(1, K), weight, bias).view(*x.shape[:-1], weight.shape[0])
+        return gemv(x.reshape(1, K), weight, bias, counters=counters).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)

@@ -6,9 +6,12 @@ Same signature, semantics and dtypes as `moe.moe_route_ref`:
   weights = s at the picked experts, / (sum + 1e-20) if norm_topk_prob, * scaling.
 Grid (token blocks, expert slices, K slices): program (i, j, c) writes the partial logits of BLOCK_T tokens x
 BLOCK_E experts over its K slice into a scratch [K slices, T, E]; each bumps an acq_rel arrival counter of its
-token block (zeroed by the launcher; none when a token block has a single program) and the last to arrive sums the
-partials in a fixed order (L2 loads), applies the sigmoid and selects. Splitting experts AND the hidden size
-spreads the gate weight over ~100-300 programs (decode is a GEMV: one SM streams only a few tens of GB/s).
+token block (none when a token block has a single program) and the last to arrive sums the partials in a fixed
+order (L2 loads), applies the sigmoid, selects and sets the counter back to 0. The counters are a fresh zeroed
+buffer (one memset launch) unless the caller passes a persistent zeroed one (`counters`; the triton bundle passes
+its `ArrivalCounters`), which every launch leaves zeroed. The counter is bumped only after `pdl_wait` (the kernel's
+first statement), so a PDL launch never touches it before its predecessor finished. Splitting experts AND the
+hidden size spreads the gate weight over ~100-300 programs (decode is a GEMV: one SM streams only a few tens of GB/s).
 Products, by `RouteTiles.mode`:
   "fma"    multiply-accumulate on [BLOCK_T, BLOCK_E, BLOCK_K] tiles, K_STEPS unrolled (decode: loads all in flight);
   "ieee"   fp32 tl.dot with input_precision="ieee" (exact fp32 products on the CUDA cores);
@@ -28,6 +31,7 @@ import triton.language as tl
 from service.engine.kernels.triton_common import (TARGET_PROGRAMS, block_dim, check_dim, check_inner_contiguous,
                                                   check_same_device, check_shape, pdl_args, pdl_release,
                                                   pdl_wait)
+from service.engine.kernels.triton_gemv import arrival_counters, check_counters
 
 MAX_EXPERTS = 1024          # the selection holds a [rows, next_pow2(E)] tile in registers
 SELECT_TILE = 2048          # rows * padded experts per selection step (int64 keys)
@@ -206,6 +210,7 @@ def _moe_route_kernel(h_ptr, w_ptr, bias_ptr, part_ptr, count_ptr, w_out_ptr, id
         if arrived == N_ARRIVE - 1:         # the last program of this token block: every partial is in L2
             _select_block(part_ptr, bias_ptr, w_out_ptr, ids_ptr, pid_t, T, E, tl.num_programs(2), s_b, top_k,
                           n_group, topk_group, scaling, BLOCK_T, SEL_T, KS_TILE, E_PAD, K_PAD, G_PAD, GROUPED, NORM)
+            tl.store(count_ptr + pid_t, 0)  # leaves a persistent counter buffer zeroed for the next launch
 
 
 @dataclass(frozen=True)
@@ -294,20 +299,23 @@ def _check_tiles(t: RouteTiles, h: torch.Tensor) -> None:
 
 
 def moe_route(h: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
-              n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float,
+              counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """h [T, d] (bf16/fp16/fp32, unit stride in d), gate_weight [E, d] (unit stride in d), correction_bias [E]
     -> (topk_weights [T, top_k] fp32, topk_ids [T, top_k] int64), one Triton launch (+ a zero fill of one int32
-    arrival counter per token block when a token block spans several programs); tiles from `route_tiles`."""
+    arrival counter per token block when a token block spans several programs and counters is None); tiles from
+    `route_tiles`. counters: optional persistent int32 zeros of >= one element per token block (left zeroed; unused
+    when a token block has a single program)."""
     return moe_route_tiled(h, gate_weight, correction_bias, top_k, n_group, topk_group, norm_topk_prob, scaling,
-                           None)
+                           None, counters)
 
 
 def moe_route_tiled(h: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
-                    n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float, tiles: RouteTiles | None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float, tiles: RouteTiles | None,
+                    counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`moe_route` with a given launch shape (None: `route_tiles`)."""
     _check_route_args(h, gate_weight, correction_bias, top_k, n_group, topk_group)
+    check_counters(counters, h)
     T, d = h.shape
     E = gate_weight.shape[0]
     dev = h.device
@@ -322,9 +330,9 @@ def moe_route_tiled(h: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
     part = torch.empty(grid[2], T, E, dtype=torch.float32, device=dev)         # partial logits per K slice
     n_arrive = grid[1] * grid[2]
     if n_arrive > 1:            # one arrival counter per token block
-        counts = torch.zeros(grid[0], dtype=torch.int32, device=dev)
-    else:
-        counts = torch.empty(1, dtype=torch.int32, device=dev)
+        counts = arrival_counters(counters, h, grid[0])
+    else:                       # never read: a placeholder pointer
+        counts = counters if counters is not None else torch.empty(1, dtype=torch.int32, device=dev)
     sel_t = max(1, min(cfg.block_t, SELECT_TILE // e_pad, WEIGHT_TILE // (e_pad * k_pad)))
     ks_tile = min(triton.next_power_of_2(grid[2]), max(1, REDUCE_TILE // (sel_t * e_pad)))
     _moe_route_kernel[grid](
