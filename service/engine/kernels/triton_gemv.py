@@ -187,11 +187,11 @@ _SHORT_K = (GemvTiles(4, 512, 4), GemvTiles(8, 256, 4, False), GemvTiles(8, 256,
             GemvTiles(16, 128, 4, True, 3), GemvTiles(8, 256, 4, True, 2), GemvTiles(4, 1024, 4, False))
 _LONG_K = (GemvTiles(4, 512, 4), GemvTiles(8, 512, 4, False), GemvTiles(8, 512, 4), GemvTiles(8, 512, 4, True, 2),
            GemvTiles(16, 256, 4, True, 4), GemvTiles(8, 256, 4, True, 4), GemvTiles(4, 1024, 4, False, 2))
-GEMV_SHAPES = (("in_proj", 10304, 2688), ("out_proj", 2688, 4096), ("q_proj", 4096, 2688),
+GEMV_SHAPES = (("in_proj", 10304, 2688), ("out_proj", 2688, 4096), ("qkv_proj", 4608, 2688),
                ("shared_up", 3712, 2688), ("shared_down", 2688, 3712), ("lm_head", 131072, 2688))
 GEMV_TILE_VARIANTS = MappingProxyType({
     (10304, 2688): _WIDE, (131072, 2688): _WIDE,          # mamba in_proj, lm_head: enough programs without split
-    (4096, 2688): _SHORT_K, (3712, 2688): _SHORT_K,       # attention q_proj, shared-expert up
+    (4608, 2688): _SHORT_K, (3712, 2688): _SHORT_K,       # attention q/k/v (one GEMV), shared-expert up
     (2688, 4096): _LONG_K, (2688, 3712): _LONG_K,         # mamba out_proj / attention o_proj, shared-expert down
 })
 
