@@ -4,6 +4,7 @@ Triton ops:  ssd_varlen, selective_state_update, selective_state_update_slots_ra
              step with dt softplus/clamp and A = -exp(A_log) inside); conv_varlen, conv_update(_slots)
              (triton_conv1d);
              paged_attention (triton_attention: decode with split-KV, prefill with cached prefix);
+             write_kv (triton_kv: K and V rows into the pages, one launch);
              moe_route (triton_moe_route: router GEMV + top-k in one launch), moe_experts (triton_moe_gemv:
              grouped GEMVs for <= 16 (token, slot) pairs, else triton_moe's sorted-token grouped GEMMs);
              rms_norm, add_rms_norm (residual add + RMSNorm), gated_rms_norm (triton_norm); relu2 (triton_activation);
@@ -12,7 +13,7 @@ Triton ops:  ssd_varlen, selective_state_update, selective_state_update_slots_ra
 moe_route and linear are bound to the bundle's `ArrivalCounters` (one persistent zeroed counter buffer per device
 for the multi-program router and split-K GEMVs: no memset per launch).
 Torch references used on purpose (each a single gather/scatter, no Python loop):
-             conv_windows = conv1d.conv_state_windows_ref, write_kv = attention.write_kv_ref.
+             conv_windows = conv1d.conv_state_windows_ref.
 There is no runtime fallback: every field is fixed here.
 
 On a machine without CUDA the Triton ops run only under TRITON_INTERPRET=1 (set before triton is imported).
@@ -21,11 +22,11 @@ from __future__ import annotations
 
 import torch
 
-from service.engine.kernels import Kernels, attention, conv1d
+from service.engine.kernels import Kernels, conv1d
 from service.engine.kernels import triton_attention, triton_conv1d, triton_moe_route, triton_norm, triton_ssd
-from service.engine.kernels import triton_activation, triton_gemv, triton_moe_gemv
+from service.engine.kernels import triton_activation, triton_gemv, triton_kv, triton_moe_gemv
 
-TORCH_REFERENCE_OPS = ("conv_windows", "write_kv")   # fields that hold the torch reference
+TORCH_REFERENCE_OPS = ("conv_windows",)   # fields that hold the torch reference
 ARRIVAL_COUNTER_SLOTS = 1 << 16     # int32 counters per device (256 KB): see `ArrivalCounters`
 
 
@@ -97,7 +98,7 @@ def triton_kernels(counters: ArrivalCounters | None = None) -> Kernels:
         conv_update=triton_conv1d.causal_conv1d_update,
         conv_update_slots=triton_conv1d.causal_conv1d_update_slots,
         conv_windows=conv1d.conv_state_windows_ref,
-        write_kv=attention.write_kv_ref,
+        write_kv=triton_kv.write_kv,
         paged_attention=triton_attention.paged_attention,
         moe_route=counters.moe_route,
         moe_experts=triton_moe_gemv.moe_experts_by_size,
