@@ -31,6 +31,8 @@ class Kernels:
     gated_rms_norm: Callable           # norm.gated_group_rms_norm_ref signature
     relu2: Callable                    # moe.relu2 signature (dense MLP / shared expert activation)
     linear: Callable                   # F.linear signature (every projection: in/out, q/k/v/o, MLPs, lm_head)
+    add_rms_norm_linear: Callable      # norm.add_rms_norm_linear_ref signature (residual add + norm + in_proj)
+    gated_norm_linear: Callable        # norm.gated_norm_linear_ref signature (mamba gated norm + out_proj)
 
 
 def torch_kernels() -> Kernels:
@@ -43,7 +45,8 @@ def torch_kernels() -> Kernels:
         paged_attention=attention.paged_attention_ref, moe_route=moe.moe_route_ref,
         moe_experts=moe.moe_experts_ref, rms_norm=norm.rms_norm_ref, add_rms_norm=norm.add_rms_norm_ref,
         gated_rms_norm=norm.gated_group_rms_norm_ref, relu2=moe.relu2,
-        linear=F.linear,
+        linear=F.linear, add_rms_norm_linear=norm.add_rms_norm_linear_ref,
+        gated_norm_linear=norm.gated_norm_linear_ref,
     )
 
 

@@ -29,3 +29,19 @@ def gated_group_rms_norm_ref(y: torch.Tensor, z: torch.Tensor, weight: torch.Ten
     g = h.view(T, Di // group_size, group_size)
     g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
     return (weight.float() * g.view(T, Di)).to(out_dtype)
+
+
+def add_rms_norm_linear_ref(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                            weight: torch.Tensor, bias: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add + RMSNorm + linear (a Mamba layer's norm and in_proj): x, residual [..., K], weight [N, K]
+    -> (y [..., N], new_residual [..., K]) = (F.linear(normed, weight, bias), new_residual) of `add_rms_norm_ref`."""
+    normed, new_residual = add_rms_norm_ref(x, residual, norm_weight, eps)
+    return F.linear(normed, weight, bias), new_residual
+
+
+def gated_norm_linear_ref(y: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, group_size: int, eps: float,
+                          weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Gated group RMSNorm + linear (the Mamba-2 output norm and out_proj): y, z [T, Di], weight [N, Di] -> [T, N];
+    the normed activation is rounded to weight's dtype before the linear."""
+    return F.linear(gated_group_rms_norm_ref(y, z, norm_weight, group_size, eps, weight.dtype), weight, bias)

@@ -9,9 +9,10 @@ Triton ops:  ssd_varlen, selective_state_update, selective_state_update_slots_ra
              grouped GEMVs for <= 16 (token, slot) pairs, else triton_moe's sorted-token grouped GEMMs);
              rms_norm, add_rms_norm (residual add + RMSNorm), gated_rms_norm (triton_norm); relu2 (triton_activation);
              linear (triton_gemv.linear: one-launch GEMV for single-row decode linears up to 32 M weights,
-             cuBLAS otherwise).
-moe_route and linear are bound to the bundle's `ArrivalCounters` (one persistent zeroed counter buffer per device
-for the multi-program router and split-K GEMVs: no memset per launch).
+             cuBLAS otherwise); add_rms_norm_linear, gated_norm_linear (triton_norm_gemv: a single row runs the norm
+             in the GEMV's prologue, one launch; other shapes the norm kernel, then linear).
+moe_route, linear and the norm + linear ops are bound to the bundle's `ArrivalCounters` (one persistent zeroed
+counter buffer per device for the multi-program router and split-K GEMVs: no memset per launch).
 Torch references used on purpose (each a single gather/scatter, no Python loop):
              conv_windows = conv1d.conv_state_windows_ref.
 There is no runtime fallback: every field is fixed here.
@@ -24,7 +25,7 @@ import torch
 
 from service.engine.kernels import Kernels, conv1d
 from service.engine.kernels import triton_attention, triton_conv1d, triton_moe_route, triton_norm, triton_ssd
-from service.engine.kernels import triton_activation, triton_gemv, triton_kv, triton_moe_gemv
+from service.engine.kernels import triton_activation, triton_gemv, triton_kv, triton_moe_gemv, triton_norm_gemv
 
 TORCH_REFERENCE_OPS = ("conv_windows",)   # fields that hold the torch reference
 ARRIVAL_COUNTER_SLOTS = 1 << 16     # int32 counters per device (256 KB): see `ArrivalCounters`
@@ -38,17 +39,18 @@ def _capturing(device: torch.device) -> bool:
 
 class ArrivalCounters:
     """The triton bundle's persistent arrival counters: one zero-initialised int32 buffer of `slots` elements per
-    device, shared by every split-K GEMV (`linear`) and multi-program router (`moe_route`) the bundle launches, so
-    that no launch zero-fills a fresh counter buffer (in a CUDA graph a memset node per launch, ~2 us, which also
-    breaks the programmatic-dependent-launch chain between the Triton kernels).
+    device, shared by every split-K GEMV (`linear`, the norm + linear ops) and multi-program router (`moe_route`)
+    the bundle launches, so that no launch zero-fills a fresh counter buffer (in a CUDA graph a memset node per
+    launch, ~2 us, which also breaks the programmatic-dependent-launch chain between the Triton kernels).
 
     Invariant (why one buffer serves every launch): (1) the launches that use it are serialised: one stream, or
     streams ordered by wait_stream/events (the decode graphs warm up on a side stream ordered with the main one);
     launches running concurrently on unordered streams would mix their counts. (2) Every launch leaves the counters
     it touched at 0: the last arrival on each counter stores 0 after its reduction (`triton_gemv._gemv_kernel`,
-    `triton_moe_route._moe_route_kernel`). (3) A PDL successor bumps counters only after its `pdl_wait` (the GEMV
-    waits in `dot_tiles` before loading x, the router waits first thing), which returns once the predecessor has
-    finished and its writes, the 0 stores included, are visible. So every launch finds its counters at 0.
+    `triton_norm_gemv._norm_gemv_kernel`, `triton_moe_route._moe_route_kernel`). (3) A PDL successor bumps counters
+    only after its `pdl_wait` (the GEMVs wait before loading x, the router waits first thing), which returns once
+    the predecessor has finished and its writes, the 0 stores included, are visible. So every launch finds its
+    counters at 0.
     Sizing: the buffer must cover the largest grid it serves; the launchers check it and raise ValueError when a
     launch needs more counters. The bundle's GEMVs take default tiles, which split K only with <= TARGET_PROGRAMS //
     2 column blocks (one counter each); the router has one counter per token block and >= 16 tokens per block above
@@ -85,6 +87,19 @@ class ArrivalCounters:
         return triton_moe_route.moe_route(h, gate_weight, correction_bias, top_k, n_group, topk_group,
                                           norm_topk_prob, scaling, counters=self.on(h.device))
 
+    def add_rms_norm_linear(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                            weight: torch.Tensor, bias: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`triton_norm_gemv.add_rms_norm_linear` with these counters."""
+        return triton_norm_gemv.add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias,
+                                                    counters=self.on(x.device))
+
+    def gated_norm_linear(self, y: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, group_size: int,
+                          eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`triton_norm_gemv.gated_norm_linear` with these counters."""
+        return triton_norm_gemv.gated_norm_linear(y, z, norm_weight, group_size, eps, weight, bias,
+                                                  counters=self.on(y.device))
+
 
 def triton_kernels(counters: ArrivalCounters | None = None) -> Kernels:
     """The bundle; counters None gives it a fresh `ArrivalCounters`."""
@@ -107,4 +122,6 @@ def triton_kernels(counters: ArrivalCounters | None = None) -> Kernels:
         gated_rms_norm=triton_norm.gated_group_rms_norm,
         relu2=triton_activation.relu2,
         linear=counters.linear,
+        add_rms_norm_linear=counters.add_rms_norm_linear,
+        gated_norm_linear=counters.gated_norm_linear,
     )

@@ -32,9 +32,24 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, h: torch.Tensor, meta: MambaMeta, conv_pool: torch.Tensor, ssm_pool: torch.Tensor,
                 k: Kernels) -> torch.Tensor:
-        """h [T, hidden]; conv_pool [S, conv_dim, K-1]; ssm_pool [S, H, P, N] fp32 (updated in place)."""
-        T = h.shape[0]
-        z, xbc, dt = project(k, self.in_proj, h).split([self.di, self.conv_dim, self.num_heads], dim=-1)
+        """h [T, hidden] (the layer's normed input); conv_pool [S, conv_dim, K-1]; ssm_pool [S, H, P, N] fp32
+        (updated in place)."""
+        return self._mix(project(k, self.in_proj, h), meta, conv_pool, ssm_pool, k)
+
+    def forward_add_norm(self, out: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                         meta: MambaMeta, conv_pool: torch.Tensor, ssm_pool: torch.Tensor, k: Kernels
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer before its residual add + RMSNorm: h = residual + out (the previous layer's output) ->
+        (forward(RMSNorm(h) * norm_weight), h), the add and norm fused with in_proj (`Kernels.add_rms_norm_linear`:
+        one launch at batch 1 on the Triton bundle)."""
+        zxbcdt, h = k.add_rms_norm_linear(out, residual, norm_weight, eps, self.in_proj.weight, self.in_proj.bias)
+        return self._mix(zxbcdt, meta, conv_pool, ssm_pool, k), h
+
+    def _mix(self, zxbcdt: torch.Tensor, meta: MambaMeta, conv_pool: torch.Tensor, ssm_pool: torch.Tensor,
+             k: Kernels) -> torch.Tensor:
+        """in_proj's output [T, in_proj_dim] -> the layer's output [T, hidden]."""
+        T = zxbcdt.shape[0]
+        z, xbc, dt = zxbcdt.split([self.di, self.conv_dim, self.num_heads], dim=-1)
         weight = self.conv1d.weight[:, 0, :]                                     # [D, K]
         snaps = meta.snapshots
         if meta.decode_only:       # recurrence on the pools in place, by slot id (no gather / scatter)
@@ -52,7 +67,7 @@ class Mamba2Mixer(nn.Module):
             dt = dt_softplus_clamp(dt, self.dt_bias, self.cfg.dt_clamp)          # [T, H] fp32
             init_conv = conv_pool[meta.slot_ids]
             query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
-            all_reqs = torch.arange(init_conv.shape[0], device=h.device)
+            all_reqs = torch.arange(init_conv.shape[0], device=zxbcdt.device)
             if not snaps.empty:
                 conv_pool[snaps.dest_slots] = k.conv_windows(xbc, init_conv, meta.query_start_loc,
                                                              snaps.req_idx, snaps.num_new_tokens)
@@ -63,9 +78,9 @@ class Mamba2Mixer(nn.Module):
             ssm_pool[meta.slot_ids] = chunk_states[final_chunk_indices(meta.layout)]
             if not snaps.empty:
                 ssm_pool[snaps.dest_slots] = chunk_states[snaps.chunk_idx]
-        y = k.gated_rms_norm(y.reshape(T, self.di), z, self.norm.weight, self.di // self.cfg.n_groups,
-                             self.cfg.layer_norm_epsilon, h.dtype)
-        return project(k, self.out_proj, y)
+        # gated group RMSNorm (to out_proj's dtype) + out_proj: one launch at batch 1 on the Triton bundle
+        return k.gated_norm_linear(y.reshape(T, self.di), z, self.norm.weight, self.di // self.cfg.n_groups,
+                                   self.cfg.layer_norm_epsilon, self.out_proj.weight, self.out_proj.bias)
 
     def _split(self, xbc: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x, B, C = xbc.split([self.di, self.gn, self.gn], dim=-1)

@@ -75,20 +75,28 @@ class NemotronHForCausalLM(nn.Module):
                    mamba: MambaMeta, kv_cache: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layers [start, end): x = RMSNorm(h) for layer `start` -> (x for layer `end` (norm_f after the last
-        layer), h after layer end-1). Each residual add runs fused with the norm that follows it."""
+        layer), h after layer end-1). Each residual add runs fused with the norm that follows it; before a Mamba
+        layer other than layer `start`, both run inside the layer, fused with its in_proj (`forward_add_norm`)."""
         k, eps, layers = self.kernels, self.cfg.layer_norm_epsilon, self.backbone.layers
+        fused = False           # layer lid's input is (out, h): its residual add + norm are left to its in_proj
         for lid in range(start, end):
             block = layers[lid]
             if block.layer_type == MAMBA:
                 j = self.mamba_pool_index[lid]
-                out = block.mixer(x, mamba, conv_pool[j], ssm_pool[j], k)
+                if fused:
+                    out, h = block.mixer.forward_add_norm(out, h, block.norm.weight, eps, mamba, conv_pool[j],
+                                                          ssm_pool[j], k)
+                else:
+                    out = block.mixer(x, mamba, conv_pool[j], ssm_pool[j], k)
             elif block.layer_type == ATTENTION:
                 j = self.attn_pool_index[lid]
                 out = block.mixer(x, attn, kv_cache[j, 0], kv_cache[j, 1], k)
             else:
                 out = block.mixer(x, k)
-            next_norm = layers[lid + 1].norm if lid + 1 < len(layers) else self.backbone.norm_f
-            x, h = k.add_rms_norm(out, h, next_norm.weight, eps)
+            fused = lid + 1 < end and layers[lid + 1].layer_type == MAMBA
+            if not fused:
+                next_norm = layers[lid + 1].norm if lid + 1 < len(layers) else self.backbone.norm_f
+                x, h = k.add_rms_norm(out, h, next_norm.weight, eps)
         return x, h
 
     def logits(self, x: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
