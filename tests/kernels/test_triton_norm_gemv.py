@@ -5,14 +5,13 @@ chunks inside a group / spanning groups / straddling a group edge; the bundle op
 from __future__ import annotations
 
 import collections
-import dataclasses
 
 import pytest
 import torch
 
 from triton_test_util import DEVICE, assert_close, gpu, needs_cuda
 from service.engine import Engine, EngineConfig, SamplingParams
-from service.engine.kernels import Kernels, norm, triton_gemv, triton_norm, triton_norm_gemv
+from service.engine.kernels import norm, triton_gemv, triton_norm, triton_norm_gemv
 from service.engine.kernels.triton_gemv import GEMV_TILE_VARIANTS, GemvTiles, default_gemv_tiles, gemv
 from service.engine.kernels.triton_norm_gemv import (add_rms_norm_gemv, add_rms_norm_linear, gated_norm_gemv,
                                                      gated_norm_linear)
@@ -213,23 +212,12 @@ def test_fused_gpu_pdl_chain_in_graph():
 # ---------------- the engine (tiny checkpoint, triton bundle): batch-1 decode with the fusion on and off ----------
 
 
-def _unfused(k: Kernels) -> Kernels:
-    """The bundle with the fusion switched off: each fused op as the norm kernel, then `linear`."""
-    def add_rms_norm_linear_(x, residual, norm_weight, eps, weight, bias=None):
-        normed, h = k.add_rms_norm(x, residual, norm_weight, eps)
-        return k.linear(normed, weight, bias), h
-
-    def gated_norm_linear_(y, z, norm_weight, group_size, eps, weight, bias=None):
-        return k.linear(k.gated_rms_norm(y, z, norm_weight, group_size, eps, weight.dtype), weight, bias)
-    return dataclasses.replace(k, add_rms_norm_linear=add_rms_norm_linear_, gated_norm_linear=gated_norm_linear_)
-
-
 def _generate(path: str, fused: bool, graphs: bool = False) -> list:
     """Greedy runs, one request at a time (every decode step is batch 1), eager unless graphs."""
     engine = Engine(EngineConfig(model_path=path, device=DEVICE, dtype="float32", page_size=4, max_num_seqs=1,
                                  max_num_batched_tokens=32, kernel_backend="triton", cuda_graphs=graphs))
     if not fused:
-        engine.runner.model.kernels = _unfused(engine.runner.model.kernels)
+        engine.runner.model.kernels = triton_norm_gemv.without_norm_fusion(engine.runner.model.kernels)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=True)
     return engine.generate([[5, 9, 200, 17, 3, 44, 8] * 2, [11, 12, 13]], params)
 

@@ -23,11 +23,13 @@ Batch-1 only (M = 1): larger batches keep the norm kernel + GEMV/cuBLAS (`add_rm
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
-from service.engine.kernels import triton_gemv, triton_norm
+from service.engine.kernels import Kernels, triton_gemv, triton_norm
 from service.engine.kernels.triton_common import (block_dim, check_dim, check_inner_contiguous, check_same_device,
                                                   check_shape, pdl_args, pdl_release, pdl_wait)
 # triton_gemv's loop pieces: tile loads, the per-split epilogue, the last arriver's reduction
@@ -297,3 +299,14 @@ def gated_norm_linear(y: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tenso
         return gated_norm_gemv(y, z, norm_weight, group_size, eps, weight, bias, counters=counters)
     normed = triton_norm.gated_group_rms_norm(y, z, norm_weight, group_size, eps, weight.dtype)
     return triton_gemv.linear(normed, weight, bias, counters=counters)
+
+
+def without_norm_fusion(k: Kernels) -> Kernels:
+    """Bundle k with the two fused ops run unfused: k's norm kernel, then k's `linear` (A/B benchmarks, tests)."""
+    def add_rms_norm_linear_(x, residual, norm_weight, eps, weight, bias=None):
+        normed, h = k.add_rms_norm(x, residual, norm_weight, eps)
+        return k.linear(normed, weight, bias), h
+
+    def gated_norm_linear_(y, z, norm_weight, group_size, eps, weight, bias=None):
+        return k.linear(k.gated_rms_norm(y, z, norm_weight, group_size, eps, weight.dtype), weight, bias)
+    return dataclasses.replace(k, add_rms_norm_linear=add_rms_norm_linear_, gated_norm_linear=gated_norm_linear_)
