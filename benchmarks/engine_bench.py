@@ -256,11 +256,11 @@ def bench_variant(engine: Engine, args: argparse.Namespace, throughput: bool) ->
 def variant_kernels(backend: str, options: list[str]) -> Kernels:
     """The backend's bundle; option `tiledmoe` sends every batch size to the sorted-token grouped GEMMs with the
     shared expert as separate linears (the bundle uses grouped GEMVs, shared expert included, for <= 16 pairs);
-    `nonormfuse` runs a Mamba layer's norms as their own launches before in_proj / out_proj."""
+    `normfuse` fuses a Mamba layer's norms into in_proj / out_proj at batch 1 (off in the default bundle)."""
     kernels = get_kernels(backend)
-    if "nonormfuse" in options:
-        from service.engine.kernels import triton_norm_gemv
-        kernels = triton_norm_gemv.without_norm_fusion(kernels)
+    if "normfuse" in options:
+        from service.engine.kernels.triton_backend import triton_kernels
+        kernels = triton_kernels(fuse_norm_linear=True)
     if "tiledmoe" in options:
         from service.engine.kernels import triton_moe_gemv
         kernels = dataclasses.replace(kernels, moe_experts=triton_moe_gemv.moe_experts_tiled_shared)
@@ -275,8 +275,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--variants", default="triton,triton+graphs",
                     help="comma list of torch | triton | triton+graphs (CUDA graphs for decode-only steps, and for "
                          "the plain decode rows of mixed steps) | triton+graphs+nosplit (mixed steps all eager); "
-                         "+tiledmoe: routed experts always as grouped GEMMs; +nonormfuse: a Mamba layer's norms "
-                         "before in_proj/out_proj as separate launches; +sync: async scheduling off (each step's "
+                         "+tiledmoe: routed experts always as grouped GEMMs; +normfuse: a Mamba layer's norms "
+                         "fused into in_proj/out_proj at batch 1 (off by default); +sync: async scheduling off (each step's "
                          "tokens are read before the next step is launched)")
     ap.add_argument("--throughput-variants", default="triton+graphs", help="variants that run the throughput test")
     ap.add_argument("--isl", default="1024,8192")

@@ -15,7 +15,10 @@ from service.engine.kernels import norm, triton_gemv, triton_norm, triton_norm_g
 from service.engine.kernels.triton_gemv import GEMV_TILE_VARIANTS, GemvTiles, default_gemv_tiles, gemv
 from service.engine.kernels.triton_norm_gemv import (add_rms_norm_gemv, add_rms_norm_linear, gated_norm_gemv,
                                                      gated_norm_linear)
+from service.engine.config import ModelConfig
+from service.engine.kernels.triton_backend import triton_kernels
 from service.engine.model.tiny import make_tiny_model
+from service.engine.runner.model_runner import build_model
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 EPS = 1e-5
@@ -214,10 +217,11 @@ def test_fused_gpu_pdl_chain_in_graph():
 
 def _generate(path: str, fused: bool, graphs: bool = False) -> list:
     """Greedy runs, one request at a time (every decode step is batch 1), eager unless graphs."""
-    engine = Engine(EngineConfig(model_path=path, device=DEVICE, dtype="float32", page_size=4, max_num_seqs=1,
-                                 max_num_batched_tokens=32, kernel_backend="triton", cuda_graphs=graphs))
-    if not fused:
-        engine.runner.model.kernels = triton_norm_gemv.without_norm_fusion(engine.runner.model.kernels)
+    cfg = EngineConfig(model_path=path, device=DEVICE, dtype="float32", page_size=4, max_num_seqs=1,
+                       max_num_batched_tokens=32, kernel_backend="triton", cuda_graphs=graphs)
+    model = build_model(cfg, ModelConfig.from_model_path(path), torch.float32, torch.device(DEVICE))
+    model.kernels = triton_kernels(fuse_norm_linear=fused)     # before the engine captures its graphs
+    engine = Engine(cfg, model=model)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=True)
     return engine.generate([[5, 9, 200, 17, 3, 44, 8] * 2, [11, 12, 13]], params)
 

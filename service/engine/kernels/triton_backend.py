@@ -101,10 +101,13 @@ class ArrivalCounters:
                                                   counters=self.on(y.device))
 
 
-def triton_kernels(counters: ArrivalCounters | None = None) -> Kernels:
-    """The bundle; counters None gives it a fresh `ArrivalCounters`."""
+def triton_kernels(counters: ArrivalCounters | None = None, fuse_norm_linear: bool = False) -> Kernels:
+    """The bundle; counters None gives it a fresh `ArrivalCounters`. fuse_norm_linear: a single row's norm + linear
+    ops run as one launch (`triton_norm_gemv`); off by default: on the H200 the fused batch-1 step replayed in
+    2.759 ms against 2.420 ms unfused (benchmarks/RESULTS.md, fourth session), the per-program norm prologue costs
+    more than the launches it saves."""
     counters = counters if counters is not None else ArrivalCounters()
-    return Kernels(
+    bundle = Kernels(
         name="triton",
         ssd_varlen=triton_ssd.ssd_varlen,
         selective_state_update=triton_ssd.selective_state_update,
@@ -125,3 +128,4 @@ def triton_kernels(counters: ArrivalCounters | None = None) -> Kernels:
         add_rms_norm_linear=counters.add_rms_norm_linear,
         gated_norm_linear=counters.gated_norm_linear,
     )
+    return bundle if fuse_norm_linear else triton_norm_gemv.without_norm_fusion(bundle)
