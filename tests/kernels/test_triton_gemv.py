@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_test_util import DEVICE, TOL, assert_close, gpu, moe_inputs, needs_cuda
+from triton_test_util import DEVICE, TOL, assert_close, assert_pdl_chain_bit_equal, gpu, moe_inputs, needs_cuda
 from service.engine.kernels import moe
 from service.engine.kernels.triton_gemv import (GEMV_SHAPES, GEMV_TILE_VARIANTS, GemvTiles, default_gemv_tiles, gemv,
                                                 gemv_ref)
@@ -219,16 +219,5 @@ def test_gemv_gpu_pdl_chain_in_graph():
         for w in ws:
             y = gemv(y, w, pdl=pdl)
         return y
-    outs, graphs = {}, {}
-    for pdl in (False, True):
-        chain(pdl)                                  # compile outside the capture
-        torch.cuda.synchronize()
-        graphs[pdl] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[pdl]):
-            outs[pdl] = chain(pdl)
-    for seed in range(5):
-        x.copy_(torch.randn(1, 2688, generator=g, device=DEVICE).to(torch.bfloat16))
-        for pdl in (False, True):
-            graphs[pdl].replay()
-        assert torch.equal(outs[True], outs[False]), f"replay {seed}: PDL chain differs"
-        assert torch.equal(outs[True], chain(False)), f"replay {seed}: graph differs from the eager chain"
+    assert_pdl_chain_bit_equal(chain, lambda: x.copy_(torch.randn(1, 2688, generator=g, device=DEVICE)
+                                                      .to(torch.bfloat16)))

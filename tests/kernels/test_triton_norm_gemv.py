@@ -9,7 +9,7 @@ import collections
 import pytest
 import torch
 
-from triton_test_util import DEVICE, assert_close, gpu, needs_cuda
+from triton_test_util import DEVICE, assert_close, assert_pdl_chain_bit_equal, gpu, needs_cuda
 from service.engine import Engine, EngineConfig, SamplingParams
 from service.engine.kernels import norm, triton_gemv, triton_norm, triton_norm_gemv
 from service.engine.kernels.triton_gemv import GEMV_TILE_VARIANTS, GemvTiles, default_gemv_tiles, gemv
@@ -193,23 +193,11 @@ def test_fused_gpu_pdl_chain_in_graph():
             y, r = add_rms_norm_gemv(y, r, nw, EPS, ws[i], pdl=pdl)
             y = gated_norm_gemv(y, r, nw, 336, EPS, ws[i + 1], pdl=pdl)
         return y, r
-    outs, graphs = {}, {}
-    for pdl in (False, True):
-        chain(pdl)                                  # compile outside the capture
-        torch.cuda.synchronize()
-        graphs[pdl] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[pdl]):
-            outs[pdl] = chain(pdl)
-    for seed in range(5):
+
+    def refill() -> None:
         x.copy_(torch.randn(1, d, generator=g, device=DEVICE).to(torch.bfloat16))
         res.copy_(torch.randn(1, d, generator=g, device=DEVICE).to(torch.bfloat16))
-        for pdl in (False, True):
-            graphs[pdl].replay()
-        eager = chain(False)
-        for a, b_ in zip(outs[True], outs[False]):
-            assert torch.equal(a, b_), f"replay {seed}: PDL chain differs"
-        for a, b_ in zip(outs[True], eager):
-            assert torch.equal(a, b_), f"replay {seed}: graph differs from the eager chain"
+    assert_pdl_chain_bit_equal(chain, refill)
 
 
 # ---------------- the engine (tiny checkpoint, triton bundle): batch-1 decode with the fusion on and off ----------

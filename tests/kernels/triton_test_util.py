@@ -36,3 +36,26 @@ def moe_inputs(T: int, E: int, k: int, d: int, inter: int, dtype: torch.dtype, s
     bias = (torch.randn(E, generator=g) * 0.1).to(DEVICE) if with_bias else torch.zeros(E, device=DEVICE)
     weights, ids = moe.moe_route_ref(x, gate, bias, k, 1, 1, True, 2.5)
     return x, up, down, weights, ids
+
+
+def assert_pdl_chain_bit_equal(chain, refill, replays: int = 5) -> None:
+    """chain(pdl) -> a tensor or a tuple of tensors, from inputs that refill() overwrites in place. Captures the
+    chain in a CUDA graph with PDL and without, then on every replay with new inputs both graphs and the eager
+    chain must agree bit for bit (a PDL kernel reading its input before the kernel before it finished breaks it)."""
+    def as_tuple(out):
+        return out if isinstance(out, tuple) else (out,)
+    outs, graphs = {}, {}
+    for pdl in (False, True):
+        chain(pdl)                                  # compile outside the capture
+        torch.cuda.synchronize()
+        graphs[pdl] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[pdl]):
+            outs[pdl] = as_tuple(chain(pdl))
+    for replay in range(replays):
+        refill()
+        for pdl in (False, True):
+            graphs[pdl].replay()
+        eager = as_tuple(chain(False))
+        for a, b, e in zip(outs[True], outs[False], eager, strict=True):
+            assert torch.equal(a, b), f"replay {replay}: the PDL chain differs"
+            assert torch.equal(a, e), f"replay {replay}: the graph differs from the eager chain"

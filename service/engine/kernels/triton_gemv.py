@@ -105,6 +105,30 @@ def _reduce_splits(offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y,
 
 
 @triton.jit
+def program_block(w_ptr, N, K, k_split, BLOCK_N: tl.constexpr):
+    """This program's (column block pid_n, K split pid_k, its output columns offs_n [BLOCK_N] and their mask, its
+    weight row pointers [BLOCK_N, 1] (rows past N clamped to N-1), the first K index of its split)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * K
+    return pid_n, pid_k, offs_n, offs_n < N, w_rows, pid_k * k_split
+
+
+@triton.jit
+def arrive_and_reduce(count_ptr, pid_n, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Split-K epilogue, after this program stored its partials: bump column block pid_n's arrival counter; the
+    last split to arrive adds the SPLIT_K partials (split order: deterministic) into y and sets the counter back
+    to 0 (a persistent counter buffer stays zeroed for the next launch)."""
+    tl.debug_barrier()                      # every thread's partial stores are issued before the arrival
+    arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLIT_K - 1:              # the last split of this column block: every partial is in L2
+        _reduce_splits(offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS, HAS_BIAS, SPLIT_K)
+        tl.store(count_ptr + pid_n, 0)
+
+
+@triton.jit
 def dot_tiles(w_rows, x_ptr, s_x, k_lo, k_hi, K, ROWS: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """Weight rows at w_rows [BLOCK_N, 1] (unit stride along K) times the ROWS rows of x (row stride s_x) over
@@ -140,12 +164,7 @@ def dot_tiles(w_rows, x_ptr, s_x, k_lo, k_hi, K, ROWS: tl.constexpr, EVEN_K: tl.
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N, K, k_split, s_x, s_y,
                  ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
                  PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mn = offs_n < N
-    w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * K
-    k_lo = pid_k * k_split
+    pid_n, pid_k, offs_n, mn, w_rows, k_lo = program_block(w_ptr, N, K, k_split, BLOCK_N)
     acc0, acc1, acc2, acc3 = dot_tiles(w_rows, x_ptr, s_x, k_lo, tl.minimum(k_lo + k_split, K), K, ROWS, EVEN_K,
                                        PREFETCH, BLOCK_N, BLOCK_K, PDL)
     pdl_release(PDL)        # after the loads (H200: 7.9 -> 7.5 us per 20 MB GEMV in a chain; at start: 8.5 us)
@@ -160,11 +179,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N, K, k_split,
         _emit_row(tl.sum(acc3, axis=1), 3, pid_k, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS, HAS_BIAS,
                   SPLIT_K)
     if SPLIT_K > 1:
-        tl.debug_barrier()                  # every thread's partial stores are issued before the arrival
-        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:          # the last split of this column block: every partial is in L2
-            _reduce_splits(offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS, HAS_BIAS, SPLIT_K)
-            tl.store(count_ptr + pid_n, 0)  # leaves a persistent counter buffer zeroed for the next launch
+        arrive_and_reduce(count_ptr, pid_n, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS, HAS_BIAS, SPLIT_K)
 
 
 @dataclass(frozen=True)

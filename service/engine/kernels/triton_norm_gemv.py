@@ -33,8 +33,9 @@ from service.engine.kernels import Kernels, triton_gemv, triton_norm
 from service.engine.kernels.triton_common import (block_dim, check_dim, check_inner_contiguous, check_same_device,
                                                   check_shape, pdl_args, pdl_release, pdl_wait)
 # triton_gemv's loop pieces: tile loads, the per-split epilogue, the last arriver's reduction
-from service.engine.kernels.triton_gemv import (GemvTiles, _emit_row, _load, _load_w, _reduce_splits,
-                                                _rows_block_k, arrival_counters, default_gemv_tiles)
+from service.engine.kernels.triton_gemv import (GemvTiles, _emit_row, _load, _load_w, _rows_block_k,
+                                                arrival_counters, arrive_and_reduce, default_gemv_tiles,
+                                                program_block)
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 PROLOGUE_CHUNK = 512        # elements per step of the rms prologue: a power of two >= 128 (see `_sum_sq`)
@@ -154,23 +155,14 @@ def _norm_gemv_kernel(a_ptr, b_ptr, nw_ptr, w_ptr, bias_ptr, y_ptr, res_ptr, par
                       BLOCK_P: tl.constexpr, CHUNK: tl.constexpr, LEVELS: tl.constexpr, HAS_BIAS: tl.constexpr,
                       SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mn = offs_n < N
-    w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * K
-    k_lo = pid_k * k_split
+    pid_n, pid_k, offs_n, mn, w_rows, k_lo = program_block(w_ptr, N, K, k_split, BLOCK_N)
     acc = _norm_dot(w_rows, a_ptr, b_ptr, nw_ptr, res_ptr, k_lo, tl.minimum(k_lo + k_split, K), K, eps,
                     (pid_n == 0) & (pid_k == 0), GATED, GROUP, SPAN, BLOCK_G, BLOCK_P, CHUNK, LEVELS, EVEN_K,
                     PREFETCH, BLOCK_N, BLOCK_K, PDL)
     pdl_release(PDL)
     _emit_row(tl.sum(acc, axis=1), 0, pid_k, offs_n, mn, bias_ptr, y_ptr, part_ptr, N, 0, 1, HAS_BIAS, SPLIT_K)
-    if SPLIT_K > 1:                         # as triton_gemv._gemv_kernel: the last split adds the partials
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            _reduce_splits(offs_n, mn, bias_ptr, y_ptr, part_ptr, N, 0, 1, HAS_BIAS, SPLIT_K)
-            tl.store(count_ptr + pid_n, 0)  # leaves a persistent counter buffer zeroed for the next launch
+    if SPLIT_K > 1:
+        arrive_and_reduce(count_ptr, pid_n, offs_n, mn, bias_ptr, y_ptr, part_ptr, N, 0, 1, HAS_BIAS, SPLIT_K)
 
 
 def _group_span(block_k: int, group: int) -> int:
