@@ -24,6 +24,26 @@ def _gather_kv(cache: torch.Tensor, page_table: torch.Tensor, length: int, page_
     return cache[slots]
 
 
+DECODE_REF_ROWS = 32   # decode rows per batched reference call: bounds its fp32 GQA-expanded K/V copy
+
+
+def _decode_rows_ref(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     page_table: torch.Tensor, page_size: int, scale: float, tokens: list[int], prefix: list[int],
+                     reqs: list[int]) -> None:
+    """out[tokens] = attention of the one-query requests `reqs` (query at flat row tokens[j], context
+    prefix[j] + 1), batched and padded to the longest context."""
+    Hq, Hkv = q.shape[1], k_cache.shape[1]
+    rows = torch.tensor(reqs, device=q.device)
+    ctx = [p + 1 for p in prefix]
+    kmax = max(ctx)
+    keys = _gather_kv(k_cache, page_table, kmax, page_size, rows).float()      # [b, L, Hkv, Dh]
+    vals = _gather_kv(v_cache, page_table, kmax, page_size, rows).float()
+    mask = torch.arange(kmax, device=q.device)[None, :] < torch.tensor(ctx, device=q.device)[:, None]
+    o = F.scaled_dot_product_attention(q[tokens].float()[:, :, None, :], keys.transpose(1, 2), vals.transpose(1, 2),
+                                       attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=Hq != Hkv)
+    out[tokens] = o[:, :, 0, :].to(q.dtype)
+
+
 def _check_bounds(query_start_loc: list[int], prefix_lens: list[int], max_query_len: int, max_seq_len: int) -> None:
     lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(prefix_lens))]
     if lens and max(lens) > max_query_len:
@@ -49,18 +69,10 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     lens = [query_start_loc[i + 1] - query_start_loc[i] for i in range(len(prefix_lens))]
     dec = [i for i, l in enumerate(lens) if l == 1]
     pre = [i for i, l in enumerate(lens) if l > 1]
-    if dec:  # one query each: batch them, padded to the longest context
-        rows = torch.tensor(dec, device=q.device)
-        ctx = [prefix_lens[i] + 1 for i in dec]
-        kmax = max(ctx)
-        keys = _gather_kv(k_cache, page_table, kmax, page_size, rows).float()      # [b, L, Hkv, Dh]
-        vals = _gather_kv(v_cache, page_table, kmax, page_size, rows).float()
-        qs = q[[query_start_loc[i] for i in dec]].float()                          # [b, Hq, Dh]
-        mask = torch.arange(kmax, device=q.device)[None, :] < torch.tensor(ctx, device=q.device)[:, None]
-        o = F.scaled_dot_product_attention(qs[:, :, None, :], keys.transpose(1, 2), vals.transpose(1, 2),
-                                           attn_mask=mask[:, None, None, :], scale=scale,
-                                           enable_gqa=Hq != Hkv)
-        out[[query_start_loc[i] for i in dec]] = o[:, :, 0, :].to(q.dtype)
+    for c in range(0, len(dec), DECODE_REF_ROWS):   # one query each: batched, padded to the longest context
+        _decode_rows_ref(out, q, k_cache, v_cache, page_table, page_size, scale,
+                         [query_start_loc[i] for i in dec[c:c + DECODE_REF_ROWS]],
+                         [prefix_lens[i] for i in dec[c:c + DECODE_REF_ROWS]], dec[c:c + DECODE_REF_ROWS])
     for i in pre:
         s, e, p = query_start_loc[i], query_start_loc[i + 1], prefix_lens[i]
         L = p + (e - s)
