@@ -36,6 +36,15 @@ def scheduled_token_ids(sched: SchedulerOutput) -> np.ndarray:
                        count=sum(s.num_new_tokens for s in sched.scheduled))
 
 
+def to_device_async(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """values as a 1-d tensor on device without waiting for the device: on CUDA a non-blocking copy from pinned
+    memory (a pageable copy would wait for every kernel queued before it)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def build_forward_batch(sched: SchedulerOutput, page_size: int, chunk_size: int, device: torch.device,
                         input_ids: torch.Tensor | None = None) -> ForwardBatch:
     """input_ids: [T] int64 on the device, the step's tokens when they are not on the host yet (None: read from

@@ -21,6 +21,7 @@ from service.engine.cache.pools import StatePools
 from service.engine.layers.meta import AttentionMeta, MambaMeta, SnapshotPlan
 from service.engine.model.nemotron_h import NemotronHForCausalLM
 from service.engine.runner.batch import scheduled_token_ids
+from service.engine.runner.split import is_plain_decode
 from service.engine.scheduler.scheduler import SchedulerOutput
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -51,8 +52,7 @@ def is_graphable(sched: SchedulerOutput, max_batch: int, max_pages: int) -> bool
     """Decode-only (one new token each), every row sampled, no snapshot this step, fits the largest bucket and
     the static page table."""
     reqs = sched.scheduled
-    return 0 < len(reqs) <= max_batch and all(
-        s.num_new_tokens == 1 and s.sample and not s.snapshots and len(s.request.page_ids) <= max_pages for s in reqs)
+    return 0 < len(reqs) <= max_batch and all(is_plain_decode(s, max_pages) for s in reqs)
 
 
 class DecodeGraphs:

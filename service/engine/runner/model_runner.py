@@ -12,10 +12,10 @@ from service.engine.config import EngineConfig, ModelConfig
 from service.engine.kernels import get_kernels
 from service.engine.model.nemotron_h import NemotronHForCausalLM
 from service.engine.model.weights import load_weights
-from service.engine.runner.batch import build_forward_batch
+from service.engine.runner.batch import build_forward_batch, to_device_async
 from service.engine.runner.cuda_graph import DecodeGraphs, is_graphable
-from service.engine.runner.sampler import HostSample, Sampler, SamplerOutput
-from service.engine.runner.split import StepSplit, is_plain_decode, restore_batch_order, split_step, sub_schedule
+from service.engine.runner.sampler import DeviceSample, HostSample, Sampler, SamplerOutput
+from service.engine.runner.split import StepSplit, restore_batch_order, split_step, sub_schedule
 from service.engine.scheduler.scheduler import SchedulerOutput
 
 log = logging.getLogger("hybrid_serve.engine")
@@ -106,14 +106,11 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> SamplerOutput:
         """Slot copies, the forward (plain decode rows replayed from a graph, the rest in one eager forward),
         sampling of the rows that reached their end (one sampler call, results in batch order)."""
-        self.pools.copy_slots([s for s, _ in sched.slot_copies], [d for _, d in sched.slot_copies])
-        self.pools.zero_slots(list(sched.slot_zeros))
+        self._apply_slot_ops(sched)
         logits, rows = self.forward(sched, self._split(sched))
         if not rows:
             return SamplerOutput([], None, None)
-        reqs = [sched.scheduled[i].request for i in rows]
-        gens = [self._generator(r.request_id, r.params.seed) for r in reqs]
-        out = self.sampler(logits, [r.params for r in reqs], gens)
+        out = self._sample([sched.scheduled[i].request for i in rows], logits).to_host().result()
         return SamplerOutput(restore_batch_order(out.token_ids, rows),
                              None if out.logprobs is None else restore_batch_order(out.logprobs, rows),
                              None if out.top_logprobs is None else restore_batch_order(out.top_logprobs, rows))
@@ -121,39 +118,39 @@ class ModelRunner:
     def can_launch(self, sched: SchedulerOutput) -> bool:
         """Whether `launch` takes the step: plain decode rows only that one forward runs (replayed from a graph
         when the runner has graphs)."""
-        if not sched.scheduled:
-            return False
-        if self.graphs is not None:
-            return is_graphable(sched, self.graphs.max_batch, self.graphs.max_pages)
-        return all(is_plain_decode(s, 1 << 62) for s in sched.scheduled)
+        g = self.graphs
+        return is_graphable(sched, g.max_batch if g else 1 << 62, g.max_pages if g else 1 << 62)
 
     def launch(self, sched: SchedulerOutput, prev: InFlightStep | None = None) -> InFlightStep:
         """Enqueues a plain decode step (`can_launch`): slot copies, the forward, sampling and the copy of the
         results to the host, without waiting for the device. prev: the in-flight step whose sampled tokens are
         this step's inputs (every request of sched is in prev); None: inputs come from the requests."""
-        self.pools.copy_slots([s for s, _ in sched.slot_copies], [d for _, d in sched.slot_copies])
-        self.pools.zero_slots(list(sched.slot_zeros))
+        self._apply_slot_ops(sched)
         token_ids = None if prev is None else self._carried_tokens(sched, prev)
         if self.graphs is not None:
             logits = self.graphs.run(sched, token_ids)
         else:
-            batch = build_forward_batch(sched, self.cfg.page_size, self.model_cfg.chunk_size, self.device, token_ids)
-            logits = self.model(batch.input_ids, batch.attn, batch.mamba, batch.logits_indices,
-                                self.pools.kv, self.pools.conv, self.pools.ssm)
+            logits = self._eager(sched, token_ids)[0]
         reqs = [s.request for s in sched.scheduled]
-        gens = [self._generator(r.request_id, r.params.seed) for r in reqs]
-        sample = self.sampler.sample(logits, [r.params for r in reqs], gens)
+        sample = self._sample(reqs, logits)
         return InFlightStep(sched, {id(r): i for i, r in enumerate(reqs)}, sample.token_ids, sample.to_host())
+
+    def _apply_slot_ops(self, sched: SchedulerOutput) -> None:
+        """The step's slot copies (cache hits into fresh live slots) and zero fills, before its forward."""
+        self.pools.copy_slots([s for s, _ in sched.slot_copies], [d for _, d in sched.slot_copies])
+        self.pools.zero_slots(list(sched.slot_zeros))
+
+    def _sample(self, reqs: list, logits: torch.Tensor) -> DeviceSample:
+        """Enqueues the sampling of logits [R, vocab], one row per request of reqs (its params and seed)."""
+        gens = [self._generator(r.request_id, r.params.seed) for r in reqs]
+        return self.sampler.sample(logits, [r.params for r in reqs], gens)
 
     def _carried_tokens(self, sched: SchedulerOutput, prev: InFlightStep) -> torch.Tensor:
         """[B] int64 on the device: prev's sampled token of each of sched's requests (a device gather)."""
         rows = [prev.rows[id(s.request)] for s in sched.scheduled]
         if rows == list(range(len(prev.rows))):
             return prev.token_ids
-        index = torch.tensor(rows, dtype=torch.int64)
-        if self.device.type == "cuda":
-            index = index.pin_memory()
-        return prev.token_ids.index_select(0, index.to(self.device, non_blocking=True))
+        return prev.token_ids.index_select(0, to_device_async(rows, torch.int64, self.device))
 
     def _split(self, sched: SchedulerOutput) -> StepSplit | None:
         """How to run the step: None = one eager forward (no graphs, or no plain decode row)."""
@@ -194,7 +191,13 @@ class ModelRunner:
         logits [R, vocab] and the R sampled rows (indices into sched.scheduled)."""
         if may_replay and self.graphs is not None and is_graphable(sched, self.graphs.max_batch, self.graphs.max_pages):
             return self.graphs.run(sched), tuple(range(len(sched.scheduled)))
-        batch = build_forward_batch(sched, self.cfg.page_size, self.model_cfg.chunk_size, self.device)
+        return self._eager(sched)
+
+    def _eager(self, sched: SchedulerOutput, input_ids: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """One eager forward of the step: logits [R, vocab] and the R sampled rows. input_ids: [T] on the device
+        when the tokens are not on the host yet (None: read from the requests)."""
+        batch = build_forward_batch(sched, self.cfg.page_size, self.model_cfg.chunk_size, self.device, input_ids)
         logits = self.model(batch.input_ids, batch.attn, batch.mamba, batch.logits_indices,
                             self.pools.kv, self.pools.conv, self.pools.ssm)
         return logits, batch.sample_rows

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from service.engine.request import SamplingParams
+from service.engine.runner.batch import to_device_async
 
 
 @dataclass(frozen=True)
@@ -94,11 +95,7 @@ class Sampler:
         return DeviceSample(tokens, chosen, vals, ids, tuple(p.top_logprobs for p in params))
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        """values on the device without waiting for the device (pinned source, non-blocking copy on CUDA)."""
-        host = torch.tensor(values, dtype=dtype)
-        if self.device.type != "cuda":
-            return host.to(self.device)
-        return host.pin_memory().to(self.device, non_blocking=True)
+        return to_device_async(values, dtype, self.device)
 
     def _filter(self, scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         V = scaled.shape[1]
