@@ -148,7 +148,7 @@ class Engine:
         rows = []
         for s in cur.sched.scheduled:
             req = s.request
-            if req.finish_reason is not None or self._ends_by_length(req):
+            if req.finish_reason is not None or self.output.reaches_length(req, 1):   # ends on cur's token
                 continue
             p = s.prefix_len + 1           # cur feeds position s.prefix_len; the next step feeds the token after
             if self.cache.decode_snapshot_due(req, p) or not self.cache.grow(req, p + 1):
@@ -157,11 +157,6 @@ class Engine:
         nxt = SchedulerOutput(tuple(rows), (), (), ())
         ok = 0 < len(rows) <= sch.token_budget and self.runner.can_launch(nxt)
         return nxt if ok else None
-
-    def _ends_by_length(self, req: Request) -> bool:
-        """The in-flight token certainly ends req by max_tokens or max_model_len."""
-        return (len(req.output_token_ids) + 1 >= req.params.max_tokens
-                or req.num_tokens + 1 >= self.max_model_len)
 
     def _time_step(self, t0: float, t1: float, t2: float, t3: float) -> None:
         s = self.step_seconds

@@ -44,9 +44,13 @@ class OutputProcessor:
             req.text += state.detok.add([token_id])
             if p.stop and self._cut_stop(req, before, state.max_stop_len):
                 req.finish_reason = FinishReason.STOP
-        if req.finish_reason is None and (len(req.output_token_ids) >= p.max_tokens
-                                          or req.num_tokens >= self.max_model_len):
+        if req.finish_reason is None and self.reaches_length(req):
             req.finish_reason = FinishReason.LENGTH
+
+    def reaches_length(self, req: Request, num_more: int = 0) -> bool:
+        """req, with num_more more output tokens, is at max_tokens or max_model_len."""
+        return (len(req.output_token_ids) + num_more >= req.params.max_tokens
+                or req.num_tokens + num_more >= self.max_model_len)
 
     @staticmethod
     def _cut_stop(req: Request, before: int, max_len: int) -> bool:
