@@ -114,13 +114,29 @@ class CacheManager:
     # ---------- snapshots ----------
     def plan_snapshots(self, req: Request, num_new_tokens: int) -> tuple[SnapshotPoint, ...]:
         """Snapshot points of the extend (p, p+n] under extra_buffer, with slots allocated now."""
+        decode = num_new_tokens == 1 and len(req.output_token_ids) > 0
+        points = []
+        for s in sorted(self._snapshot_positions(req, req.num_computed_tokens, num_new_tokens, decode)):
+            slot = self._alloc_snapshot_slot()
+            if slot is None:
+                break
+            points.append(SnapshotPoint(s, slot))
+        return tuple(points)
+
+    def decode_snapshot_due(self, req: Request, prefix_len: int) -> bool:
+        """Whether a decode step of req (one token after >= 1 output) from prefix_len takes a snapshot, i.e. would
+        get points from `plan_snapshots` (allocates nothing: async scheduling asks before it launches a step)."""
+        return bool(self._snapshot_positions(req, prefix_len, 1, decode=True))
+
+    def _snapshot_positions(self, req: Request, p: int, num_new_tokens: int, decode: bool) -> set[int]:
+        """Grid positions in (p, p+n] to snapshot under extra_buffer: a decode step every track_interval tokens,
+        an extend its last grid point (and the one below if the extend ends there), and the branch point."""
         if self.strategy != "extra_buffer" or req.bypass_cache:
-            return ()
-        p, g = req.num_computed_tokens, self.grid
-        end = p + num_new_tokens
+            return set()
+        g, end = self.grid, p + num_new_tokens
         positions = set()
-        if num_new_tokens == 1 and len(req.output_token_ids) > 0:      # decode
-            if self._decode_track_point(end):
+        if decode:
+            if end % self.track_interval == 0:
                 positions.add(end)
         else:
             last = (end // g) * g
@@ -130,24 +146,7 @@ class CacheManager:
                 positions.add(last - g)                  # keep the grid point below the end too
         if p < req.branch_point <= end:
             positions.add(req.branch_point)
-        points = []
-        for s in sorted(positions):
-            slot = self._alloc_snapshot_slot()
-            if slot is None:
-                break
-            points.append(SnapshotPoint(s, slot))
-        return tuple(points)
-
-    def _decode_track_point(self, end: int) -> bool:
-        return end % self.track_interval == 0
-
-    def decode_snapshot_due(self, req: Request, prefix_len: int) -> bool:
-        """Whether a decode step of req (one token after >= 1 output) from prefix_len takes a snapshot, i.e. would
-        get points from `plan_snapshots` (allocates nothing: async scheduling asks before it launches a step)."""
-        if self.strategy != "extra_buffer" or req.bypass_cache:
-            return False
-        end = prefix_len + 1
-        return self._decode_track_point(end) or prefix_len < req.branch_point <= end
+        return positions
 
     def _alloc_snapshot_slot(self) -> int | None:
         if self.pools.snapshots.num_free == 0 and not self.tree.evict_snapshot():
