@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from service.deployments.limits import LimitArgs
+
 
 class RouterArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -51,6 +53,10 @@ class AppArgs(BaseModel):
     cpus_per_replica: float = Field(1.0, gt=0)
     max_ongoing_requests: int = Field(256, ge=1)   # per engine replica; beyond it requests get 503
     route_prefix: str = "/"
+    api_keys_file: str | None = Field(
+        None, description="file with the accepted API keys, one per line (the keys in HYBRID_SERVE_API_KEYS are "
+                          "accepted too); no keys at all: /v1/* is open")
+    limits: LimitArgs = Field(default_factory=LimitArgs)
 
     @model_validator(mode="after")
     def _check(self) -> "AppArgs":

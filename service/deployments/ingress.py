@@ -6,7 +6,8 @@ checks the context length, builds `SamplingParams`, then opens one streaming eng
 (`generate(prompt_token_ids, params, request_id)`, routed by the prefix-aware router) and waits for
 each call's first chunk before answering, so that refusals become proper HTTP errors. Errors are
 OpenAI error objects: 400 bad parameters / prompt too long (`context_length_exceeded`), 404 unknown
-model, 413 body over 8 MiB, 503 overloaded or no engine. A client that goes away cancels the engine calls, which abort
+model, 413 body over 8 MiB, 503 overloaded or no engine; `service.deployments.gate` adds 401 (API key) and
+429 / 400 (per-key limits and per-request caps) in front of the handlers. A client that goes away cancels the engine calls, which abort
 the requests in the engine.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ray.serve.handle import DeploymentHandle
 from service.deployments.args import AppArgs
 from service.deployments.choices import ChoiceOptions, ChoiceState
 from service.deployments.engine_deployment import GenerateChunk
+from service.deployments.gate import RequestGate, request_shape
 from service.engine import SamplingParams
 from service.engine.tokenizer import Tokenizer
 from service.openai import reasoning
@@ -84,6 +86,7 @@ class OpenAIIngress:
         self._engine_stream = engine.options(stream=True)
         self._tokenizer = Tokenizer.from_model_path(self._args.model_path)
         self._model_name = self._args.served_model_name or os.path.basename(self._args.model_path.rstrip("/"))
+        self._gate = RequestGate.from_args(self._args.api_keys_file, self._args.limits)
         info = await engine.info.remote()
         self._max_model_len = int(info["max_model_len"])
 
@@ -93,6 +96,7 @@ class OpenAIIngress:
         app.add_api_route("/v1/chat/completions", self._guard(self.chat_completions), methods=["POST"])
         app.add_api_route("/v1/completions", self._guard(self.completions), methods=["POST"])
         app.add_api_route("/health", self.health, methods=["GET"])
+        self._gate.install(app)   # API keys on /v1/*, per-key limits on the generation routes
         return app
 
     @staticmethod
@@ -150,7 +154,7 @@ class OpenAIIngress:
         if budget < 1:
             raise _invalid(f"This model's maximum context length is {self._max_model_len} tokens; the {param} has "
                            f"{len(token_ids)} tokens.", param, code="context_length_exceeded")
-        kwargs = to_sampling_kwargs(req, default_max_tokens=budget)
+        kwargs = to_sampling_kwargs(req, default_max_tokens=self._gate.default_max_tokens(budget))
         if kwargs["max_tokens"] > budget:
             raise _invalid(f"max_tokens ({kwargs['max_tokens']}) plus the prompt ({len(token_ids)} tokens) exceeds "
                            f"the maximum context length of {self._max_model_len} tokens.", "max_tokens",
@@ -186,6 +190,13 @@ class OpenAIIngress:
                     raise _invalid(str(exc), "prompt") from None
             prepared.append(self._prepare(req, ids, "prompt", k * req.n))
         return prepared
+
+    def _admit(self, request: Request, req: Any, prompts: list[PreparedPrompt], states: list[ChoiceState]) -> None:
+        """Per-request caps and the key's token reservation (settled with the real usage when the request ends)."""
+        shape = request_shape(req.n, [(p.token_ids, p.params) for p in prompts])
+        refusal = self._gate.admit(request, shape, lambda: self._usage(prompts, states).total_tokens)
+        if refusal is not None:
+            raise APIError(refusal)
 
     # ---- engine calls ----
     async def _open(self, prompts: list[PreparedPrompt], request_id: str) -> list[OpenStream]:
@@ -261,6 +272,7 @@ class OpenAIIngress:
                                  starts_in_reasoning=reasoning.prompt_starts_in_reasoning(prompt_text))
                    for i in range(req.n)]
         states = [ChoiceState(o, self._tokenizer) for o in options]
+        self._admit(request, req, [prompt], states)
         request_id = random_id("chatcmpl")
         streams = await self._open([prompt], request_id)
         if req.stream:
@@ -293,6 +305,7 @@ class OpenAIIngress:
         k = req.logprobs or 0
         states = [ChoiceState(ChoiceOptions(i, k, req.logprobs is not None), self._tokenizer)
                   for i in range(len(prompts) * req.n)]
+        self._admit(request, req, prompts, states)
         request_id = random_id("cmpl")
         streams = await self._open(prompts, request_id)
         if req.stream:

@@ -51,7 +51,14 @@ CANARY_METRICS: tuple[MetricDef, ...] = (
     MetricDef(_P + "canary_token_agreement_ratio", "gauge",
               "Fraction of greedy tokens equal between cached and cold runs", (), "canary"),
 )
-ALL_METRICS: tuple[MetricDef, ...] = ENGINE_METRICS + ROUTER_METRICS + CANARY_METRICS
+INGRESS_METRICS: tuple[MetricDef, ...] = (   # `key`: the API key's id (a hash prefix), never the key
+    MetricDef(_P + "api_requests_total", "counter", "OpenAI API requests by key id and HTTP status",
+              ("key", "status"), "ingress"),
+    MetricDef(_P + "api_limit_refusals_total", "counter", "Requests refused by a per-key limit or per-request cap",
+              ("key", "limit"), "ingress"),
+    MetricDef(_P + "api_tokens_total", "counter", "Tokens used (prompt + generated) by key id", ("key",), "ingress"),
+)
+ALL_METRICS: tuple[MetricDef, ...] = ENGINE_METRICS + ROUTER_METRICS + CANARY_METRICS + INGRESS_METRICS
 
 
 def metric_names() -> frozenset[str]:

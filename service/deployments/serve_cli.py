@@ -8,6 +8,9 @@ import signal
 import threading
 from typing import Any
 
+from service.deployments.args import AppArgs
+from service.deployments.limits import LimitArgs
+
 # CLI flag dest -> AppArgs field (flags left unset keep AppArgs' defaults)
 _ARG_FIELDS = {
     "model_path": "model_path", "served_model_name": "served_model_name", "tp": "tp", "ep": "ep",
@@ -40,6 +43,10 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=None)
     p.add_argument("--router", choices=("prefix_aware", "default"), default="prefix_aware",
                    help="request router of the engine deployment")
+    p.add_argument("--api-keys-file", default=None, help=AppArgs.model_fields["api_keys_file"].description)
+    for name, info in LimitArgs.model_fields.items():
+        p.add_argument(f"--limit-{name.replace('_', '-')}", dest=f"limit_{name}", type=int, default=info.default,
+                       help=info.description)
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--metrics-port", type=int, default=8080,
@@ -51,6 +58,9 @@ def app_args_from_cli(ns: argparse.Namespace) -> dict[str, Any]:
     """The `AppArgs` dict for these flags (unset flags omitted)."""
     args = {field: getattr(ns, dest) for dest, field in _ARG_FIELDS.items() if getattr(ns, dest) is not None}
     args["router"] = {"kind": ns.router}
+    if ns.api_keys_file is not None:
+        args["api_keys_file"] = ns.api_keys_file
+    args["limits"] = {name: getattr(ns, f"limit_{name}") for name in LimitArgs.model_fields}
     return args
 
 
@@ -74,7 +84,6 @@ def run_serve(ns: argparse.Namespace) -> int:
     from ray import serve  # noqa: PLC0415
 
     from service.deployments.app import build_app  # noqa: PLC0415
-    from service.deployments.args import AppArgs  # noqa: PLC0415
 
     app_args = AppArgs.model_validate(app_args_from_cli(ns))
     joined = bool(os.environ.get("RAY_ADDRESS"))
