@@ -1,0 +1,84 @@
+"""`hybrid-serve train-tiny-model OUT`: train, measure held-out accuracy, write the checkpoint folder.
+
+The folder: `config.json` + `model.safetensors` (transformers' `save_pretrained`), `tokenizer.json`,
+`tokenizer_config.json` (the tiny model's chat template), `generation_config.json` and `manifest.json`
+(model config, data recipe, seed, steps, final losses, held-out greedy accuracy, wall time, device)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import time
+from typing import Any
+
+import torch
+
+from service.engine.model.tiny import tokenizer_config
+from service.engine.tokenizer import Tokenizer
+from service.training.data import TOKENIZER_VOCAB_SIZE, train_tokenizer
+from service.training.train import MODEL_OVERRIDES, TrainConfig, heldout_accuracy, train
+
+DATA_RECIPE = ("service/evals/tasks.py generators, train split (addition/comparison operand pairs with "
+               "heldout(a, b) excluded); step i's batch from random.Random(f'{seed}/{i}'); loss on replies only")
+
+
+def write_folder(out: str, model: Any, tokenizer_json: Any, manifest: dict[str, Any]) -> None:
+    os.makedirs(out, exist_ok=True)
+    model.to("cpu").save_pretrained(out, safe_serialization=True)
+    tokenizer_json.save(os.path.join(out, "tokenizer.json"))
+    cfg = model.config
+    generation = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
+                  "pad_token_id": cfg.pad_token_id}
+    for name, payload in (("tokenizer_config.json", tokenizer_config(tokenizer_json)),
+                          ("generation_config.json", generation), ("manifest.json", manifest)):
+        with open(os.path.join(out, name), "w", encoding="utf-8") as f:
+            json.dump(payload, f, indent=2, ensure_ascii=False)
+            f.write("\n")
+
+
+def run(out: str, cfg: TrainConfig, device: str, data_workers: int, threads: int) -> dict[str, Any]:
+    torch.set_num_threads(threads)
+    hf_tokenizer = train_tokenizer()
+    tokenizer = Tokenizer(hf_tokenizer, tokenizer_config(hf_tokenizer))
+    start = time.monotonic()
+    model, losses = train(cfg, tokenizer, device, data_workers)
+    train_s = time.monotonic() - start
+    accuracy = heldout_accuracy(model, tokenizer, cfg.eval_num, device)
+    manifest = {
+        "train_config": dataclasses.asdict(cfg), "model_overrides": MODEL_OVERRIDES,
+        "tokenizer": {"vocab_size": tokenizer.vocab_size, "bpe_target_vocab": TOKENIZER_VOCAB_SIZE},
+        "data_recipe": DATA_RECIPE, "final_loss": losses,
+        "heldout_greedy_accuracy": {"num_per_task": cfg.eval_num, "eval_seed": 0, "by_task": accuracy,
+                                    "method": "teacher-forced: every reply token is the argmax"},
+        "train_wall_s": round(train_s, 1), "device": device if device == "cpu" else torch.cuda.get_device_name(),
+        "threads": threads, "torch": torch.__version__, "python": platform.python_version(),
+    }
+    write_folder(out, model, hf_tokenizer, manifest)
+    return manifest
+
+
+def _run_cli(args: argparse.Namespace) -> int:
+    cfg = TrainConfig(seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr)
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    manifest = run(args.out, cfg, device, args.data_workers, args.threads)
+    print(json.dumps({"out": args.out, "final_loss": manifest["final_loss"],
+                      "accuracy": manifest["heldout_greedy_accuracy"]["by_task"],
+                      "train_wall_s": manifest["train_wall_s"]}))
+    return 0
+
+
+def add_cli(subparsers: Any) -> None:
+    """Register `train-tiny-model OUT [--steps N --batch-size B --lr X --seed S --device D]`."""
+    d = TrainConfig()
+    p = subparsers.add_parser("train-tiny-model", help="train the tiny NemotronH on the synthetic tasks")
+    p.add_argument("out", metavar="OUT", help="output checkpoint folder (created if missing)")
+    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (one task's batch each)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak AdamW learning rate")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the initial weights and the data")
+    p.add_argument("--device", default="auto", help="torch device: auto (cuda if available), cpu, cuda")
+    p.add_argument("--data-workers", type=int, default=1, help="processes that build batches ahead")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    p.set_defaults(func=_run_cli)

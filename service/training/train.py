@@ -1,0 +1,156 @@
+"""`hybrid-serve train-tiny-model OUT`: train the embedded tiny NemotronH on the synthetic tasks.
+
+The model is transformers' `NemotronHForCausalLM` (its pure-torch Mamba-2 path is differentiable; our engine
+loads what it saves). One step = one batch of a single task (drawn by `TrainConfig.mix`), right-padded, loss on
+the assistant replies only; AdamW with warm-up and cosine decay. Reproducible: torch's generator seeds the
+initial weights and step i's batch comes from `random.Random(f"{seed}/{i}")` alone (whatever the number of data
+workers). Greedy accuracy is measured teacher-forced: a reply counts as correct when the argmax at every reply
+position is the reply's next token, which is exactly when greedy decoding would write that reply.
+"""
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from service.engine.model.tiny import tiny_config
+from service.engine.tokenizer import Tokenizer
+from service.evals.tasks import GENERATORS, Example, make_examples
+from service.training.data import Batch, make_batch
+
+# Every layer kind (Mamba-2, attention, latent MoE); ~0.8M parameters, ~3 MB in fp32.
+MODEL_OVERRIDES: dict[str, Any] = dict(
+    hidden_size=128, hybrid_override_pattern="ME*ME*ME", mamba_num_heads=8, mamba_head_dim=16, n_groups=2,
+    ssm_state_size=16, chunk_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=128, moe_latent_size=64,
+    moe_shared_expert_intermediate_size=128, initializer_range=0.02, time_step_limit=[0.0, 1e9],
+    time_step_min=0.001, time_step_max=0.1, max_position_embeddings=4096,
+)
+EVAL_TASKS = ("addition", "comparison", "recall", "state", "tool")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    seed: int = 0
+    steps: int = 4000
+    batch_size: int = 32                       # sequences per step (one task per step)
+    lr: float = 2e-3                           # peak AdamW learning rate
+    warmup_steps: int = 200
+    weight_decay: float = 0.01
+    # task -> share of steps; `multi_turn_share` of recall/state batches ask a second question after an answer
+    mix: dict[str, float] = field(default_factory=lambda: {
+        "addition": 0.3, "comparison": 0.08, "recall": 0.27, "state": 0.3, "tool": 0.05})
+    multi_turn_share: float = 0.2
+    eval_num: int = 200                        # held-out questions per task for the manifest's accuracy
+
+
+def build_model(tokenizer: Tokenizer, seed: int) -> Any:
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+    torch.manual_seed(seed)
+    hf_cfg = tiny_config(_SizesView(tokenizer), **MODEL_OVERRIDES)
+    hf_cfg = {k: v for k, v in hf_cfg.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    return NemotronHForCausalLM(NemotronHConfig(**hf_cfg))
+
+
+class _SizesView:
+    """`tiny_config` asks a `tokenizers.Tokenizer` for its size and special ids; this answers from ours."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tk = tokenizer
+
+    def get_vocab_size(self, with_added_tokens: bool = True) -> int:
+        return self._tk.vocab_size
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tk.token_to_id(token)
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def step_examples(cfg: TrainConfig, step: int) -> tuple[str, list[Example]]:
+    """Step `step`'s task and examples, a function of (seed, step) only."""
+    rng = random.Random(f"{cfg.seed}/{step}")
+    task = rng.choices(list(cfg.mix), weights=list(cfg.mix.values()))[0]
+    kw = {}
+    if task in ("recall", "state"):
+        kw["turns"] = 2 if rng.random() < cfg.multi_turn_share else 1
+    return task, [GENERATORS[task](rng, "train", **kw) for _ in range(cfg.batch_size)]
+
+
+class _Steps(torch.utils.data.IterableDataset):
+    """Batches for steps [0, steps), split round-robin over data workers and re-ordered by the loader."""
+
+    def __init__(self, cfg: TrainConfig, tokenizer: Tokenizer) -> None:
+        self.cfg, self.tokenizer = cfg, tokenizer
+
+    def __iter__(self) -> Iterator[tuple[int, str, Batch]]:
+        info = torch.utils.data.get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        pad_id = self.tokenizer.token_to_id("<|pad|>")
+        for step in range(wid, self.cfg.steps, nw):
+            task, examples = step_examples(self.cfg, step)
+            yield step, task, make_batch(self.tokenizer, examples, pad_id)
+
+
+def train(cfg: TrainConfig, tokenizer: Tokenizer, device: str = "cpu", data_workers: int = 0,
+          log: Callable[[str], None] = print) -> tuple[Any, dict[str, float]]:
+    """Returns (the trained model in eval mode, {task: mean loss over its steps in the last 10%})."""
+    model = build_model(tokenizer, cfg.seed).to(device)
+    model.train()
+    is_decayed = {n: p.dim() >= 2 and "embeddings" not in n for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW([
+        {"params": [p for n, p in model.named_parameters() if is_decayed[n]], "weight_decay": cfg.weight_decay},
+        {"params": [p for n, p in model.named_parameters() if not is_decayed[n]], "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(0.9, 0.98))
+    # the loader's workers interleave in order (in-order iteration), so step i always gets batch i
+    loader = torch.utils.data.DataLoader(_Steps(cfg, tokenizer), batch_size=None, num_workers=data_workers,
+                                         prefetch_factor=4 if data_workers else None)
+    recent: dict[str, list[float]] = {}
+    start = time.monotonic()
+    for step, task, batch in loader:
+        logits = model(input_ids=batch.input_ids.to(device)).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch.labels.to(device).flatten(),
+                                                 ignore_index=-100)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(cfg, step)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step >= 0.9 * cfg.steps:
+            recent.setdefault(task, []).append(loss.item())
+        if step % 100 == 0 or step == cfg.steps - 1:
+            log(f"step {step} {task} loss {loss.item():.4f} lr {lr_at(cfg, step):.2e} "
+                f"{time.monotonic() - start:.0f}s")
+    model.eval()
+    return model, {t: round(sum(v) / len(v), 5) for t, v in sorted(recent.items())}
+
+
+@torch.no_grad()
+def teacher_forced_accuracy(model: Any, tokenizer: Tokenizer, examples: list[Example], device: str = "cpu",
+                            batch_size: int = 50) -> float:
+    """Fraction of examples whose whole reply is the greedy continuation of their prompt."""
+    pad_id = tokenizer.token_to_id("<|pad|>")
+    correct = 0
+    for i in range(0, len(examples), batch_size):
+        batch = make_batch(tokenizer, examples[i: i + batch_size], pad_id)
+        pred = model(input_ids=batch.input_ids.to(device)).logits.argmax(-1).cpu()
+        mask = batch.labels != -100
+        correct += int(((pred == batch.labels) | ~mask).all(dim=1).sum())
+    return correct / len(examples)
+
+
+def heldout_accuracy(model: Any, tokenizer: Tokenizer, num: int, device: str = "cpu", seed: int = 0
+                     ) -> dict[str, float]:
+    """Teacher-forced greedy accuracy on `num` held-out questions of every task (eval split, `seed`)."""
+    return {task: teacher_forced_accuracy(model, tokenizer, make_examples(task, num, seed), device)
+            for task in EVAL_TASKS}
