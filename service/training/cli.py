@@ -10,6 +10,9 @@ import dataclasses
 import json
 import os
 import platform
+import signal
+import sys
+import threading
 import time
 from typing import Any
 
@@ -39,34 +42,48 @@ def write_folder(out: str, model: Any, tokenizer_json: Any, manifest: dict[str, 
 
 
 def run(out: str, cfg: TrainConfig, device: str, data_workers: int, threads: int) -> dict[str, Any]:
+    """Train (SIGTERM ends training early and still writes the folder), measure, write `out`."""
     torch.set_num_threads(threads)
     hf_tokenizer = train_tokenizer()
     tokenizer = Tokenizer(hf_tokenizer, tokenizer_config(hf_tokenizer))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     start = time.monotonic()
-    model, losses = train(cfg, tokenizer, device, data_workers)
+    result = train(cfg, tokenizer, device, data_workers, should_stop=stop.is_set)
     train_s = time.monotonic() - start
-    accuracy = heldout_accuracy(model, tokenizer, cfg.eval_num, device)
+    accuracy = heldout_accuracy(result.model, tokenizer, cfg.eval_num, device)
+    rerun = f"hybrid-serve train-tiny-model OUT --seed {cfg.seed} --steps {cfg.steps} --batch-size {cfg.batch_size} " \
+            f"--lr {cfg.lr}" + (f" --stop-at {result.steps_done}" if result.steps_done < cfg.steps else "")
     manifest = {
-        "train_config": dataclasses.asdict(cfg), "model_overrides": MODEL_OVERRIDES,
+        "train_config": dataclasses.asdict(cfg), "steps_done": result.steps_done, "reproduce": rerun,
+        "model_overrides": MODEL_OVERRIDES,
         "tokenizer": {"vocab_size": tokenizer.vocab_size, "bpe_target_vocab": TOKENIZER_VOCAB_SIZE},
-        "data_recipe": DATA_RECIPE, "final_loss": losses,
+        "data_recipe": DATA_RECIPE, "final_loss": result.final_loss,
         "heldout_greedy_accuracy": {"num_per_task": cfg.eval_num, "eval_seed": 0, "by_task": accuracy,
                                     "method": "teacher-forced: every reply token is the argmax"},
         "train_wall_s": round(train_s, 1), "device": device if device == "cpu" else torch.cuda.get_device_name(),
         "threads": threads, "torch": torch.__version__, "python": platform.python_version(),
     }
-    write_folder(out, model, hf_tokenizer, manifest)
+    write_folder(out, result.model, hf_tokenizer, manifest)
     return manifest
 
 
 def _run_cli(args: argparse.Namespace) -> int:
-    cfg = TrainConfig(seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr)
+    cfg = TrainConfig(seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr, stop_at=args.stop_at)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     manifest = run(args.out, cfg, device, args.data_workers, args.threads)
     print(json.dumps({"out": args.out, "final_loss": manifest["final_loss"],
                       "accuracy": manifest["heldout_greedy_accuracy"]["by_task"],
-                      "train_wall_s": manifest["train_wall_s"]}))
+                      "steps_done": manifest["steps_done"], "train_wall_s": manifest["train_wall_s"]}))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m service.training.cli OUT ...`: the subcommand without the other subcommands' imports."""
+    parser = argparse.ArgumentParser(prog="train-tiny-model")
+    add_cli(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["train-tiny-model", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
 
 
 def add_cli(subparsers: Any) -> None:
@@ -77,8 +94,13 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (one task's batch each)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step")
     p.add_argument("--lr", type=float, default=d.lr, help="peak AdamW learning rate")
+    p.add_argument("--stop-at", type=int, default=None, help="stop after N steps (the schedule spans --steps)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the initial weights and the data")
     p.add_argument("--device", default="auto", help="torch device: auto (cuda if available), cpu, cuda")
     p.add_argument("--data-workers", type=int, default=1, help="processes that build batches ahead")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.set_defaults(func=_run_cli)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -46,6 +46,7 @@ class TrainConfig:
         "addition": 0.3, "comparison": 0.08, "recall": 0.27, "state": 0.3, "tool": 0.05})
     multi_turn_share: float = 0.2
     eval_num: int = 200                        # held-out questions per task for the manifest's accuracy
+    stop_at: int | None = None                 # stop after this many steps (the schedule still spans `steps`)
 
 
 def build_model(tokenizer: Tokenizer, seed: int) -> Any:
@@ -101,9 +102,16 @@ class _Steps(torch.utils.data.IterableDataset):
             yield step, task, make_batch(self.tokenizer, examples, pad_id)
 
 
+@dataclass(frozen=True)
+class TrainResult:
+    model: Any                       # the trained transformers model, in eval mode
+    steps_done: int                  # optimizer steps taken (< cfg.steps if stopped early)
+    final_loss: dict[str, float]     # task -> mean loss over its steps in the last 10% of the steps taken
+
+
 def train(cfg: TrainConfig, tokenizer: Tokenizer, device: str = "cpu", data_workers: int = 0,
-          log: Callable[[str], None] = print) -> tuple[Any, dict[str, float]]:
-    """Returns (the trained model in eval mode, {task: mean loss over its steps in the last 10%})."""
+          should_stop: Callable[[], bool] = lambda: False, log: Callable[[str], None] = print) -> TrainResult:
+    """Train from scratch; stops early at `cfg.stop_at` steps or once `should_stop()` (checked every step)."""
     model = build_model(tokenizer, cfg.seed).to(device)
     model.train()
     is_decayed = {n: p.dim() >= 2 and "embeddings" not in n for n, p in model.named_parameters()}
@@ -114,9 +122,12 @@ def train(cfg: TrainConfig, tokenizer: Tokenizer, device: str = "cpu", data_work
     # the loader's workers interleave in order (in-order iteration), so step i always gets batch i
     loader = torch.utils.data.DataLoader(_Steps(cfg, tokenizer), batch_size=None, num_workers=data_workers,
                                          prefetch_factor=4 if data_workers else None)
-    recent: dict[str, list[float]] = {}
+    losses: list[tuple[str, float]] = []
     start = time.monotonic()
+    steps_done = 0
     for step, task, batch in loader:
+        if should_stop() or (cfg.stop_at is not None and step >= cfg.stop_at):
+            break
         logits = model(input_ids=batch.input_ids.to(device)).logits
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch.labels.to(device).flatten(),
                                                  ignore_index=-100)
@@ -126,13 +137,18 @@ def train(cfg: TrainConfig, tokenizer: Tokenizer, device: str = "cpu", data_work
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if step >= 0.9 * cfg.steps:
-            recent.setdefault(task, []).append(loss.item())
-        if step % 100 == 0 or step == cfg.steps - 1:
-            log(f"step {step} {task} loss {loss.item():.4f} lr {lr_at(cfg, step):.2e} "
-                f"{time.monotonic() - start:.0f}s")
+        steps_done = step + 1
+        if step % 50 == 0 or step == cfg.steps - 1:
+            losses.append((task, loss.item()))
+            log(f"step {step} {task} loss {losses[-1][1]:.4f} lr {lr_at(cfg, step):.2e} "
+                f"{time.monotonic() - start:.1f}s")
+        else:
+            losses.append((task, loss.detach()))
     model.eval()
-    return model, {t: round(sum(v) / len(v), 5) for t, v in sorted(recent.items())}
+    recent: dict[str, list[float]] = {}
+    for task, value in losses[int(0.9 * len(losses)):]:
+        recent.setdefault(task, []).append(float(value))
+    return TrainResult(model, steps_done, {t: round(sum(v) / len(v), 5) for t, v in sorted(recent.items())})
 
 
 @torch.no_grad()
