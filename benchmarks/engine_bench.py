@@ -306,6 +306,7 @@ def main() -> None:
     variants = [v for v in args.variants.split(",") if v]
     tp_variants = set(args.throughput_variants.split(","))
     base = dict(model_path=model_dir, device=args.device, dtype=args.dtype, page_size=args.page_size,
+                mamba_cache_strategy="off",
                 max_num_seqs=max(args.decode_batches + [args.tp_concurrency]),
                 max_num_batched_tokens=args.max_batched_tokens,
                 max_model_len=max(args.isl + [args.prompt_len + args.decode_steps, args.tp_isl + args.tp_osl]) + 64)

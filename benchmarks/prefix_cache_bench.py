@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     args = ap.parse_args()
     if args.model_path is None:
-        from service.engine.model.tiny import make_tiny_model
+        from service.testing.tiny import make_tiny_model
         args.model_path = make_tiny_model(tempfile.mkdtemp(prefix="hybrid-serve-bench-"))
     strategies = ["off", "extra_buffer"] + (["no_buffer"] if args.page_size == 1 else [])
     results, model = [], None

@@ -34,4 +34,4 @@ USER 1000
 WORKDIR /home/ray
 EXPOSE 8000 8265 6379 10001 8080
 ENTRYPOINT ["/usr/bin/tini", "--"]
-CMD ["hybrid-serve", "serve", "--model-path", "/opt/hybrid-serve/models/tiny", "--tp", "1", "--ep", "1", "--replicas", "2", "--page-size", "16", "--mamba-scheduler-strategy", "extra_buffer", "--reasoning-parser", "nemotron_3", "--tool-call-parser", "qwen3_coder", "--host", "0.0.0.0", "--port", "8000"]
+CMD ["hybrid-serve", "serve", "--model-path", "/opt/hybrid-serve/models/tiny", "--tp", "1", "--ep", "1", "--replicas", "2", "--page-size", "16", "--mamba-cache-strategy", "extra_buffer", "--reasoning-parser", "nemotron_3", "--tool-call-parser", "qwen3_coder", "--host", "0.0.0.0", "--port", "8000"]

@@ -43,4 +43,4 @@ WORKDIR /home/ray
 # serve (OpenAI API), Ray dashboard, GCS, Ray client, Ray metrics agent
 EXPOSE 8000 8265 6379 10001 8080
 ENTRYPOINT ["/usr/bin/tini", "--"]
-CMD ["hybrid-serve", "serve", "--model-path", "/models/model", "--tp", "1", "--ep", "1", "--replicas", "1", "--page-size", "64", "--mamba-scheduler-strategy", "extra_buffer", "--reasoning-parser", "nemotron_3", "--tool-call-parser", "qwen3_coder", "--host", "0.0.0.0", "--port", "8000"]
+CMD ["hybrid-serve", "serve", "--model-path", "/models/model", "--tp", "1", "--ep", "1", "--replicas", "1", "--page-size", "64", "--mamba-cache-strategy", "extra_buffer", "--reasoning-parser", "nemotron_3", "--tool-call-parser", "qwen3_coder", "--host", "0.0.0.0", "--port", "8000"]

@@ -7,7 +7,7 @@ import sys
 
 # subcommand -> "module:function" taking (argparse subparsers) and registering itself
 _SUBCOMMANDS = (
-    "service.engine.model.tiny:add_cli",          # make-tiny-model
+    "service.testing.tiny:add_cli",               # make-tiny-model
     "service.engine.generate_cli:add_cli",        # generate
     "service.deployments.serve_cli:add_cli",      # serve
     "service.training.cli:add_cli",               # train-tiny-model

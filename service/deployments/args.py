@@ -1,10 +1,16 @@
 """The one argument model of the Ray Serve app. The CLI builds it from flags, the Helm chart
-renders it into `serveConfigV2.applications[].args`; both validate against this class."""
+renders it into `serveConfigV2.applications[].args`; both validate against this class.
+
+`AppArgs` is `DeploymentArgs` (replicas, parsers, router, canary, ...) plus one field per
+`EngineConfig` setting, derived from the dataclass: engine settings are declared only there."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+
+from service.engine.config import EngineConfig
+from service.engine.settings import settings_of
 
 from service.deployments.limits import LimitArgs
 
@@ -25,27 +31,14 @@ class CanaryArgs(BaseModel):
     audit_sample_rate: float = Field(0.01, ge=0, le=1)  # fraction of real prefix hits recomputed cold
 
 
-class AppArgs(BaseModel):
-    """Arguments of `service.deployments.app:build_app`."""
+class DeploymentArgs(BaseModel):
+    """The Serve app's own arguments; `AppArgs` adds every `EngineConfig` setting to these."""
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
-    model_path: str
     served_model_name: str | None = None           # default: basename of model_path
     replicas: int = Field(1, ge=1)                 # engine replicas (fixed count unless autoscaling set)
     min_replicas: int | None = Field(None, ge=1)   # autoscaling lower bound
     max_replicas: int | None = Field(None, ge=1)   # autoscaling upper bound
     target_ongoing_requests: float = Field(32.0, gt=0)
-    tp: int = Field(1, ge=1)                       # tensor-parallel GPUs per replica
-    ep: int = Field(1, ge=1)                       # expert-parallel GPUs per replica
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    kernel_backend: Literal["torch", "triton"] = "torch"
-    page_size: int = Field(16, ge=1)
-    mamba_cache_strategy: Literal["off", "no_buffer", "extra_buffer"] = "extra_buffer"
-    max_num_seqs: int = Field(64, ge=1)
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    max_model_len: int | None = Field(None, ge=1)
-    max_mamba_snapshots: int | None = Field(None, ge=1)
-    num_kv_pages: int | None = Field(None, ge=1)
     reasoning_parser: Literal["nemotron_3"] | None = None
     tool_call_parser: Literal["qwen3_coder"] | None = None
     router: RouterArgs = Field(default_factory=RouterArgs)
@@ -59,13 +52,30 @@ class AppArgs(BaseModel):
     limits: LimitArgs = Field(default_factory=LimitArgs)
 
     @model_validator(mode="after")
-    def _check(self) -> "AppArgs":
-        if self.mamba_cache_strategy == "no_buffer" and self.page_size != 1:
-            raise ValueError("mamba_cache_strategy=no_buffer needs page_size=1")
+    def _check(self) -> "DeploymentArgs":
+        self.engine_config().validate()
         if self.min_replicas is not None and self.max_replicas is not None and self.min_replicas > self.max_replicas:
             raise ValueError("min_replicas must be <= max_replicas")
         return self
 
+    def engine_config(self) -> EngineConfig:
+        """The engine settings of these arguments (device "auto" is resolved by the engine on its replica)."""
+        return EngineConfig(**{s.name: getattr(self, s.name) for s in settings_of(EngineConfig)})
+
     @property
     def gpus_per_replica(self) -> int:
         return self.tp * self.ep if self.device != "cpu" else 0
+
+
+def _engine_fields() -> dict[str, Any]:
+    """Pydantic field definitions of the `EngineConfig` settings (checks: `EngineConfig.validate`)."""
+    out: dict[str, Any] = {}
+    for s in settings_of(EngineConfig):
+        annotation = s.type | None if s.optional else s.type
+        default = ... if s.required else s.default
+        out[s.name] = (annotation, Field(default, description=s.help))
+    return out
+
+
+AppArgs = create_model("AppArgs", __base__=DeploymentArgs, __module__=__name__, **_engine_fields())
+AppArgs.__doc__ = "Arguments of `service.deployments.app:build_app`: DeploymentArgs plus every EngineConfig setting."

@@ -25,7 +25,7 @@ from ray import serve
 
 from service.deployments.args import AppArgs
 from service.deployments.metrics import CanaryMetrics, EngineMetrics
-from service.engine import AsyncEngine, EngineConfig, SamplingParams
+from service.engine import AsyncEngine, SamplingParams
 from service.engine.canary import CanaryCheck, audit_hit, pinned_canary, pinned_prompts
 
 logger = logging.getLogger("ray.serve")
@@ -49,20 +49,6 @@ class GenerateChunk:
     error: str | None = None                            # set (alone) when the engine refused the request
 
 
-def engine_config_from_args(args: AppArgs) -> EngineConfig:
-    """The engine's configuration for one replica of this app."""
-    device = args.device
-    if device == "auto":
-        import torch  # noqa: PLC0415  (only the replica process decides its device)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return EngineConfig(
-        model_path=args.model_path, device=device, dtype=args.dtype, page_size=args.page_size,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, kernel_backend=args.kernel_backend,
-        mamba_cache_strategy=args.mamba_cache_strategy, max_mamba_snapshots=args.max_mamba_snapshots,
-        num_kv_pages=args.num_kv_pages, tp=args.tp, ep=args.ep)
-
-
 def _delta_chunk(out: Any, sent_tokens: int, sent_text: str, num_prompt_tokens: int) -> GenerateChunk:
     """The part of a cumulative RequestOutput beyond what was already sent."""
     new_text = out.text[len(sent_text):] if out.text.startswith(sent_text) else ""
@@ -83,7 +69,7 @@ class EngineDeployment:
 
     def __init__(self, app_args: dict[str, Any]):
         self._args = AppArgs.model_validate(app_args)
-        self._engine = AsyncEngine(engine_config_from_args(self._args))
+        self._engine = AsyncEngine(self._args.engine_config())
         self._metrics = EngineMetrics()
         self._canary_metrics = CanaryMetrics()
         self._report_seq = 0

@@ -1,5 +1,6 @@
 """`hybrid-serve serve`: start (or join) Ray, run the app, print how to call it, block until Ctrl-C,
-then drain and shut down. Flag names follow SGLang where one exists."""
+then drain and shut down. The engine flags are `EngineConfig`'s settings (one flag per field, named
+after it); the rest are the app's deployment arguments."""
 from __future__ import annotations
 
 import argparse
@@ -10,37 +11,21 @@ from typing import Any
 
 from service.deployments.args import AppArgs
 from service.deployments.limits import LimitArgs
+from service.engine.config import EngineConfig
+from service.engine.settings import add_setting_arguments, settings_from_namespace
 
-# CLI flag dest -> AppArgs field (flags left unset keep AppArgs' defaults)
-_ARG_FIELDS = {
-    "model_path": "model_path", "served_model_name": "served_model_name", "tp": "tp", "ep": "ep",
-    "replicas": "replicas", "page_size": "page_size", "mamba_scheduler_strategy": "mamba_cache_strategy",
-    "reasoning_parser": "reasoning_parser", "tool_call_parser": "tool_call_parser",
-    "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
-    "max_model_len": "max_model_len", "kernel_backend": "kernel_backend", "device": "device", "dtype": "dtype",
-}
 APP_NAME = "hybrid-serve"
+_DEPLOYMENT_FLAGS = ("served_model_name", "replicas", "reasoning_parser", "tool_call_parser")  # -> AppArgs
 
 
 def add_cli(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", help="serve a model behind an OpenAI-compatible endpoint (Ray Serve)",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model-path", required=True, help="folder with config.json, weights and tokenizer")
+    add_setting_arguments(p, EngineConfig, "engine settings (EngineConfig)")
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: folder name)")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel GPUs per replica")
-    p.add_argument("--ep", type=int, default=None, help="expert-parallel GPUs per replica")
     p.add_argument("--replicas", type=int, default=None, help="engine replicas")
-    p.add_argument("--page-size", type=int, default=None, help="tokens per KV page")
-    p.add_argument("--mamba-scheduler-strategy", choices=("off", "no_buffer", "extra_buffer"), default=None,
-                   help="mamba prefix-cache strategy")
     p.add_argument("--reasoning-parser", choices=("nemotron_3",), default=None)
     p.add_argument("--tool-call-parser", choices=("qwen3_coder",), default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None, help="running requests per replica at most")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per engine step")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--kernel-backend", choices=("torch", "triton"), default=None)
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None)
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=None)
     p.add_argument("--router", choices=("prefix_aware", "default"), default="prefix_aware",
                    help="request router of the engine deployment")
     p.add_argument("--api-keys-file", default=None, help=AppArgs.model_fields["api_keys_file"].description)
@@ -55,8 +40,9 @@ def add_cli(subparsers: Any) -> None:
 
 
 def app_args_from_cli(ns: argparse.Namespace) -> dict[str, Any]:
-    """The `AppArgs` dict for these flags (unset flags omitted)."""
-    args = {field: getattr(ns, dest) for dest, field in _ARG_FIELDS.items() if getattr(ns, dest) is not None}
+    """The `AppArgs` dict for these flags (unset flags omitted, so AppArgs' and EngineConfig's defaults apply)."""
+    args = settings_from_namespace(ns, EngineConfig)
+    args.update({name: getattr(ns, name) for name in _DEPLOYMENT_FLAGS if getattr(ns, name) is not None})
     args["router"] = {"kind": ns.router}
     if ns.api_keys_file is not None:
         args["api_keys_file"] = ns.api_keys_file

@@ -1,4 +1,5 @@
-"""Frozen configuration dataclasses: the parsed HF NemotronH config and the engine's own knobs.
+"""Frozen configuration dataclasses: the parsed HF NemotronH config (`ModelConfig`) and the engine's
+settings (`EngineConfig`, the one place an engine setting is declared).
 
 `ModelConfig.from_hf_dict` accepts both layer encodings (`hybrid_override_pattern` string and
 `layers_block_type` list) and the legacy `mamba_*` aliases; inconsistent configs raise
@@ -9,8 +10,12 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+import torch
+
+from service.engine.settings import check_settings
 
 # Layer-type letters used everywhere inside the engine.
 MAMBA, ATTENTION, MOE, MLP = "M", "*", "E", "-"
@@ -307,49 +312,64 @@ class ModelConfig:
 
 KERNEL_BACKENDS = ("torch", "triton")
 CACHE_STRATEGIES = ("off", "no_buffer", "extra_buffer")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def setting(default: Any, help: str, **checks: Any) -> Any:  # noqa: A002  (the metadata key is "help")
+    """A settings field: its default, one line of help and the checks of service/engine/settings.py."""
+    return field(default=default, metadata={"help": help, **checks})
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine needs; `Engine(EngineConfig(model_path=...))`."""
-    model_path: str
-    device: str = "cpu"                      # "cpu" | "cuda" | "cuda:N"
-    dtype: str = "auto"                      # "auto" (checkpoint's, fp32 on cpu) | float32 | bfloat16 | float16
-    page_size: int = 16                      # tokens per KV page
-    max_num_seqs: int = 64                   # running requests at most
-    max_num_batched_tokens: int = 2048       # token budget per step
-    max_model_len: int | None = None         # default: max_position_embeddings
-    kernel_backend: str = "torch"            # "torch" | "triton"
-    mamba_cache_strategy: str = "off"        # "off" | "no_buffer" | "extra_buffer"
-    num_kv_pages: int | None = None          # KV pool size in pages; default sized from max_num_seqs
-    num_mamba_slots: int | None = None       # live slots; default max_num_seqs
-    max_mamba_snapshots: int | None = None   # snapshot slots for the prefix cache; default 2 * max_num_seqs
-    mamba_track_interval: int | None = None  # decode snapshot interval (multiple of the grid); None: off
-    seed: int = 0
-    debug_integrity: bool = False            # check_integrity() after every step
-    cuda_graphs: bool = True                 # replay captured decode-only steps (CUDA + triton kernels; else ignored)
-    async_scheduling: bool = True            # launch the next plain decode step before reading this one's tokens
-    tp: int = 1
-    ep: int = 1
-    extra: dict[str, Any] = field(default_factory=dict)
+    """Every engine setting, declared once: `Engine(EngineConfig(model_path=...))`.
+
+    Each field's metadata (help, choices, min, pattern, aliases) feeds the `serve` and `generate`
+    flags, the Serve app's arguments and the Helm chart's values schema (service/engine/settings.py).
+    """
+    model_path: str = field(metadata={"help": "folder with config.json, safetensors weights and tokenizer"})
+    device: str = setting("auto", "auto (cuda when a GPU is visible, else cpu), cpu, cuda or cuda:N",
+                          pattern=r"auto|cpu|cuda(:[0-9]+)?")
+    dtype: str = setting("auto", "weight/activation dtype; auto: the checkpoint's on CUDA, float32 on CPU",
+                         choices=DTYPES)
+    kernel_backend: str | None = setting(None, "kernels: torch or triton; default: triton on CUDA, torch on CPU",
+                                         choices=KERNEL_BACKENDS)
+    page_size: int = setting(16, "tokens per KV-cache page", min=1)
+    max_num_seqs: int = setting(64, "running requests at most", min=1)
+    max_num_batched_tokens: int = setting(2048, "token budget of one engine step", min=1)
+    max_model_len: int | None = setting(None, "context length in tokens; default: the model's "
+                                        "max_position_embeddings", min=1)
+    mamba_cache_strategy: str = setting(
+        "extra_buffer", "hybrid prefix cache: off, no_buffer (needs page_size 1) or extra_buffer",
+        choices=CACHE_STRATEGIES, aliases=("--mamba-scheduler-strategy",))
+    num_kv_pages: int | None = setting(None, "KV pool size in pages; default: sized from max_num_seqs", min=1)
+    num_mamba_slots: int | None = setting(None, "live Mamba state slots; default: max_num_seqs", min=1)
+    max_mamba_snapshots: int | None = setting(None, "Mamba snapshot slots of the prefix cache; "
+                                              "default: 2 x max_num_seqs", min=0)
+    mamba_track_interval: int | None = setting(None, "tokens between decode-time snapshots (a multiple of the "
+                                               "snapshot grid); default: none", min=1)
+    seed: int = setting(0, "seed of the engine's sampler (a request's own seed takes precedence)")
+    debug_integrity: bool = setting(False, "check the cache and pool invariants after every step (slow)")
+    cuda_graphs: bool = setting(True, "replay captured decode-only steps (CUDA with triton kernels; "
+                                "ignored otherwise)")
+    async_scheduling: bool = setting(True, "launch the next plain decode step before reading this one's tokens")
+    tp: int = setting(1, "tensor-parallel GPUs per replica", min=1)
+    ep: int = setting(1, "expert-parallel GPUs per replica", min=1)
+
+    def resolved(self) -> "EngineConfig":
+        """This config with device "auto" and an unset kernel_backend replaced by what this machine runs."""
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        backend = self.kernel_backend or ("triton" if device.startswith("cuda") else "torch")
+        return replace(self, device=device, kernel_backend=backend)
 
     def validate(self) -> None:
-        if self.kernel_backend not in KERNEL_BACKENDS:
-            raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
-        if self.mamba_cache_strategy not in CACHE_STRATEGIES:
-            raise ValueError(f"mamba_cache_strategy must be one of {CACHE_STRATEGIES}, "
-                             f"got {self.mamba_cache_strategy!r}")
+        """ValueError naming the setting to change; the per-field checks come from the field declarations."""
+        check_settings(self)
         if self.mamba_cache_strategy == "no_buffer" and self.page_size != 1:
             raise ValueError(f"mamba_cache_strategy='no_buffer' needs page_size=1 (got page_size={self.page_size}); "
                              "use 'extra_buffer' for larger pages")
-        if self.mamba_cache_strategy != "off" and self.max_mamba_snapshots is not None and self.max_mamba_snapshots < 1:
+        if self.mamba_cache_strategy != "off" and self.max_mamba_snapshots == 0:
             raise ValueError(f"max_mamba_snapshots must be >= 1 with mamba_cache_strategy="
-                             f"{self.mamba_cache_strategy!r} (got {self.max_mamba_snapshots}); use 'off' to disable caching")
-        if self.tp != 1 or self.ep != 1:
-            raise ValueError(f"tp={self.tp}, ep={self.ep}: tensor/expert parallelism inside one engine is not "
-                             "implemented yet; use tp=1, ep=1 and scale out with replicas")
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+                             f"{self.mamba_cache_strategy!r} (got 0); use 'off' to disable caching")

@@ -23,7 +23,11 @@ MAX_CAPTURED_REQUESTS = 64   # state copies kept for capture_states requests unt
 
 class Engine:
     def __init__(self, config: EngineConfig, model=None):
+        config = config.resolved()
         config.validate()
+        if config.tp != 1 or config.ep != 1:
+            raise ValueError(f"tp={config.tp}, ep={config.ep}: tensor/expert parallelism inside one engine is not "
+                             "implemented yet; use tp=1, ep=1 and scale out with replicas")
         self.config = config
         self.model_config = ModelConfig.from_model_path(config.model_path)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings

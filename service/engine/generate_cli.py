@@ -7,36 +7,33 @@ import logging
 import time
 
 
+from service.engine.config import EngineConfig
+from service.engine.settings import add_setting_arguments, settings_from_namespace
+
+
 def add_cli(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text offline with the engine")
-    p.add_argument("--model-path", required=True)
+    add_setting_arguments(p, EngineConfig, "engine settings (EngineConfig)")
     p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--sampling-seed", type=int, default=None, help="seed of every prompt's sampling")
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn with the chat template")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--kernel-backend", default="torch", choices=["torch", "triton"])
-    p.add_argument("--mamba-scheduler-strategy", default="extra_buffer", choices=["off", "no_buffer", "extra_buffer"])
     p.add_argument("--json", action="store_true", help="print one JSON object per output")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from service.engine import Engine, EngineConfig, SamplingParams
+    from service.engine import Engine, SamplingParams
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    engine = Engine(EngineConfig(model_path=args.model_path, device=args.device, dtype=args.dtype,
-                                 page_size=args.page_size, kernel_backend=args.kernel_backend,
-                                 mamba_cache_strategy=args.mamba_scheduler_strategy))
+    engine = Engine(EngineConfig(**settings_from_namespace(args, EngineConfig)))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop),
+                            top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=tuple(args.stop),
                             ignore_eos=args.ignore_eos)
     prompts = args.prompt
     if args.chat:

@@ -21,7 +21,7 @@ from serve_testkit import (
 
 from loadtests.workloads import shared_prefix_workload
 from service.deployments.app import build_app
-from service.engine.model.tiny import make_tiny_model
+from service.testing.tiny import make_tiny_model
 
 REQUEST_TIMEOUT_S = 60.0
 

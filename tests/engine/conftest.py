@@ -23,5 +23,5 @@ def mixed_ckpt(hf_checkpoints) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
-    from service.engine.model.tiny import make_tiny_model
+    from service.testing.tiny import make_tiny_model
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny")))

@@ -10,7 +10,8 @@ from service.engine.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
 
 def make_engine(path: str, **kw) -> Engine:
-    base = dict(model_path=path, page_size=4, max_num_seqs=8, max_num_batched_tokens=256, debug_integrity=True)
+    base = dict(model_path=path, device="cpu", mamba_cache_strategy="off", page_size=4, max_num_seqs=8,
+                max_num_batched_tokens=256, debug_integrity=True)
     base.update(kw)
     return Engine(EngineConfig(**base))
 

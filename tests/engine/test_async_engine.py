@@ -11,7 +11,7 @@ from service.engine import AsyncEngine, EngineConfig
 
 @pytest.fixture()
 def async_engine(mixed_ckpt):
-    engine = AsyncEngine(EngineConfig(model_path=mixed_ckpt, page_size=4, mamba_cache_strategy="extra_buffer"))
+    engine = AsyncEngine(EngineConfig(model_path=mixed_ckpt, device="cpu", page_size=4, mamba_cache_strategy="extra_buffer"))
     yield engine
     asyncio.run(engine.shutdown(drain_timeout_s=1))
 

@@ -136,7 +136,8 @@ def test_async_graph_replays_equal_sync(tiny_model_dir):
     stop, sample with seeds, ask for logprobs, and one that arrives while the pipeline runs."""
     def run(async_scheduling: bool):
         eng = Engine(EngineConfig(model_path=tiny_model_dir, device="cuda", kernel_backend="triton",
-                                  dtype="float32", page_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+                                  dtype="float32", mamba_cache_strategy="off", page_size=4, max_num_seqs=8,
+                                  max_num_batched_tokens=64,
                                   async_scheduling=async_scheduling))
         prompts = [random_ids(n, 60 + n, eng.model_config.vocab_size) for n in (5, 17, 9, 33, 12, 3)]
         probe = eng.generate([prompts[3]], greedy(10))[0].token_ids

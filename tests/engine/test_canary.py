@@ -14,7 +14,7 @@ from service.engine.canary import audit_hit, pinned_canary, pinned_prompts
 
 def _with_engine(path, fn):
     async def main():
-        engine = AsyncEngine(EngineConfig(model_path=path, page_size=4, mamba_cache_strategy="extra_buffer"))
+        engine = AsyncEngine(EngineConfig(model_path=path, device="cpu", page_size=4, mamba_cache_strategy="extra_buffer"))
         try:
             return await fn(engine)
         finally:

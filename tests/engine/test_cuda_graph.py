@@ -41,7 +41,7 @@ def test_layer_segments_cover_every_layer_once():
 def test_segmented_forward_equals_forward(tiny_model_dir):
     """The graph runner captures embed -> run_layers per segment -> logits: on real decode inputs the pieces give
     exactly the model's forward (CPU, fp32, state pools restored between the two runs)."""
-    eng = Engine(EngineConfig(model_path=tiny_model_dir, device="cpu", page_size=4, max_num_seqs=4))
+    eng = Engine(EngineConfig(model_path=tiny_model_dir, device="cpu", mamba_cache_strategy="off", page_size=4, max_num_seqs=4))
     eng.generate([[5, 6, 7, 8, 9, 10], [11, 12, 13]], SamplingParams(max_tokens=2, temperature=0.0,
                                                                          ignore_eos=True))
     ids = [eng.add_request(p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
@@ -104,7 +104,7 @@ def _assert_same(eager, graphed, logprob_tol: float) -> None:
 @needs_cuda
 def test_graph_decode_equals_eager_tiny(tiny_model_dir):
     """5 requests of different lengths (bucket 8 with 3 padding rows, then smaller buckets as they finish)."""
-    lens, cfg = (35, 7, 16, 33, 64), dict(dtype="float32", page_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    lens, cfg = (35, 7, 16, 33, 64), dict(dtype="float32", mamba_cache_strategy="off", page_size=4, max_num_seqs=8, max_num_batched_tokens=64)
     eager, n0 = _generate(tiny_model_dir, False, lens, 20, **cfg)
     graphed, n1 = _generate(tiny_model_dir, True, lens, 20, **cfg)
     assert n0 == 0 and n1 >= 15, n1
@@ -122,7 +122,7 @@ def test_graph_decode_equals_eager_nano_slice(tmp_path):
     config.update(hybrid_override_pattern="M*E", num_hidden_layers=3)
     with open(tmp_path / "config.json", "w", encoding="utf-8") as f:
         json.dump(config, f)
-    cfg = dict(dtype="float32", page_size=16, max_num_seqs=4, max_num_batched_tokens=512, max_model_len=512)
+    cfg = dict(dtype="float32", mamba_cache_strategy="off", page_size=16, max_num_seqs=4, max_num_batched_tokens=512, max_model_len=512)
     model_cfg = ModelConfig.from_model_path(str(tmp_path))
     model = build_random_model(EngineConfig(model_path=str(tmp_path), device="cuda", kernel_backend="triton", **cfg),
                                model_cfg, torch.float32, seed=0)
@@ -157,7 +157,7 @@ def test_mixed_steps_split_equals_eager_tiny(tiny_model_dir):
     """Mixed steps (long prompts prefilled in chunks, new prompts arriving while others decode) run their plain
     decode rows from a graph and the rest eagerly: same greedy tokens (logprobs within 1e-3) as all-eager."""
     waves = ((6, 150), (9, 3, 200), (40,), (120, 5))
-    cfg = dict(dtype="float32", page_size=4, max_num_seqs=8, max_num_batched_tokens=48)
+    cfg = dict(dtype="float32", mamba_cache_strategy="off", page_size=4, max_num_seqs=8, max_num_batched_tokens=48)
     eager, r0 = _generate_staggered(tiny_model_dir, False, waves, 24, **cfg)
     graphed, r1 = _generate_staggered(tiny_model_dir, True, waves, 24, **cfg)
     assert r0.num_split_steps == 0 and r1.num_split_steps >= 5, r1.num_split_steps

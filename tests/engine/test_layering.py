@@ -5,7 +5,8 @@ import ast
 import pathlib
 
 ENGINE = pathlib.Path(__file__).resolve().parents[2] / "service" / "engine"
-FORBIDDEN_EVERYWHERE = ("ray", "fastapi", "starlette", "prometheus_client", "service.deployments", "service.openai")
+FORBIDDEN_EVERYWHERE = ("ray", "fastapi", "starlette", "prometheus_client", "service.deployments", "service.openai",
+                        "service.testing")
 RULES = {  # folder -> imported packages it must not use
     "kernels": ("service.engine.layers", "service.engine.model", "service.engine.runner", "service.engine.scheduler",
                 "service.engine.cache", "service.engine.engine", "service.engine.config"),

@@ -24,7 +24,8 @@ def models(hf_checkpoints):
 
 @pytest.fixture(scope="module")
 def off_engines(models):
-    return {c: Engine(EngineConfig(model_path=p, page_size=4, max_num_batched_tokens=4096), model=m)
+    return {c: Engine(EngineConfig(model_path=p, device="cpu", mamba_cache_strategy="off", page_size=4,
+                                       max_num_batched_tokens=4096), model=m)
             for c, (p, m) in models.items()}
 
 
@@ -49,7 +50,7 @@ def test_cache_equals_no_cache(models, off_engines, w):
     path, model = models[w["chunk"]]
     page = 1 if w["strategy"] == "no_buffer" else w["page"]
     kv_pages = None if w["kv_pages"] is None else w["kv_pages"] * 16 // page
-    engine = Engine(EngineConfig(model_path=path, page_size=page, mamba_cache_strategy=w["strategy"],
+    engine = Engine(EngineConfig(model_path=path, device="cpu", page_size=page, mamba_cache_strategy=w["strategy"],
                                  max_num_batched_tokens=w["budget"], max_num_seqs=w["max_seqs"],
                                  num_kv_pages=kv_pages, max_mamba_snapshots=w["snapshots"],
                                  debug_integrity=True), model=model)

@@ -14,7 +14,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from service.engine.model import tiny
+from service.testing import tiny
 from service.engine.tokenizer import Tokenizer
 
 transformers.logging.set_verbosity_error()

@@ -6,7 +6,7 @@ import json
 import pytest
 import transformers
 
-from service.engine.model.tiny import SPECIAL_TOKENS, make_tiny_model
+from service.testing.tiny import SPECIAL_TOKENS, make_tiny_model
 from service.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = [

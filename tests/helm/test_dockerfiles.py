@@ -19,7 +19,7 @@ from service.deployments.args import AppArgs
 
 DOCKERFILES = {"gpu": REPO / "dockerfiles" / "gpu.Dockerfile", "cpu-demo": REPO / "dockerfiles" / "cpu-demo.Dockerfile"}
 # `hybrid-serve serve` flags the images may use (the serving contract).
-SERVE_FLAGS = {"--model-path", "--tp", "--ep", "--replicas", "--page-size", "--mamba-scheduler-strategy",
+SERVE_FLAGS = {"--model-path", "--tp", "--ep", "--replicas", "--page-size", "--mamba-cache-strategy",
                "--reasoning-parser", "--tool-call-parser", "--host", "--port"}
 
 
@@ -117,7 +117,7 @@ def test_cmd_uses_real_serve_flags(name):
     assert flags["--host"] == "0.0.0.0" and int(flags["--port"]) in image.exposed
     AppArgs(model_path=flags["--model-path"], tp=int(flags["--tp"]), ep=int(flags["--ep"]),
             replicas=int(flags["--replicas"]), page_size=int(flags["--page-size"]),
-            mamba_cache_strategy=flags["--mamba-scheduler-strategy"])
+            mamba_cache_strategy=flags["--mamba-cache-strategy"])
 
 
 @pytest.mark.parametrize("name", sorted(DOCKERFILES))

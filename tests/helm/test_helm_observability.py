@@ -66,7 +66,7 @@ def test_alert_expressions_reference_exported_metrics(manifests, config):
     values = load_values(config)
     names = {r["alert"] for r in rules}
     expected = set(REQUIRED_ALERTS)
-    if values["engine"]["cacheStrategy"] == "off":
+    if values["engine"]["mambaCacheStrategy"] == "off":
         expected.discard("HybridServePrefixHitsFlat")
     if not values["canary"]["enabled"]:
         expected.discard("HybridServeCanaryMismatch")
@@ -82,7 +82,7 @@ def test_alert_expressions_reference_exported_metrics(manifests, config):
 
 
 def test_alerts_follow_cache_and_canary_settings(manifests):
-    names = {r["alert"] for r in alert_rules(manifests("default", "--set", "engine.cacheStrategy=off",
+    names = {r["alert"] for r in alert_rules(manifests("default", "--set", "engine.mambaCacheStrategy=off",
                                                        "--set", "canary.enabled=false"))}
     assert "HybridServePrefixHitsFlat" not in names and "HybridServeCanaryMismatch" not in names
     assert "HybridServeTTFTHigh" in names

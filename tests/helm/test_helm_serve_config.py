@@ -52,7 +52,7 @@ def test_app_args_validate_and_carry_the_values(manifests, config):
     engine = values["engine"]
     assert args.model_path == values["model"]["path"]
     assert (args.tp, args.ep, args.replicas, args.page_size) == (engine["tp"], engine["ep"], engine["replicas"], engine["pageSize"])
-    assert (args.mamba_cache_strategy, args.device, args.kernel_backend) == (engine["cacheStrategy"], engine["device"], engine["kernelBackend"])
+    assert (args.mamba_cache_strategy, args.device, args.kernel_backend) == (engine["mambaCacheStrategy"], engine["device"], engine["kernelBackend"])
     assert args.reasoning_parser == (engine["reasoningParser"] or None)
     assert args.tool_call_parser == (engine["toolCallParser"] or None)
     assert args.served_model_name == (values["model"]["servedModelName"] or None)

@@ -14,8 +14,8 @@ BAD_VALUES: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
     (("engine.replicas=-2",), ("/engine/replicas", "got -2")),
     (("engine.tp=3",), ("engine.tp=3", "model.mambaGroups=8")),
     (("engine.tp=16",), ("engine.tp=16", "model.mambaGroups=8")),
-    (("engine.cacheStrategy=bogus",), ("/engine/cacheStrategy", "'bogus'")),
-    (("engine.cacheStrategy=no_buffer",), ("engine.cacheStrategy=no_buffer", "engine.pageSize=64")),
+    (("engine.mambaCacheStrategy=bogus",), ("/engine/mambaCacheStrategy", "'bogus'")),
+    (("engine.mambaCacheStrategy=no_buffer",), ("engine.mambaCacheStrategy=no_buffer", "engine.pageSize=64")),
     (("engine.pageSize=0",), ("/engine/pageSize", "got 0")),
     (("engine.ep=0",), ("/engine/ep", "got 0")),
     (("engine.device=tpu",), ("/engine/device", "'tpu'")),
@@ -48,8 +48,8 @@ def test_bad_values_fail_with_a_message_naming_the_value(template, assignments, 
     ("engine.tp=8",),                                          # divides 8 mamba groups
     ("engine.tp=2", "engine.ep=4"),                            # 8 GPUs: one pod
     ("model.mambaGroups=null", "engine.tp=3"),                 # unchecked when the groups are not given
-    ("engine.cacheStrategy=no_buffer", "engine.pageSize=1"),
-    ("engine.cacheStrategy=off",),
+    ("engine.mambaCacheStrategy=no_buffer", "engine.pageSize=1"),
+    ("engine.mambaCacheStrategy=off",),
     ("engine.autoscaling.enabled=true", "engine.autoscaling.minReplicas=1", "engine.autoscaling.maxReplicas=3"),
 ])
 def test_good_edge_values_render_and_validate(template, assignments):

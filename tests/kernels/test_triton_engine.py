@@ -8,7 +8,7 @@ from triton_test_util import DEVICE, gpu, needs_cuda
 from service.engine import Engine, EngineConfig, SamplingParams
 from service.engine.kernels import get_kernels
 from service.engine.kernels.triton_backend import TORCH_REFERENCE_OPS
-from service.engine.model.tiny import make_tiny_model
+from service.testing.tiny import make_tiny_model
 
 # prompt lengths vs chunk 16 / page 4: unaligned first request, < C, = C, k*C +- 1
 PROMPT_LENS = (35, 7, 16, 33)
@@ -20,7 +20,8 @@ def tiny_dir(tmp_path_factory) -> str:
 
 
 def _run(path: str, backend: str, dtype: str, max_tokens: int) -> list:
-    engine = Engine(EngineConfig(model_path=path, device=DEVICE, dtype=dtype, page_size=4, max_num_seqs=8,
+    engine = Engine(EngineConfig(model_path=path, device=DEVICE, dtype=dtype, mamba_cache_strategy="off", page_size=4,
+                                 max_num_seqs=8,
                                  max_num_batched_tokens=64, kernel_backend=backend))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in PROMPT_LENS]

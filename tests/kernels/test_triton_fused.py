@@ -13,7 +13,7 @@ from service.engine import Engine, EngineConfig, SamplingParams
 from service.engine.kernels import moe, norm
 from service.engine.kernels.triton_activation import relu2
 from service.engine.kernels.triton_norm import add_rms_norm
-from service.engine.model.tiny import make_tiny_model
+from service.testing.tiny import make_tiny_model
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Triton's CPU interpreter rounds fp32 -> bf16 toward zero (the GPU rounds to nearest even, like torch), so bf16
@@ -127,7 +127,8 @@ class _AtenCounter(TorchDispatchMode):
 
 def _count_decode_forward(path: str) -> tuple[collections.Counter, collections.Counter]:
     """(aten ops outside Kernels ops, Kernels op calls) of the last decode-only forward of a short greedy run."""
-    engine = Engine(EngineConfig(model_path=path, device=DEVICE, dtype="float32", page_size=4, max_num_seqs=4,
+    engine = Engine(EngineConfig(model_path=path, device=DEVICE, dtype="float32", mamba_cache_strategy="off", page_size=4,
+                                 max_num_seqs=4,
                                  kernel_backend="triton", cuda_graphs=False))   # eager: the hooks see the forward
     model = engine.runner.model
     counter, calls, seen = _AtenCounter(), collections.Counter(), []

@@ -17,7 +17,7 @@ from service.engine.kernels.triton_norm_gemv import (add_rms_norm_gemv, add_rms_
                                                      gated_norm_linear)
 from service.engine.config import ModelConfig
 from service.engine.kernels.triton_backend import triton_kernels
-from service.engine.model.tiny import make_tiny_model
+from service.testing.tiny import make_tiny_model
 from service.engine.runner.model_runner import build_model
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -205,7 +205,8 @@ def test_fused_gpu_pdl_chain_in_graph():
 
 def _generate(path: str, fused: bool, graphs: bool = False) -> list:
     """Greedy runs, one request at a time (every decode step is batch 1), eager unless graphs."""
-    cfg = EngineConfig(model_path=path, device=DEVICE, dtype="float32", page_size=4, max_num_seqs=1,
+    cfg = EngineConfig(model_path=path, device=DEVICE, dtype="float32", mamba_cache_strategy="off", page_size=4,
+                       max_num_seqs=1,
                        max_num_batched_tokens=32, kernel_backend="triton", cuda_graphs=graphs)
     model = build_model(cfg, ModelConfig.from_model_path(path), torch.float32, torch.device(DEVICE))
     model.kernels = triton_kernels(fuse_norm_linear=fused)     # before the engine captures its graphs

@@ -63,8 +63,8 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- fail (printf "engine.tp=%d does not divide model.mambaGroups=%d: mamba groups are split across TP ranks" (int $e.tp) (int .Values.model.mambaGroups)) -}}
 {{- end -}}
 {{- end -}}
-{{- if and (eq $e.cacheStrategy "no_buffer") (ne (int $e.pageSize) 1) -}}
-{{- fail (printf "engine.cacheStrategy=no_buffer needs engine.pageSize=1, got engine.pageSize=%d" (int $e.pageSize)) -}}
+{{- if and (eq $e.mambaCacheStrategy "no_buffer") (ne (int $e.pageSize) 1) -}}
+{{- fail (printf "engine.mambaCacheStrategy=no_buffer needs engine.pageSize=1, got engine.pageSize=%d" (int $e.pageSize)) -}}
 {{- end -}}
 {{- if and $e.autoscaling.enabled (gt (int $e.autoscaling.minReplicas) (int $e.autoscaling.maxReplicas)) -}}
 {{- fail (printf "engine.autoscaling.minReplicas=%d is greater than engine.autoscaling.maxReplicas=%d" (int $e.autoscaling.minReplicas) (int $e.autoscaling.maxReplicas)) -}}
@@ -79,24 +79,23 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 {{- end -}}
 
-{{/* Arguments of service.deployments.app:build_app (schema: service/deployments/args.py AppArgs). */}}
+{{/* Arguments of service.deployments.app:build_app (schema: service/deployments/args.py AppArgs).
+Every engine.* key that is not a deployment key is an EngineConfig setting: its snake_case name is the
+argument (pageSize -> page_size); null keeps the engine's default. Whole numbers are written as integers. */}}
 {{- define "hybrid-serve.appArgs" -}}
 {{- $e := .Values.engine -}}
-{{- $args := dict "model_path" .Values.model.path "replicas" (int $e.replicas) "tp" (int $e.tp) "ep" (int $e.ep) -}}
-{{- $_ := set $args "device" $e.device -}}
-{{- $_ := set $args "dtype" $e.dtype -}}
-{{- $_ := set $args "kernel_backend" $e.kernelBackend -}}
-{{- $_ := set $args "page_size" (int $e.pageSize) -}}
-{{- $_ := set $args "mamba_cache_strategy" $e.cacheStrategy -}}
-{{- $_ := set $args "max_num_seqs" (int $e.maxNumSeqs) -}}
-{{- $_ := set $args "max_num_batched_tokens" (int $e.maxNumBatchedTokens) -}}
+{{- $deploymentKeys := list "replicas" "autoscaling" "maxOngoingRequests" "cpusPerReplica" "reasoningParser" "toolCallParser" -}}
+{{- $args := dict "model_path" .Values.model.path "replicas" (int $e.replicas) -}}
+{{- range $k, $v := $e -}}
+{{- if and (not (has $k $deploymentKeys)) (not (kindIs "invalid" $v)) -}}
+{{- if and (kindIs "float64" $v) (eq $v (floor $v)) }}{{ $v = int64 $v }}{{ end -}}
+{{- $_ := set $args (snakecase $k) $v -}}
+{{- end -}}
+{{- end -}}
 {{- $_ := set $args "max_ongoing_requests" (int $e.maxOngoingRequests) -}}
 {{- $_ := set $args "cpus_per_replica" $e.cpusPerReplica -}}
 {{- $_ := set $args "route_prefix" .Values.serve.routePrefix -}}
 {{- if .Values.model.servedModelName }}{{ $_ := set $args "served_model_name" .Values.model.servedModelName }}{{ end -}}
-{{- if $e.maxModelLen }}{{ $_ := set $args "max_model_len" (int $e.maxModelLen) }}{{ end -}}
-{{- if $e.maxMambaSnapshots }}{{ $_ := set $args "max_mamba_snapshots" (int $e.maxMambaSnapshots) }}{{ end -}}
-{{- if $e.numKvPages }}{{ $_ := set $args "num_kv_pages" (int $e.numKvPages) }}{{ end -}}
 {{- if $e.reasoningParser }}{{ $_ := set $args "reasoning_parser" $e.reasoningParser }}{{ end -}}
 {{- if $e.toolCallParser }}{{ $_ := set $args "tool_call_parser" $e.toolCallParser }}{{ end -}}
 {{- if $e.autoscaling.enabled -}}

@@ -41,7 +41,7 @@ def default_pool_sizes(cfg: EngineConfig, max_model_len: int) -> PoolSizes:
 
 def build_model(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                 load: bool = True) -> NemotronHForCausalLM:
-    kernels = get_kernels(cfg.kernel_backend)
+    kernels = get_kernels(cfg.resolved().kernel_backend)
     log.info("kernel backend: %s", kernels.name)
     with torch.device(device):
         model = NemotronHForCausalLM(model_cfg, kernels)
@@ -69,6 +69,7 @@ class InFlightStep:
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int,
                  model: NemotronHForCausalLM | None = None):
+        cfg = cfg.resolved()
         self.cfg, self.model_cfg = cfg, model_cfg
         self.device = torch.device(cfg.device)
         self.dtype = resolve_dtype(cfg, model_cfg)
