@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from service.engine.model.tiny import tokenizer_config
+from service.testing.tiny import tokenizer_config
 from service.engine.tokenizer import Tokenizer
 from service.training.data import TOKENIZER_VOCAB_SIZE, train_tokenizer
 from service.training.train import MODEL_OVERRIDES, TrainConfig, heldout_accuracy, train

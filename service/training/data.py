@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from service.engine.model.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS
+from service.testing.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS
 from service.engine.tokenizer import Tokenizer, compile_chat_template
 from service.evals.tasks import GENERATORS, Example
 

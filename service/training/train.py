@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from service.engine.model.tiny import tiny_config
+from service.testing.tiny import tiny_config
 from service.engine.tokenizer import Tokenizer
 from service.evals.tasks import GENERATORS, Example, make_examples
 from service.training.data import Batch, make_batch
