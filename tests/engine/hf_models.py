@@ -19,6 +19,9 @@ VARIANTS = {
                          norm_topk_prob=False),
     "attn_first_c8": dict(hybrid_override_pattern="*MM-EM", n_groups=2, chunk_size=8, use_conv_bias=False,
                           n_group=2, topk_group=1),
+    # biases everywhere (mamba in/out_proj, MLPs, latent projections), 4 groups, a vocabulary 4 does not divide
+    "bias_latent_g4": dict(hybrid_override_pattern="M*E-ME", n_groups=4, chunk_size=8, moe_latent_size=24,
+                           use_bias=True, mlp_bias=True, vocab_size=250),
 }
 
 
@@ -33,7 +36,7 @@ def write_hf_checkpoint(out_dir: str, variant: str, seed: int = 0) -> str:
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif name.endswith("conv1d.bias"):
+            elif name.endswith(".bias"):              # conv1d, and with use_bias / mlp_bias the linears
                 p.copy_(0.1 * torch.randn_like(p))
             elif "weight" in name and p.dim() >= 2:
                 p.normal_(0.0, 0.08)

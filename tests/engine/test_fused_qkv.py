@@ -1,4 +1,4 @@
-"""Attention's fused qkv_proj: loaded from HF q_proj/k_proj/v_proj by row range, and equal to the three
+"""Attention's fused qkv_proj: loaded from HF q_proj/k_proj/v_proj as its segments, and equal to the three
 separate projections (the weights, the GEMM output and the whole layer, on the torch path)."""
 from __future__ import annotations
 
@@ -53,9 +53,9 @@ def test_fused_rows_equal_checkpoint_qkv(checkpoint_dir):
         fused = torch.cat([tensors[prefix + p + ".weight"] for p in PARTS])
         assert layer.qkv_proj.weight.shape == fused.shape
         assert torch.equal(layer.qkv_proj.weight.detach(), fused)
-        for part, (param, start, end) in layer.checkpoint_rows().items():
+        for name, (param, part) in layer.checkpoint_parts().items():
             assert param == "qkv_proj.weight"
-            assert torch.equal(layer.qkv_proj.weight[start:end].detach(), tensors[prefix + part])
+            assert torch.equal(layer.qkv_proj.weight[layer.qkv_proj.local_rows(part)].detach(), tensors[prefix + name])
         assert torch.equal(layer.o_proj.weight.detach(), tensors[prefix + "o_proj.weight"])
 
 

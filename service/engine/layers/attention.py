@@ -1,37 +1,45 @@
-"""GQA attention without positional encoding, on the paged KV pool.
+"""GQA attention without positional encoding, on the paged KV pool, split over tensor-parallel ranks by heads.
 
-q, k and v come from ONE projection, `qkv_proj` (weight rows: q [Hq*Dh], then k [Hkv*Dh], then v [Hkv*Dh]), so a
-batch-1 decode step launches one GEMV instead of three (k and v alone are tiny, launch-bound GEMVs). Its output is
-split by views, no copies: `paged_attention` reads q through its strides and `write_kv` scatters k and v from their
-strided views. Checkpoints keep HF's `q_proj`/`k_proj`/`v_proj` names; `checkpoint_rows` tells the loader where
-each lands."""
+q, k and v come from ONE projection, `qkv_proj` (weight rows: q [Hq*Dh], then k [Hkv*Dh], then v [Hkv*Dh], each this
+rank's heads), so a batch-1 decode step launches one GEMV instead of three (k and v alone are tiny, launch-bound
+GEMVs). Its output is split by views, no copies: `paged_attention` reads q through its strides and `write_kv`
+scatters k and v from their strided views. Checkpoints keep HF's `q_proj`/`k_proj`/`v_proj` names;
+`checkpoint_parts` tells the loader which segment of `qkv_proj` each fills.
+Under tp: query heads split; KV heads split too, or (tp > num_key_value_heads) the KV head of this rank's query
+heads replicated on the tp / num_key_value_heads ranks that hold them; `o_proj` row-parallel, one all-reduce."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from service.engine.config import ModelConfig
+from service.engine.distributed.parallel import ParallelContext, RankShapes
 from service.engine.kernels import Kernels
-from service.engine.layers.linear import project
+from service.engine.layers.linear import ColumnParallelLinear, RowParallelLinear, Segment, project
 from service.engine.layers.meta import AttentionMeta
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shapes: RankShapes, parallel: ParallelContext):
         super().__init__()
-        self.hq, self.hkv, self.dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.parallel = parallel
+        self.hq, self.hkv, self.dh = shapes.attention_heads, shapes.kv_heads, cfg.head_dim
         self.scale = self.dh ** -0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.hq + 2 * self.hkv) * self.dh, bias=False)
-        self.o_proj = nn.Linear(self.hq * self.dh, cfg.hidden_size, bias=False)
+        dh = self.dh
+        q = Segment(cfg.num_attention_heads * dh, shapes.attention_head_start * dh, self.hq * dh)
+        kv = Segment(cfg.num_key_value_heads * dh, shapes.kv_head_start * dh, self.hkv * dh)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, (q, kv, kv), bias=False)
+        self.o_proj = RowParallelLinear(q, cfg.hidden_size, bias=False, rank=parallel.rank)
 
-    def checkpoint_rows(self) -> dict[str, tuple[str, int, int]]:
-        """HF checkpoint tensor -> (our parameter, first row, end row), names relative to this module."""
-        q, kv = self.hq * self.dh, self.hkv * self.dh
-        return {"q_proj.weight": ("qkv_proj.weight", 0, q), "k_proj.weight": ("qkv_proj.weight", q, q + kv),
-                "v_proj.weight": ("qkv_proj.weight", q + kv, q + 2 * kv)}
+    @staticmethod
+    def checkpoint_parts() -> dict[str, tuple[str, int]]:
+        """HF checkpoint tensor -> (our parameter, its segment), names relative to this module."""
+        return {"q_proj.weight": ("qkv_proj.weight", 0), "k_proj.weight": ("qkv_proj.weight", 1),
+                "v_proj.weight": ("qkv_proj.weight", 2)}
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """qkv [T, (Hq + 2*Hkv) * Dh] -> views q [T, Hq, Dh], k and v [T, Hkv, Dh] (row stride (Hq + 2*Hkv) * Dh)."""
+        """qkv [T, (Hq + 2*Hkv) * Dh] -> views q [T, Hq, Dh], k and v [T, Hkv, Dh] (row stride (Hq + 2*Hkv) * Dh);
+        head counts are this rank's."""
         T = qkv.shape[0]
         q, kv = self.hq * self.dh, self.hkv * self.dh
         return (qkv[:, :q].view(T, self.hq, self.dh), qkv[:, q:q + kv].view(T, self.hkv, self.dh),
@@ -39,9 +47,10 @@ class Attention(nn.Module):
 
     def forward(self, h: torch.Tensor, meta: AttentionMeta, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 k: Kernels) -> torch.Tensor:
-        """h [T, hidden]; k_cache/v_cache [num_pages * page_size, Hkv, Dh] (new K/V written in place)."""
+        """h [T, hidden]; k_cache/v_cache [num_pages * page_size, Hkv, Dh] of this rank's KV heads (new K/V
+        written in place). Returns [T, hidden], summed over the ranks."""
         q, key, value = self.split_qkv(project(k, self.qkv_proj, h))
         k.write_kv(k_cache, v_cache, key, value, meta.kv_slot_mapping)
         o = k.paged_attention(q, k_cache, v_cache, meta.page_table, meta.query_start_loc, meta.prefix_lens,
                               meta.max_query_len, meta.max_seq_len, meta.page_size, self.scale)
-        return project(k, self.o_proj, o.reshape(h.shape[0], self.hq * self.dh))
+        return self.parallel.all_reduce(project(k, self.o_proj, o.reshape(h.shape[0], self.hq * self.dh)))

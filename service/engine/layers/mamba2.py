@@ -1,13 +1,24 @@
-"""Mamba-2 mixer on slot-indexed conv/SSM state pools (DESIGN §2, §3)."""
+"""Mamba-2 mixer on slot-indexed conv/SSM state pools (DESIGN §2, §3), split over tensor-parallel ranks by heads.
+
+Each rank holds its heads' z, x and dt rows of `in_proj` and the B/C rows of its groups (split when n_groups % tp
+== 0, else the one group of its heads, replicated on the tp / n_groups ranks that hold its heads); `conv1d` the same
+x, B, C channels; A_log, D, dt_bias and the gated norm weight its heads; `out_proj` row-parallel (one all-reduce).
+Its state pools hold its heads only: conv [S, local x + B + C channels, K-1], ssm [S, local heads, P, N].
+The gated RMSNorm normalises over the model's groups (mamba_intermediate / n_groups channels): local to each rank
+when groups are split; when a group spans ranks its sum of squares is all-reduced first."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+import torch.nn.functional as F
+
 from service.engine.config import ModelConfig
+from service.engine.distributed.parallel import ParallelContext, RankShapes
 from service.engine.kernels import Kernels
 from service.engine.kernels.ssd import dt_softplus_clamp, final_chunk_indices
-from service.engine.layers.linear import project
+from service.engine.layers.linear import ColumnParallelLinear, RowParallelLinear, Segment, project, segment_loader, \
+    set_loader
 from service.engine.layers.meta import MambaMeta
 from service.engine.layers.norm import rms_norm_module
 
@@ -15,25 +26,35 @@ from service.engine.layers.norm import rms_norm_module
 class Mamba2Mixer(nn.Module):
     """Parameter names follow the HF checkpoint (`backbone.layers.{i}.mixer.*`)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shapes: RankShapes, parallel: ParallelContext):
         super().__init__()
-        self.cfg = cfg
-        self.num_heads, self.head_dim = cfg.mamba_num_heads, cfg.mamba_head_dim
-        self.di, self.conv_dim = cfg.mamba_intermediate, cfg.conv_dim
-        self.gn = cfg.n_groups * cfg.ssm_state_size
-        self.in_proj = nn.Linear(cfg.hidden_size, cfg.in_proj_dim, bias=cfg.use_bias)
+        self.cfg, self.shapes, self.parallel = cfg, shapes, parallel
+        self.num_heads, self.head_dim = shapes.mamba_heads, cfg.mamba_head_dim
+        self.di, self.conv_dim = shapes.mamba_intermediate, shapes.conv_dim
+        self.n_groups, N = shapes.mamba_groups, cfg.ssm_state_size
+        self.gn = self.n_groups * N
+        self.norm_group_size = cfg.mamba_intermediate // cfg.n_groups       # the model's groups, on every rank
+        heads = Segment(cfg.mamba_num_heads, shapes.mamba_head_start, self.num_heads)
+        di = Segment(cfg.mamba_intermediate, shapes.mamba_head_start * self.head_dim, self.di)
+        gn = Segment(cfg.n_groups * N, shapes.mamba_group_start * N, self.gn)
+        self.in_proj = ColumnParallelLinear(cfg.hidden_size, (di, di, gn, gn, heads), bias=cfg.use_bias)  # z x B C dt
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, cfg.conv_kernel, groups=self.conv_dim,
                                 bias=cfg.use_conv_bias)
+        for p in self.conv1d.parameters():                                                          # x B C
+            set_loader(p, segment_loader(0, (di, gn, gn)))
         self.dt_bias = nn.Parameter(torch.zeros(self.num_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_heads))
         self.D = nn.Parameter(torch.ones(self.num_heads))
+        for p in (self.dt_bias, self.A_log, self.D):
+            set_loader(p, segment_loader(0, (heads,)))
         self.norm = rms_norm_module(self.di)          # gated group RMSNorm weight
-        self.out_proj = nn.Linear(self.di, cfg.hidden_size, bias=cfg.use_bias)
+        set_loader(self.norm.weight, segment_loader(0, (di,)))
+        self.out_proj = RowParallelLinear(di, cfg.hidden_size, bias=cfg.use_bias, rank=parallel.rank)
 
     def forward(self, h: torch.Tensor, meta: MambaMeta, conv_pool: torch.Tensor, ssm_pool: torch.Tensor,
                 k: Kernels) -> torch.Tensor:
-        """h [T, hidden] (the layer's normed input); conv_pool [S, conv_dim, K-1]; ssm_pool [S, H, P, N] fp32
-        (updated in place)."""
+        """h [T, hidden] (the layer's normed input); conv_pool [S, conv_dim, K-1]; ssm_pool [S, H, P, N] fp32, this
+        rank's channels and heads (updated in place). Returns [T, hidden], summed over the ranks."""
         return self._mix(project(k, self.in_proj, h), meta, conv_pool, ssm_pool, k)
 
     def forward_add_norm(self, out: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -78,11 +99,27 @@ class Mamba2Mixer(nn.Module):
             ssm_pool[meta.slot_ids] = chunk_states[final_chunk_indices(meta.layout)]
             if not snaps.empty:
                 ssm_pool[snaps.dest_slots] = chunk_states[snaps.chunk_idx]
+        y = y.reshape(T, self.di)
+        if self.shapes.group_ranks > 1:
+            return self.parallel.all_reduce(self._cross_rank_norm_linear(y, z, k))
         # gated group RMSNorm (to out_proj's dtype) + out_proj: one launch at batch 1 on the Triton bundle
-        return k.gated_norm_linear(y.reshape(T, self.di), z, self.norm.weight, self.di // self.cfg.n_groups,
-                                   self.cfg.layer_norm_epsilon, self.out_proj.weight, self.out_proj.bias)
+        return self.parallel.all_reduce(k.gated_norm_linear(
+            y, z, self.norm.weight, self.norm_group_size, self.cfg.layer_norm_epsilon, self.out_proj.weight,
+            self.out_proj.bias))
+
+    def _cross_rank_norm_linear(self, y: torch.Tensor, z: torch.Tensor, k: Kernels) -> torch.Tensor:
+        """Gated RMSNorm + out_proj when this rank holds part of one norm group (tp > n_groups): y, z [T, Di_local]
+        -> this rank's partial out_proj output [T, hidden]; the group's sum of squares is all-reduced ([T, n_groups]
+        fp32, zero outside this rank's group)."""
+        g = y.float() * F.silu(z.float())
+        sq = torch.zeros(y.shape[0], self.shapes.n_groups, dtype=torch.float32, device=y.device)
+        col = self.shapes.mamba_group_start
+        sq[:, col] = g.square().sum(-1)
+        mean = self.parallel.all_reduce(sq)[:, col:col + 1] / self.norm_group_size
+        normed = self.norm.weight.float() * (g * torch.rsqrt(mean + self.cfg.layer_norm_epsilon))
+        return project(k, self.out_proj, normed.to(self.out_proj.weight.dtype))
 
     def _split(self, xbc: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x, B, C = xbc.split([self.di, self.gn, self.gn], dim=-1)
-        G, N = self.cfg.n_groups, self.cfg.ssm_state_size
+        G, N = self.n_groups, self.cfg.ssm_state_size
         return x.reshape(T, self.num_heads, self.head_dim), B.reshape(T, G, N), C.reshape(T, G, N)

@@ -1,22 +1,34 @@
-"""Dense ReLU² MLP (`-` layers) and the NemotronH MoE (`E` layers)."""
+"""Dense ReLU² MLP (`-` layers) and the NemotronH MoE (`E` layers), split over tensor-parallel ranks.
+
+MLP: up_proj column-parallel, down_proj row-parallel. MoE: the fp32 router on every rank (identical routing);
+routed experts intermediate-split over the ranks (ep == 1) or spread whole, E / ep per rank, the picks of other
+ranks' experts given weight 0 (ep == tp); the latent projections (fc1/fc2_latent) replicated, fc2 applied to each
+rank's partial; the shared expert intermediate-split. Routed and shared partials are summed, then ONE all-reduce."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from service.engine.config import ModelConfig
+from service.engine.distributed.parallel import ParallelContext, RankShapes
 from service.engine.kernels import Kernels
-from service.engine.layers.linear import project
+from service.engine.layers.linear import (ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, Segment, Source,
+                                          copy_into, project, set_loader)
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool):
+    """down(relu(up(h))^2) with the intermediate split: `forward` returns this rank's partial sum; `reduce` sums it
+    over the ranks (the dense `-` layer; the MoE's shared expert is summed with the routed experts first)."""
+
+    def __init__(self, hidden: int, intermediate: Segment, bias: bool, parallel: ParallelContext, reduce: bool):
         super().__init__()
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.parallel, self.reduce = parallel, reduce
+        self.up_proj = ColumnParallelLinear(hidden, (intermediate,), bias=bias)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, rank=parallel.rank)
 
     def forward(self, h: torch.Tensor, k: Kernels) -> torch.Tensor:
-        return project(k, self.down_proj, k.relu2(project(k, self.up_proj, h)))
+        out = project(k, self.down_proj, k.relu2(project(k, self.up_proj, h)))
+        return self.parallel.all_reduce(out) if self.reduce else out
 
 
 class Router(nn.Module):
@@ -27,39 +39,76 @@ class Router(nn.Module):
                                                     requires_grad=False)
 
 
-class Experts(nn.Module):
-    """Stacked expert weights; the loader fills them from `experts.{j}.up_proj.weight` etc."""
+def expert_loader(shapes: RankShapes, split_dim: int):
+    """Loader of stacked expert weights [E_local, ...]: the held experts, and of each its intermediate rows
+    (split_dim 1 for up_proj [E, I, d_in], 2 for down_proj [E, d_in, I]). part j: the checkpoint's expert j alone
+    (skipped, not read, when another rank holds it); part None: the stacked [E, ...] tensor."""
+    e0, n, i0, ni = shapes.expert_start, shapes.experts, shapes.moe_intermediate_start, shapes.moe_intermediate
 
-    def __init__(self, cfg: ModelConfig):
+    def load(dst: torch.Tensor, src: Source, part: int | None) -> None:
+        full = list(dst.shape)
+        full[split_dim] = full[split_dim] * (shapes.tp if shapes.ep == 1 else 1)
+        expected = tuple(full[1:]) if part is not None else (full[0] * shapes.ep, *full[1:])
+        if src.shape != expected:
+            raise ValueError(f"tensor {src.name!r} has shape {src.shape}, the model expects {expected}")
+        index = [slice(None)] * 3
+        index[split_dim] = slice(i0, i0 + ni)
+        if part is None:
+            copy_into(dst, src.read((slice(e0, e0 + n), *index[1:])), src)
+        elif e0 <= part < e0 + n:
+            copy_into(dst[part - e0], src.read(tuple(index[1:])), src)
+    return load
+
+
+class Experts(nn.Module):
+    """Stacked weights of this rank's experts; the loader fills them from `experts.{j}.up_proj.weight` etc."""
+
+    def __init__(self, cfg: ModelConfig, shapes: RankShapes):
         super().__init__()
         d_in = cfg.moe_latent_size or cfg.hidden_size
-        self.up_proj = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.moe_intermediate_size, d_in))
-        self.down_proj = nn.Parameter(torch.zeros(cfg.n_routed_experts, d_in, cfg.moe_intermediate_size))
+        self.up_proj = nn.Parameter(torch.zeros(shapes.experts, shapes.moe_intermediate, d_in))
+        self.down_proj = nn.Parameter(torch.zeros(shapes.experts, d_in, shapes.moe_intermediate))
+        set_loader(self.up_proj, expert_loader(shapes, 1))
+        set_loader(self.down_proj, expert_loader(shapes, 2))
+
+
+def local_picks(weights: torch.Tensor, ids: torch.Tensor, num_local: int, rank: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing [T, k] over all experts -> the same over this rank's num_local experts (ranks hold consecutive runs):
+    a pick of another rank's expert keeps weight 0 on local expert id % num_local, so every op keeps its shapes."""
+    mine = torch.div(ids, num_local, rounding_mode="floor") == rank
+    return torch.where(mine, weights, torch.zeros_like(weights)), ids % num_local
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shapes: RankShapes, parallel: ParallelContext):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.shapes, self.parallel = cfg, shapes, parallel
         self.gate = Router(cfg)
-        self.experts = Experts(cfg)
-        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_shared_expert_intermediate_size, cfg.mlp_bias)
+        self.experts = Experts(cfg, shapes)
+        shared = Segment(cfg.moe_shared_expert_intermediate_size, parallel.rank * shapes.shared_intermediate,
+                         shapes.shared_intermediate)
+        self.shared_experts = MLP(cfg.hidden_size, shared, cfg.mlp_bias, parallel, reduce=False)
         if cfg.moe_latent_size:
-            self.fc1_latent_proj = nn.Linear(cfg.hidden_size, cfg.moe_latent_size, bias=cfg.mlp_bias)
-            self.fc2_latent_proj = nn.Linear(cfg.moe_latent_size, cfg.hidden_size, bias=cfg.mlp_bias)
+            self.fc1_latent_proj = ReplicatedLinear(cfg.hidden_size, cfg.moe_latent_size, cfg.mlp_bias, parallel.rank)
+            self.fc2_latent_proj = ReplicatedLinear(cfg.moe_latent_size, cfg.hidden_size, cfg.mlp_bias, parallel.rank,
+                                                    partial_input=True)
 
     def forward(self, h: torch.Tensor, k: Kernels) -> torch.Tensor:
-        """h [T, hidden] -> [T, hidden]. Without a latent projection and biases the shared expert goes into the
-        routed-experts op (one fp32 sum, one rounding; the Triton bundle folds it into its batch-1/2 launches)."""
+        """h [T, hidden] -> [T, hidden] summed over the ranks. Without a latent projection and biases the shared
+        expert goes into the routed-experts op (one fp32 sum, one rounding; the Triton bundle folds it into its
+        batch-1/2 launches)."""
         c = self.cfg
         weights, ids = k.moe_route(h, self.gate.weight, self.gate.e_score_correction_bias, c.num_experts_per_tok,
                                    c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
+        if self.shapes.ep > 1:
+            weights, ids = local_picks(weights, ids, self.shapes.experts, self.parallel.rank)
         if not c.moe_latent_size and not c.mlp_bias:
-            return k.moe_experts(h, self.experts.up_proj, self.experts.down_proj, weights, ids,
-                                 shared_up=self.shared_experts.up_proj.weight,
-                                 shared_down=self.shared_experts.down_proj.weight)
+            return self.parallel.all_reduce(k.moe_experts(
+                h, self.experts.up_proj, self.experts.down_proj, weights, ids,
+                shared_up=self.shared_experts.up_proj.weight, shared_down=self.shared_experts.down_proj.weight))
         x = project(k, self.fc1_latent_proj, h) if c.moe_latent_size else h
         routed = k.moe_experts(x, self.experts.up_proj, self.experts.down_proj, weights, ids)
         if c.moe_latent_size:
             routed = project(k, self.fc2_latent_proj, routed)
-        return routed + self.shared_experts(h, k)
+        return self.parallel.all_reduce(routed + self.shared_experts(h, k))

@@ -3,55 +3,66 @@
 Every layer is `h = h + mixer(RMSNorm(h))`; logits = `lm_head(RMSNorm_f(h))` at the requested rows. Each residual
 add runs fused with the norm that follows it (`Kernels.add_rms_norm`).
 Module names equal the HF checkpoint names under `backbone.` so weights load by name, except attention's fused
-`qkv_proj`, which the loader fills from the checkpoint's `q_proj`/`k_proj`/`v_proj` by row range
-(`Attention.checkpoint_rows`)."""
+`qkv_proj`, which the loader fills from the checkpoint's `q_proj`/`k_proj`/`v_proj` as its segments
+(`Attention.checkpoint_parts`).
+
+Under tensor parallelism (`ParallelContext`, DESIGN §9) every rank builds the model from its `rank_shapes` view and
+runs the same forward on the same tokens: each mixer returns its output summed over the ranks (one all-reduce per
+layer), so the residual stream h is replicated; the embedding and lm_head are vocabulary-parallel and the logits
+are all-gathered, so every rank returns the full-vocabulary logits."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from service.engine.config import ATTENTION, MAMBA, MLP as MLP_T, MOE, ModelConfig
+from service.engine.distributed.parallel import ParallelContext, RankShapes, rank_shapes
 from service.engine.kernels import Kernels
 from service.engine.layers.attention import Attention
-from service.engine.layers.linear import project
+from service.engine.layers.linear import Segment
 from service.engine.layers.mamba2 import Mamba2Mixer
 from service.engine.layers.meta import AttentionMeta, MambaMeta
 from service.engine.layers.moe import MLP, MoE
 from service.engine.layers.norm import rms_norm_module
+from service.engine.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_type: str):
+    def __init__(self, cfg: ModelConfig, layer_type: str, shapes: RankShapes, parallel: ParallelContext):
         super().__init__()
         self.layer_type = layer_type
         self.norm = rms_norm_module(cfg.hidden_size)
         if layer_type == MAMBA:
-            self.mixer = Mamba2Mixer(cfg)
+            self.mixer = Mamba2Mixer(cfg, shapes, parallel)
         elif layer_type == ATTENTION:
-            self.mixer = Attention(cfg)
+            self.mixer = Attention(cfg, shapes, parallel)
         elif layer_type == MOE:
-            self.mixer = MoE(cfg)
+            self.mixer = MoE(cfg, shapes, parallel)
         elif layer_type == MLP_T:
-            self.mixer = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+            inter = Segment(cfg.intermediate_size, parallel.rank * shapes.intermediate, shapes.intermediate)
+            self.mixer = MLP(cfg.hidden_size, inter, cfg.mlp_bias, parallel, reduce=True)
         else:
             raise ValueError(f"unknown layer type {layer_type!r}")
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shapes: RankShapes, parallel: ParallelContext):
         super().__init__()
-        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, t) for t in cfg.layer_types)
+        self.embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, shapes, parallel)
+        self.layers = nn.ModuleList(Block(cfg, t, shapes, parallel) for t in cfg.layer_types)
         self.norm_f = rms_norm_module(cfg.hidden_size)
 
 
 class NemotronHForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, kernels: Kernels):
+    def __init__(self, cfg: ModelConfig, kernels: Kernels, parallel: ParallelContext = ParallelContext()):
+        """Raises ValueError when cfg cannot be split over parallel.tp / parallel.ep (`check_shardable`)."""
         super().__init__()
         self.cfg = cfg
         self.kernels = kernels
-        self.backbone = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.parallel = parallel
+        self.shapes = rank_shapes(cfg, parallel)
+        self.backbone = Backbone(cfg, self.shapes, parallel)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.shapes, parallel)
         # layer index -> index into the KV pool (attention layers) or mamba pool (mamba layers)
         self.attn_pool_index = {lid: j for j, lid in enumerate(cfg.attention_layer_ids)}
         self.mamba_pool_index = {lid: j for j, lid in enumerate(cfg.mamba_layer_ids)}
@@ -60,7 +71,8 @@ class NemotronHForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, attn: AttentionMeta, mamba: MambaMeta, logits_indices: torch.Tensor,
                 kv_cache: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> torch.Tensor:
         """input_ids [T]; kv_cache [L_attn, 2, num_slots, Hkv, Dh]; conv_pool [L_mamba, S, conv_dim, K-1];
-        ssm_pool [L_mamba, S, H, P, N] fp32. Returns logits [len(logits_indices), vocab] fp32.
+        ssm_pool [L_mamba, S, H, P, N] fp32 (Hkv, conv_dim, H: this rank's, `self.shapes`).
+        Returns logits [len(logits_indices), vocab] fp32 (the full vocabulary on every rank).
         = embed -> run_layers over all layers -> logits (the CUDA-graph runner calls the pieces in segments)."""
         x, h = self.embed(input_ids)
         x, h = self.run_layers(x, h, 0, len(self.backbone.layers), attn, mamba, kv_cache, conv_pool, ssm_pool)
@@ -101,5 +113,5 @@ class NemotronHForCausalLM(nn.Module):
 
     def logits(self, x: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] after norm_f (row-wise, so norming every row equals norming the picked ones)
-        -> logits [len(logits_indices), vocab] fp32."""
-        return project(self.kernels, self.lm_head, x[logits_indices]).float()
+        -> logits [len(logits_indices), vocab] fp32 (all-gathered over the ranks)."""
+        return self.lm_head.logits(x[logits_indices], self.kernels)

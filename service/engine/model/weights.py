@@ -1,21 +1,34 @@
-"""Load HF safetensors checkpoints (single file or sharded with an index) by the checkpoint's own names.
+"""Load HF safetensors checkpoints (single file or sharded with an index) by the checkpoint's own names, each rank
+reading only its slices.
 
 Accepted name forms: `backbone.*` (NVIDIA's) or `model.*` (transformers' in-memory), per-expert
-`mixer.experts.{j}.up_proj.weight` or stacked `mixer.experts.up_proj`. A module with `checkpoint_rows()` (attention:
-HF `q_proj`/`k_proj`/`v_proj` -> row ranges of the fused `qkv_proj`) takes those checkpoint tensors into row ranges of
-one parameter. `mtp.*` tensors (MTP heads) are skipped for now. Missing or unexpected tensors raise one `ValueError`
-that lists them."""
+`mixer.experts.{j}.up_proj.weight` or stacked `mixer.experts.up_proj`. A module with `checkpoint_parts()` (attention:
+HF `q_proj`/`k_proj`/`v_proj` -> segments of the fused `qkv_proj`) takes those checkpoint tensors as parts of one
+parameter. Every tensor goes through its parameter's `weight_loader` (layers/linear.py) with a lazy `Source` over
+safetensors' `get_slice`, so a rank reads only the rows/columns it holds (and skips experts other ranks hold): no
+rank materialises the whole model. `mtp.*` tensors (MTP heads) are skipped for now. Missing or unexpected tensors
+raise one `ValueError` that lists them."""
 from __future__ import annotations
 
 import json
 import os
 import re
+from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
+from service.engine.distributed.parallel import ParallelContext
+from service.engine.layers.linear import Source, get_loader
+
 _EXPERT = re.compile(r"^(backbone\.layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    tensors: int          # checkpoint tensors this rank read from (all or part)
+    elements_read: int    # tensor elements this rank read (its slices)
 
 
 def checkpoint_files(model_path: str) -> list[str]:
@@ -36,68 +49,120 @@ def _canonical(name: str) -> str:
     return name
 
 
-def load_weights(model: nn.Module, model_path: str, tie_word_embeddings: bool = False) -> None:
-    """Copies every checkpoint tensor into `model` (casting to the parameter's dtype/device)."""
-    fused = _fused_rows(model)
-    fused_targets = {param_name for param_name, _, _ in fused.values()}   # loaded only through their parts
-    params = {name: p for name, p in model.named_parameters() if name not in fused_targets}
-    expected = _expected_names(params) | set(fused)
-    if tie_word_embeddings:
-        expected.discard("lm_head.weight")
-    loaded: set[str] = set()
-    unexpected: list[str] = []
+class _Counter:
+    def __init__(self) -> None:
+        self.tensors = self.elements = 0
+
+    def source(self, name: str, shape: tuple[int, ...], read) -> Source:
+        def counted(index: tuple[slice, ...]) -> torch.Tensor:
+            t = read(index)
+            self.elements += t.numel()
+            return t
+        return Source(name, shape, counted)
+
+
+def load_weights(model: nn.Module, model_path: str, tie_word_embeddings: bool = False,
+                 parallel: ParallelContext | None = None) -> LoadStats:
+    """Copies this rank's slice of every checkpoint tensor into `model` (casting to the parameter's dtype/device).
+    parallel: the context `model` was built with (checked; None: the model's)."""
+    _check_parallel(model, parallel)
+    return _load(model, _checkpoint_tensors(model_path), f"checkpoint {model_path!r}", tie_word_embeddings)
+
+
+def load_from_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], tie_word_embeddings: bool = False
+                      ) -> LoadStats:
+    """The same as `load_weights` from in-memory tensors under checkpoint names (e.g. a tp-1 model's state dict:
+    its fused and stacked parameters are taken whole)."""
+    items = [(name, lambda t=t: (tuple(t.shape), lambda index: t[index])) for name, t in tensors.items()]
+    return _load(model, iter([items]), "the tensors", tie_word_embeddings)
+
+
+def _checkpoint_tensors(model_path: str):
+    """Per file: [(raw name, opener)] where opener() -> (shape, read(index)); the file stays open meanwhile."""
     for path in checkpoint_files(model_path):
         with safe_open(path, framework="pt") as f:
-            for raw in f.keys():
-                name = _canonical(raw)
-                if name.startswith("mtp."):
-                    continue
-                target, index = _resolve(name, params, fused)
-                if target is None:
-                    unexpected.append(raw)
-                    continue
-                _copy(target, index, f.get_tensor(raw), raw)
-                loaded.update(_loaded_names(name, index, target))
-    missing = sorted(expected - loaded)
+            def opener(raw: str):
+                sl = f.get_slice(raw)
+                return tuple(sl.get_shape()), lambda index: sl[index]
+            yield [(raw, lambda raw=raw: opener(raw)) for raw in f.keys()]
+
+
+def _load(model: nn.Module, files, what: str, tie_word_embeddings: bool) -> LoadStats:
+    parts = _checkpoint_parts(model)
+    part_targets = {param_name for param_name, _, _ in parts.values()}   # loaded only through their parts
+    params = {name: p for name, p in model.named_parameters() if name not in part_targets}
+    expected = _expected_names(params, part_targets) | set(parts)
+    if tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    seen: set[str] = set()
+    unexpected: list[str] = []
+    counter = _Counter()
+    for tensors in files:
+        for raw, opener in tensors:
+            name = _canonical(raw)
+            if name.startswith("mtp."):
+                continue
+            target, part = _resolve(name, params, parts)
+            if target is None:
+                unexpected.append(raw)
+                continue
+            before = counter.elements
+            get_loader(target)(target.data, counter.source(raw, *opener()), part)
+            counter.tensors += counter.elements > before
+            seen.update(_names_covered(name, part, target, model))
+    missing = sorted(expected - seen)
     if missing or unexpected:
-        raise ValueError(f"checkpoint {model_path!r} does not match the model: "
+        raise ValueError(f"{what} does not match the model: "
                          f"missing tensors {missing[:50]}{' ...' if len(missing) > 50 else ''}; "
                          f"unexpected tensors {sorted(unexpected)[:50]}")
     if tie_word_embeddings:
         model.lm_head.weight = model.backbone.embeddings.weight
+    return LoadStats(counter.tensors, counter.elements)
 
 
-def _fused_rows(model: nn.Module) -> dict[str, tuple[str, nn.Parameter, slice]]:
-    """Checkpoint name -> (parameter name, parameter, its rows) for every module with `checkpoint_rows()`."""
-    fused: dict[str, tuple[str, nn.Parameter, slice]] = {}
+def _check_parallel(model: nn.Module, parallel: ParallelContext | None) -> None:
+    mine = getattr(model, "parallel", ParallelContext())
+    if parallel is not None and (parallel.tp, parallel.ep, parallel.rank) != (mine.tp, mine.ep, mine.rank):
+        raise ValueError(f"load_weights for tp={parallel.tp}, ep={parallel.ep}, rank={parallel.rank}, but the model "
+                         f"was built for tp={mine.tp}, ep={mine.ep}, rank={mine.rank}")
+
+
+def _checkpoint_parts(model: nn.Module) -> dict[str, tuple[str, nn.Parameter, int]]:
+    """Checkpoint name -> (parameter name, parameter, its part) for every module with `checkpoint_parts()`."""
+    parts: dict[str, tuple[str, nn.Parameter, int]] = {}
     for prefix, module in model.named_modules():
-        if hasattr(module, "checkpoint_rows"):
-            for part, (param, start, end) in module.checkpoint_rows().items():
-                fused[f"{prefix}.{part}" if prefix else part] = (f"{prefix}.{param}" if prefix else param,
-                                                                 module.get_parameter(param), slice(start, end))
-    return fused
+        if hasattr(module, "checkpoint_parts"):
+            for name, (param, part) in module.checkpoint_parts().items():
+                parts[f"{prefix}.{name}" if prefix else name] = (f"{prefix}.{param}" if prefix else param,
+                                                                 module.get_parameter(param), part)
+    return parts
 
 
-def _expected_names(params: dict[str, nn.Parameter]) -> set[str]:
-    """The checkpoint names `params` need (stacked experts: the per-expert names)."""
+def _expected_names(params: dict[str, nn.Parameter], part_targets: set[str]) -> set[str]:
+    """The checkpoint names `params` need (stacked experts: the per-expert names; parts: named by the caller)."""
     expected: set[str] = set()
-    for name, p in params.items():
-        expected.update(_per_expert_names(name, p.shape[0]) if _is_stacked_experts(name) else [name])
+    for name in params:
+        if name in part_targets:
+            continue
+        expected.update(_per_expert_names(name, _num_experts(name, params)) if _is_stacked_experts(name) else [name])
     return expected
 
 
-def _resolve(name: str, params: dict[str, nn.Parameter], fused: dict[str, tuple[str, nn.Parameter, slice]]
-             ) -> tuple[nn.Parameter | None, int | slice | None]:
-    """The parameter a checkpoint tensor goes to, and where: an expert index, a row range, or None (all of it)."""
-    if name in fused:
-        _, param, rows = fused[name]
-        return param, rows
+def _num_experts(stacked_name: str, params: dict[str, nn.Parameter]) -> int:
+    """Experts of the whole model (a rank may hold E / ep of them): the router's rows."""
+    return params[stacked_name.rsplit(".experts.", 1)[0] + ".gate.weight"].shape[0]
+
+
+def _resolve(name: str, params: dict[str, nn.Parameter], parts: dict[str, tuple[str, nn.Parameter, int]]
+             ) -> tuple[nn.Parameter | None, int | None]:
+    """The parameter a checkpoint tensor goes to, and which part of it (None: all of it)."""
+    if name in parts:
+        _, param, part = parts[name]
+        return param, part
     m = _EXPERT.match(name)
     if m:
         return params.get(f"{m.group(1)}.{m.group(3)}"), int(m.group(2))
-    if name.endswith(".gate.e_score_correction_bias") or name in params:
-        return params.get(name), None
-    return None, None
+    return params.get(name), None
 
 
 def _is_stacked_experts(name: str) -> bool:
@@ -110,14 +175,8 @@ def _per_expert_names(stacked_name: str, num_experts: int) -> list[str]:
     return [f"{base}.{j}.{proj}.weight" for j in range(num_experts)]
 
 
-def _loaded_names(name: str, index: int | slice | None, target: nn.Parameter) -> list[str]:
-    if index is None and _is_stacked_experts(name):   # stacked form in the checkpoint
-        return _per_expert_names(name, target.shape[0])
+def _names_covered(name: str, part: int | None, target: nn.Parameter, model: nn.Module) -> list[str]:
+    if part is None and _is_stacked_experts(name):   # stacked form in the checkpoint
+        router = model.get_parameter(name.rsplit(".experts.", 1)[0] + ".gate.weight")
+        return _per_expert_names(name, router.shape[0])
     return [name]
-
-
-def _copy(target: nn.Parameter, index: int | slice | None, tensor: torch.Tensor, raw: str) -> None:
-    dst = target.data if index is None else target.data[index]
-    if tuple(dst.shape) != tuple(tensor.shape):
-        raise ValueError(f"tensor {raw!r} has shape {tuple(tensor.shape)}, the model expects {tuple(dst.shape)}")
-    dst.copy_(tensor.to(dtype=dst.dtype))

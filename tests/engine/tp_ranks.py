@@ -1,0 +1,173 @@
+"""Runs a function on tp ranks (spawned processes, gloo over 127.0.0.1) and the packed forwards the tensor-parallel
+tests compare: every rank builds its shard and a tp-1 copy of the same weights, runs the same steps on both and
+checks its shard against the tp-1 copy (logits and its slice of every state pool)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from service.engine.cache.pools import PoolSizes, StatePools
+from service.engine.config import ModelConfig
+from service.engine.distributed.parallel import ParallelContext, RankShapes
+from service.engine.kernels import get_kernels
+from service.engine.model.nemotron_h import NemotronHForCausalLM
+from service.engine.model.weights import load_weights
+from service.engine.request import Request, SamplingParams
+from service.engine.runner.batch import ForwardBatch, build_forward_batch
+from service.engine.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+
+PAGE_SIZE = 4
+# A packed multi-step workload: per step, (request, first position, tokens). Mixed prompt lengths; request 1's
+# prefill is chunked over two steps; step 1 mixes decodes, that chunk and a new prompt; step 2 decodes only.
+PROMPT_LENS = (40, 34, 8, 14)   # tokens fed: 23, 31, 5, 12
+STEPS = (((0, 0, 21), (1, 0, 13), (2, 0, 3)),
+         ((0, 21, 1), (1, 13, 17), (2, 3, 1), (3, 0, 11)),
+         ((0, 22, 1), (1, 30, 1), (2, 4, 1), (3, 11, 1)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(fn, tp: int, *args) -> None:
+    """fn(parallel, *args) on tp ranks; a rank's exception fails the call (the other ranks are ended)."""
+    mp.spawn(_entry, args=(fn, tp, free_port(), args), nprocs=tp, join=True)
+
+
+def _entry(rank: int, fn, tp: int, port: int, args: tuple) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp,
+                            timeout=timedelta(seconds=120))
+    try:
+        fn(ParallelContext(tp=tp, ep=1, rank=rank, group=dist.group.WORLD), *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def with_ep(parallel: ParallelContext, ep: int) -> ParallelContext:
+    return ParallelContext(tp=parallel.tp, ep=ep, rank=parallel.rank, group=parallel.group)
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def make_pools(cfg: ModelConfig, shapes: RankShapes, dtype: torch.dtype = torch.float32,
+               device: str = "cpu") -> StatePools:
+    """Pools sized for this rank: its KV heads, conv channels and Mamba heads."""
+    sizes = PoolSizes(num_kv_pages=64, num_live_slots=len(PROMPT_LENS), num_snapshot_slots=0)
+    return StatePools(sizes, PAGE_SIZE, len(cfg.attention_layer_ids), shapes.kv_heads, cfg.head_dim,
+                      len(cfg.mamba_layer_ids), shapes.conv_dim, cfg.conv_kernel, shapes.mamba_heads,
+                      cfg.mamba_head_dim, cfg.ssm_state_size, dtype, torch.device(device))
+
+
+def step_batches(cfg: ModelConfig, pools: StatePools, device: str = "cpu") -> list[ForwardBatch]:
+    """The ForwardBatches of STEPS (built by the runner's batch builder; every token's logits are asked for)."""
+    reqs = [Request(f"r{i}", ids, SamplingParams(max_tokens=1), i) for i, ids in enumerate(prompts(cfg.vocab_size))]
+    for r in reqs:
+        r.page_ids = pools.pages.alloc(-(-len(r.prompt_token_ids) // PAGE_SIZE))
+        r.live_slot = pools.live.alloc()
+    out = []
+    for step in STEPS:
+        sched = SchedulerOutput(tuple(ScheduledRequest(reqs[i], p, n, True, ()) for i, p, n in step), (), (), ())
+        out.append(build_forward_batch(sched, PAGE_SIZE, cfg.chunk_size, torch.device(device)))
+    return out
+
+
+def run_steps(model: NemotronHForCausalLM, pools: StatePools, batches: list[ForwardBatch]) -> list[torch.Tensor]:
+    """The model's forward over every step: logits [T, vocab] fp32 of every token."""
+    out = []
+    for b in batches:
+        idx = torch.arange(b.input_ids.shape[0], device=b.input_ids.device)
+        out.append(model(b.input_ids, b.attn, b.mamba, idx, pools.kv, pools.conv, pools.ssm))
+    return out
+
+
+@torch.inference_mode()
+def run_layerwise(model: NemotronHForCausalLM, pools: StatePools, batches: list[ForwardBatch]
+                  ) -> list[list[torch.Tensor]]:
+    """The same steps one layer at a time (`run_layers(lid, lid + 1)`): per step, the residual stream h after the
+    embedding and after each layer."""
+    out = []
+    for b in batches:
+        x, h = model.embed(b.input_ids)
+        hs = [h]
+        for lid in range(len(model.backbone.layers)):
+            x, h = model.run_layers(x, h, lid, lid + 1, b.attn, b.mamba, pools.kv, pools.conv, pools.ssm)
+            hs.append(h)
+        out.append(hs)
+    return out
+
+
+def pool_slices(cfg: ModelConfig, s: RankShapes, whole: StatePools) -> dict[str, torch.Tensor]:
+    """The tp-1 pools cut to what rank `s` holds: KV heads, conv channels (x, B, C of its heads and groups), heads."""
+    P, N = cfg.mamba_head_dim, cfg.ssm_state_size
+    di, gn = cfg.mamba_intermediate, cfg.n_groups * N
+    x0, g0 = s.mamba_head_start * P, s.mamba_group_start * N
+    chans = torch.cat([torch.arange(x0, x0 + s.mamba_intermediate),
+                       di + torch.arange(g0, g0 + s.mamba_groups * N),
+                       di + gn + torch.arange(g0, g0 + s.mamba_groups * N)])
+    return {"kv": whole.kv[:, :, :, s.kv_head_start:s.kv_head_start + s.kv_heads],
+            "conv": whole.conv[:, :, chans.to(whole.conv.device)],
+            "ssm": whole.ssm[:, :, s.mamba_head_start:s.mamba_head_start + s.mamba_heads]}
+
+
+def build(cfg: ModelConfig, path: str, parallel: ParallelContext, kernel_backend: str, device: str,
+          dtype: torch.dtype) -> NemotronHForCausalLM:
+    with torch.device(device):
+        m = NemotronHForCausalLM(cfg, get_kernels(kernel_backend), parallel).to(dtype)
+    load_weights(m, path, cfg.tie_word_embeddings, parallel)
+    return m.eval()
+
+
+def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a.float() - b.float()).abs().max().item()
+
+
+def compare(parallel: ParallelContext, path: str, eps: tuple[int, ...], kernel_backend: str = "torch",
+            device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    """This rank's shard of the checkpoint at `path` (for each ep) vs the tp-1 model over STEPS, as
+    name -> max abs difference: `ep{e}/logits`, `ep{e}/logprobs`, `ep{e}/argmax` (rows whose greedy token differs),
+    `ep{e}/kv|conv|ssm` (its pools vs its slice of the tp-1 pools after the full forward), and
+    `ep{e}/layer{i}{letter}` / `ep{e}/embed` (the residual stream after that layer, run one layer at a time)."""
+    cfg = ModelConfig.from_model_path(path)
+    ref_model = build(cfg, path, ParallelContext(), kernel_backend, device, dtype)
+
+    def passes(model: NemotronHForCausalLM):
+        pools = [make_pools(cfg, model.shapes, dtype, device) for _ in range(2)]
+        logits = run_steps(model, pools[0], step_batches(cfg, pools[0], device))
+        return logits, pools[0], run_layerwise(model, pools[1], step_batches(cfg, pools[1], device))
+    ref_logits, ref_pools, ref_layers = passes(ref_model)
+    out: dict[str, float] = {}
+    for ep in eps:
+        model = build(cfg, path, with_ep(parallel, ep), kernel_backend, device, dtype)
+        logits, pools, layers = passes(model)
+        k = f"ep{ep}/"
+        out[k + "logits"] = max(_max_err(a, b) for a, b in zip(ref_logits, logits))
+        out[k + "logprobs"] = max(_max_err(a.log_softmax(-1), b.log_softmax(-1)) for a, b in zip(ref_logits, logits))
+        out[k + "argmax"] = float(sum((a.argmax(-1) != b.argmax(-1)).sum().item() for a, b in zip(ref_logits, logits)))
+        mine = {"kv": pools.kv, "conv": pools.conv, "ssm": pools.ssm}
+        for name, want in pool_slices(cfg, model.shapes, ref_pools).items():
+            out[k + name] = _max_err(mine[name], want)
+        names = ["embed"] + [f"layer{i}{t}" for i, t in enumerate(cfg.layer_types)]
+        for j, name in enumerate(names):
+            out[k + name] = max(_max_err(a[j], b[j]) for a, b in zip(ref_layers, layers))
+    return out
+
+
+def report(parallel: ParallelContext, paths: dict[str, str], eps: tuple[int, ...], out_dir: str,
+           kernel_backend: str = "torch", device: str = "cpu") -> None:
+    """`compare` for every checkpoint (name -> path); writes rank{r}.json: {checkpoint: {check: difference}}."""
+    result = {name: compare(parallel, path, eps, kernel_backend, device) for name, path in paths.items()}
+    with open(os.path.join(out_dir, f"rank{parallel.rank}.json"), "w") as f:
+        json.dump(result, f)
