@@ -1,4 +1,4 @@
-"""`build_app(args)`: the Ray Serve application (DESIGN §5) — an OpenAI ingress deployment in front of
+"""`build_app(args)`: the Ray Serve application (docs/design.md: Serving) — an OpenAI ingress deployment in front of
 N engine replicas, routed by the prefix-aware `RequestRouter` (or Serve's default router).
 
 Used by `hybrid-serve serve`, by tests (`serve.run(build_app({...}))`) and by the Helm chart's

@@ -1,4 +1,4 @@
-"""The engine deployment: one Ray Serve replica wrapping one `AsyncEngine` (DESIGN §5).
+"""The engine deployment: one Ray Serve replica wrapping one `AsyncEngine` (docs/design.md: Serving).
 
 The ingress calls `generate(prompt_token_ids, sampling_params, request_id)` through a streaming
 DeploymentHandle; the prefix-aware router reads `prompt_token_ids` (the first argument) to route.

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP ingress (DESIGN §5): `/v1/models`, `/v1/completions`,
+"""The OpenAI-compatible HTTP ingress (docs/design.md: Serving): `/v1/models`, `/v1/completions`,
 `/v1/chat/completions` (SSE streaming and not), `/health`.
 
 The ingress validates the body (`service.openai.protocol`), renders the chat template, tokenizes,

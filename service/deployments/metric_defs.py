@@ -1,4 +1,4 @@
-"""The registry of every Prometheus metric the service exports (DESIGN §6).
+"""The registry of every Prometheus metric the service exports (docs/design.md: Metrics).
 
 Pure data: the deployments create the live metrics from it, the Helm chart's dashboard and alert
 tests check their queries against it. Names are the Prometheus names as stored: Ray's metrics agent

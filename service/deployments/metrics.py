@@ -1,4 +1,4 @@
-"""Live Prometheus metrics, created from the registry in `metric_defs` (DESIGN §6).
+"""Live Prometheus metrics, created from the registry in `metric_defs` (docs/design.md: Metrics).
 
 They are Ray Serve metrics (`ray.serve.metrics`), so they carry the replica's `deployment`, `replica`
 and `application` labels and leave the process through Ray's metrics agent. The agent prefixes

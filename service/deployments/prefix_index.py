@@ -1,5 +1,5 @@
 """The prefix-aware router's brain, free of Ray: an approximate per-replica index of cached prefix
-blocks and the scoring rule that picks a replica (DESIGN §5).
+blocks and the scoring rule that picks a replica (docs/design.md: Serving).
 
 A prompt is cut into blocks of `block_size_tokens` (the engine's snapshot grid G) and hashed with
 `chained_block_hashes`, so hash k names the whole prefix of k+1 blocks. Each replica's index is an

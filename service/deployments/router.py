@@ -1,4 +1,4 @@
-"""Prefix-aware Ray Serve `RequestRouter` for the engine deployment (DESIGN §5).
+"""Prefix-aware Ray Serve `RequestRouter` for the engine deployment (docs/design.md: Serving).
 
 Runs inside whichever process holds the engine's DeploymentHandle (the OpenAI ingress). For a
 `generate(prompt_token_ids, ...)` call it hashes the prompt's blocks (block = the engine's snapshot

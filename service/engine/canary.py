@@ -1,4 +1,4 @@
-"""Accuracy canary (DESIGN §6): is the prefix cache still equal to no cache, on this replica, now?
+"""Accuracy canary (docs/design.md: Metrics): is the prefix cache still equal to no cache, on this replica, now?
 
 - `pinned_canary`: a pinned prompt is run warm (packed behind a decoy request of unaligned length, the
   case that broke SGLang), then again so it resumes from a snapshot, then cold with the cache bypassed.

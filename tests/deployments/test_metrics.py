@@ -1,4 +1,4 @@
-"""Every DESIGN §6 engine and router metric on Ray's metrics endpoint, parsed with prometheus_client's
+"""Every engine and router metric (docs/design.md: Metrics) on Ray's metrics endpoint, parsed with prometheus_client's
 text parser; prefix-cache hit tokens grow after repeated prompts."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Async scheduling (DESIGN §4): the next plain decode step is launched before the current step's tokens are read.
+"""Async scheduling (docs/design.md: Scheduler and runner): the next plain decode step is launched before the current step's tokens are read.
 
 Oracle: the same engine with `async_scheduling=False` (one step at a time, every token read before the next
 step is scheduled), and for cached states a cold prefill of exactly the tokens a snapshot is keyed by."""

@@ -28,7 +28,7 @@ def load_fixture(name: str) -> dict[str, Any]:
 
 
 def tiny(**over: Any) -> dict[str, Any]:
-    """A small, valid NemotronH config.json dict (finite time_step_limit as DESIGN §2 asks)."""
+    """A small, valid NemotronH config.json dict (with a finite time_step_limit: transformers writes infinity as a non-JSON object)."""
     base: dict[str, Any] = {
         "model_type": "nemotron_h", "vocab_size": 64, "hidden_size": 32, "hybrid_override_pattern": "M*E-M",
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,

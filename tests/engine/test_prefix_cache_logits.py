@@ -1,4 +1,4 @@
-"""Prefix cache, logits level: outputs with the cache equal outputs without it (DESIGN §3, §8)."""
+"""Prefix cache, logits level: outputs with the cache equal outputs without it (docs/design.md: Prefix cache, Testing)."""
 from __future__ import annotations
 
 import os

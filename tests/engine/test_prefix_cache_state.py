@@ -1,4 +1,4 @@
-"""Prefix cache, state level: every published snapshot equals a cold run of its prefix (DESIGN §3, §8)."""
+"""Prefix cache, state level: every published snapshot equals a cold run of its prefix (docs/design.md: Prefix cache, Testing)."""
 from __future__ import annotations
 
 import pytest

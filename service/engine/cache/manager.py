@@ -1,6 +1,6 @@
 """Hybrid cache manager: pages, live slots and the mamba radix cache behind one interface.
 
-Strategies (DESIGN §3): `off` (no prefix cache), `no_buffer` (page_size 1; the live state is
+Strategies (docs/design.md: Prefix cache): `off` (no prefix cache), `no_buffer` (page_size 1; the live state is
 published when a request finishes), `extra_buffer` (snapshots on the grid G = lcm(chunk, page):
 the last grid point of each extend, the branching point, and every `track_interval` decode tokens).
 

@@ -1,4 +1,4 @@
-"""Memory pools: paged KV pages (ref-counted) and mamba state slots (DESIGN §3).
+"""Memory pools: paged KV pages (ref-counted) and mamba state slots (docs/design.md: Prefix cache).
 
 Page ids index the KV tensor `[L_attn, 2, num_pages * page_size, Hkv, Dh]`; page 0 is a reserved
 scratch page (padding target), never handed out. Slot ids index the mamba tensors

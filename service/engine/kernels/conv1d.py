@@ -3,7 +3,7 @@
 Request i's input is conceptually `ext_i = [conv_state_i (K-1 columns) | x_i (l_i columns)]`; token j of
 request i reads `ext_i[j : j+K]`. The conv state after r new tokens is `ext_i[r : r+K-1]`, i.e. the raw
 pre-conv inputs at absolute positions [p_i + r - (K-1), p_i + r), falling back to the initial state
-columns near the start of the extend (DESIGN §3, conv window rule).
+columns near the start of the extend (docs/design.md: Chunk-aligned SSD, conv window).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Chunk-aligned packed (varlen) SSD scan for Mamba-2 prefill, and the decode recurrence.
 
-The contract the prefix cache relies on (DESIGN §3): in a packed batch no chunk spans two requests
+The contract the prefix cache relies on (docs/design.md: Chunk-aligned SSD): in a packed batch no chunk spans two requests
 and chunk ends fall on *absolute* multiples of `chunk_size` C. Request i with `p_i` tokens already
 in its state and `l_i` new tokens gets a first chunk of `min(C - p_i % C, l_i)` tokens when
 `p_i % C != 0`, then full chunks (the last may be short). The scan returns the state at every chunk

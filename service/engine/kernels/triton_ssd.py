@@ -1,7 +1,7 @@
 """Triton chunk-aligned varlen SSD (Mamba-2 prefill) and the decode recurrence.
 
 Same signatures and semantics as `ssd.ssd_varlen_ref` / `ssd.selective_state_update_ref`; the chunk
-decomposition is the caller's `ChunkLayout` (DESIGN §3): no chunk spans two requests and chunk ends
+decomposition is the caller's `ChunkLayout` (docs/design.md: Chunk-aligned SSD): no chunk spans two requests and chunk ends
 fall on absolute multiples of C, so `chunk_states[k]` is exactly the state a snapshot needs.
 
 `ssd_varlen` runs four launches:

@@ -21,7 +21,7 @@ class AttentionMeta:
 
 @dataclass(frozen=True)
 class SnapshotPlan:
-    """States to copy into snapshot slots during this forward (DESIGN §3)."""
+    """States to copy into snapshot slots during this forward (docs/design.md: Slot protocol)."""
     req_idx: torch.Tensor           # [n] int64: batch index of the request
     num_new_tokens: torch.Tensor    # [n] int64: r = s - p_i, tokens of this extend before the snapshot point
     chunk_idx: torch.Tensor         # [n] int64: chunk whose end state is the snapshot (prefill path)

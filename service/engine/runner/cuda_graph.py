@@ -1,4 +1,4 @@
-"""CUDA-graph capture and replay of decode-only steps (DESIGN §4).
+"""CUDA-graph capture and replay of decode-only steps (docs/design.md: Scheduler and runner).
 
 At start, the model's forward for a decode-only batch is captured once per batch-size bucket (largest first, one
 shared memory pool). A step whose requests all decode one token, all sample and take no snapshot, and that fits a

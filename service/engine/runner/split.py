@@ -1,4 +1,4 @@
-"""Splitting one scheduled step into its plain decode rows and the rest (DESIGN §4).
+"""Splitting one scheduled step into its plain decode rows and the rest (docs/design.md: Scheduler and runner).
 
 A step that mixes prefill chunks with decodes cannot be replayed from a CUDA graph as a whole (the varlen SSD
 layout depends on the prefill lengths), but its plain decode rows can: requests are independent (own KV pages,
