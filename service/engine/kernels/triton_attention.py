@@ -50,9 +50,8 @@ class DecodeTiles:
     min_split: int = 128          # fewest keys per split (rounded up to a multiple of block_n)
 
 
-# Launch shapes the `tune` benchmark compares at decode sizes (the GPU tests check each); the first is the default.
-# Default = the best of the H200 tune run of 2026-11-30 (B=128 ctx 1K 66 %, B=256 ctx 2K 79 % of copy bandwidth;
-# the previous default (64, 4, 5) reached 53 % / 57 %).
+# Launch shapes the `tune` benchmark compares at decode sizes (the GPU tests check each); the first is the default,
+# the fastest measured on H200 (see benchmarks/RESULTS.md).
 DECODE_TILE_VARIANTS = (DecodeTiles(), DecodeTiles(64, 4, 5), DecodeTiles(128, 8, 5, min_split=256),
                         DecodeTiles(64, 4, 5, programs=132, min_split=512),
                         DecodeTiles(64, 4, 5, programs=2 * TARGET_PROGRAMS, min_split=64))

@@ -41,7 +41,7 @@ class ArrivalCounters:
     """The triton bundle's persistent arrival counters: one zero-initialised int32 buffer of `slots` elements per
     device, shared by every split-K GEMV (`linear`, the norm + linear ops) and multi-program router (`moe_route`)
     the bundle launches, so that no launch zero-fills a fresh counter buffer (in a CUDA graph a memset node per
-    launch, ~2 us, which also breaks the programmatic-dependent-launch chain between the Triton kernels).
+    launch, which also breaks the programmatic-dependent-launch chain between the Triton kernels).
 
     Invariant (why one buffer serves every launch): (1) the launches that use it are serialised: one stream, or
     streams ordered by wait_stream/events (the decode graphs warm up on a side stream ordered with the main one);
@@ -103,9 +103,8 @@ class ArrivalCounters:
 
 def triton_kernels(counters: ArrivalCounters | None = None, fuse_norm_linear: bool = False) -> Kernels:
     """The bundle; counters None gives it a fresh `ArrivalCounters`. fuse_norm_linear: a single row's norm + linear
-    ops run as one launch (`triton_norm_gemv`); off by default: on the H200 the fused batch-1 step replayed in
-    2.759 ms against 2.420 ms unfused (benchmarks/RESULTS.md, fourth session), the per-program norm prologue costs
-    more than the launches it saves."""
+    ops run as one launch (`triton_norm_gemv`); off by default: the per-program norm prologue costs more than the
+    launches it saves (measured on H200, see benchmarks/RESULTS.md)."""
     counters = counters if counters is not None else ArrivalCounters()
     bundle = Kernels(
         name="triton",

@@ -5,7 +5,7 @@ PDL (Hopper+): a kernel launched with `launch_pdl=True` may start while the kern
 running, as soon as every program of that one has called `griddepcontrol.launch_dependents` (or exited). Our PDL
 kernels call `pdl_wait` before their first read of anything an earlier kernel may write (activations, state pools,
 KV pages, scratch; before it they read only weights and write nothing) and `pdl_release` after their loads
-(releasing first thing let a whole chain launch and stall: slower on the H200, benchmarks/pdl_bench.py). A kernel
+(releasing first thing lets a whole chain launch and stall, which is slower: benchmarks/pdl_bench.py). A kernel
 after the wait sees every write of the kernel before it, and that one waited for its own predecessor, so the order
 of a plain stream holds. As every PDL kernel releases only after its own wait, when a kernel starts all kernels
 before its predecessor have finished: data written two or more launches earlier is final even before the wait

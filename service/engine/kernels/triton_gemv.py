@@ -167,7 +167,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N, K, k_split,
     pid_n, pid_k, offs_n, mn, w_rows, k_lo = program_block(w_ptr, N, K, k_split, BLOCK_N)
     acc0, acc1, acc2, acc3 = dot_tiles(w_rows, x_ptr, s_x, k_lo, tl.minimum(k_lo + k_split, K), K, ROWS, EVEN_K,
                                        PREFETCH, BLOCK_N, BLOCK_K, PDL)
-    pdl_release(PDL)        # after the loads (H200: 7.9 -> 7.5 us per 20 MB GEMV in a chain; at start: 8.5 us)
+    pdl_release(PDL)        # after the loads: releasing at the start lets dependents launch and stall
     _emit_row(tl.sum(acc0, axis=1), 0, pid_k, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS, HAS_BIAS, SPLIT_K)
     if ROWS > 1:
         _emit_row(tl.sum(acc1, axis=1), 1, pid_k, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS, HAS_BIAS,
@@ -196,8 +196,7 @@ class GemvTiles:
 # Launch shapes the `gemv` benchmark compares per Nano-30B-A3B shape (N, K); the GPU tests check every one.
 _WIDE = (GemvTiles(8, 256, 4), GemvTiles(8, 256, 4, False), GemvTiles(16, 128, 4), GemvTiles(8, 512, 4),
          GemvTiles(32, 128, 8), GemvTiles(16, 256, 8), GemvTiles(4, 1024, 4, False))
-# First of each = default: the H200 run of 2026-11-30 measured GemvTiles(4, 512, 4) fastest on every short/long-K shape
-# (q_proj 8.1, shared up 7.4, out_proj 8.3, shared down 8.0 us vs cuBLAS 9.3-9.6 us); on the wide shapes cuBLAS ties.
+# The first of each is the default (measured on H200, see benchmarks/RESULTS.md); on the wide shapes cuBLAS ties.
 _SHORT_K = (GemvTiles(4, 512, 4), GemvTiles(8, 256, 4, False), GemvTiles(8, 256, 4), GemvTiles(8, 128, 4, True, 3),
             GemvTiles(16, 128, 4, True, 3), GemvTiles(8, 256, 4, True, 2), GemvTiles(4, 1024, 4, False))
 _LONG_K = (GemvTiles(4, 512, 4), GemvTiles(8, 512, 4, False), GemvTiles(8, 512, 4), GemvTiles(8, 512, 4, True, 2),
@@ -307,15 +306,15 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     return F.linear(x, weight, bias)
 
 
-# Up to this the GEMV runs single rows: with PDL it beat cuBLAS on mamba in_proj too (27.7 M: 15.7 vs 16.6 us per
-# 55 MB in a chain of 16, H200, benchmarks/pdl_bench.py); lm_head (352 M) stays on cuBLAS (102 % of copy bandwidth).
+# Up to this the GEMV runs single rows, mamba in_proj (27.7 M) included; lm_head (352 M) stays on cuBLAS, which
+# streams it at copy bandwidth (measured on H200 with benchmarks/pdl_bench.py, see benchmarks/RESULTS.md).
 MAX_GEMV_WEIGHT_ELEMENTS = 32 * 2 ** 20
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            counters: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` for x [..., K]: a single row (batch-1 decode) on a weight of <= MAX_GEMV_WEIGHT_ELEMENTS runs
-    `gemv` (one launch; cuBLAS picks split-K + a reduce kernel there and was 13-22 % slower on the H200), every
+    `gemv` (one launch; cuBLAS picks split-K + a reduce kernel there, which is slower), every
     other case cuBLAS. Chosen by shape alone. counters: `gemv`'s persistent split-K arrival counters (or None)."""
     K = x.shape[-1]
     if (x.numel() == K and weight.numel() <= MAX_GEMV_WEIGHT_ELEMENTS and x.dtype == weight.dtype

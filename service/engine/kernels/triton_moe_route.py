@@ -229,16 +229,16 @@ def route_tiles(T: int, e_pad: int, d: int, dtype: torch.dtype) -> RouteTiles:
     """T <= 8 (decode): "fma", 256-wide K slices and e_pad / 16 experts per program (Nano: 16 x 11 = 176 programs,
     8 KB of W each, every load in flight at once). Larger T: "bf16x3" for bf16 h ("ieee" otherwise) on 16/32/64-token
     blocks; K split so that there are about TARGET_PROGRAMS programs while the last program of a token block sums
-    at most 64K partial logits; bf16 h above 64 tokens takes the tiles measured fastest on the H200 (Nano: T=256 ->
-    16 x 2 x 14 programs, T=8192 -> 64 x 2 x 1)."""
+    at most 64K partial logits; bf16 h above 64 tokens takes the tiles measured fastest (Nano: T=256 ->
+    16 x 2 x 14 programs, T=8192 -> 64 x 2 x 1; measured on H200, see benchmarks/RESULTS.md)."""
     if T <= 8:
         bt = triton.next_power_of_2(T)
         bk = max(32, 256 // bt)
         return RouteTiles("fma", bt, max(8, e_pad // 16), bk, 256 // bk, 4)
     mode = "bf16x3" if dtype == torch.bfloat16 else "ieee"
     steps = triton.cdiv(d, 64)
-    if mode == "bf16x3" and T > 64:     # the H200 run of 2026-11-30 (Nano): T=256 16 x 64 tiles, 3 K steps per
-        if T <= 512:                    # slice 42 us (32 x 64 x 6: 69 us); T=8192 128 x 64, whole K 102 us (165 us)
+    if mode == "bf16x3" and T > 64:     # up to 512 tokens: 16 x 64 tiles, 3 K steps per slice;
+        if T <= 512:                    # above: 128 x 64 tiles over the whole K
             n_ks = max(1, min(triton.cdiv(steps, 3), 65536 // (16 * e_pad)))
             return RouteTiles(mode, 16, min(64, e_pad), 64, triton.cdiv(steps, n_ks), 4)
         return RouteTiles(mode, 128, min(64, e_pad), 64, steps, 8)
