@@ -30,7 +30,11 @@ RUN pip install "ray[serve]==${RAY_VERSION}" .
 # The embedded model, written once at build time so every Ray node serves identical weights.
 RUN hybrid-serve make-tiny-model /opt/hybrid-serve/models/tiny
 
+# Non-root, and nothing written outside $HOME and /tmp at run time (the chart mounts both as emptyDirs
+# under a read-only root filesystem): bytecode was compiled at install.
 USER 1000
+ENV HOME=/home/ray \
+    PYTHONDONTWRITEBYTECODE=1
 WORKDIR /home/ray
 EXPOSE 8000 8265 6379 10001 8080
 ENTRYPOINT ["/usr/bin/tini", "--"]

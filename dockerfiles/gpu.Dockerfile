@@ -38,7 +38,11 @@ COPY service ./service
 RUN pip install "ray[serve]==${RAY_VERSION}" . \
  && hybrid-serve --help >/dev/null
 
+# Non-root, and nothing written outside $HOME and /tmp at run time (the chart mounts both as emptyDirs
+# under a read-only root filesystem): bytecode was compiled at install.
 USER 1000
+ENV HOME=/home/ray \
+    PYTHONDONTWRITEBYTECODE=1
 WORKDIR /home/ray
 # serve (OpenAI API), Ray dashboard, GCS, Ray client, Ray metrics agent
 EXPOSE 8000 8265 6379 10001 8080

@@ -30,6 +30,7 @@ class Image:
     runs: tuple[str, ...]          # RUN shell commands, in order
     copies: tuple[tuple[str, ...], ...]  # COPY sources (last item: destination)
     user: str                      # final USER
+    env: dict[str, str]            # ENV name -> value (later ENV lines win)
     exposed: frozenset[int]        # EXPOSE ports
     cmd: tuple[str, ...]           # exec-form CMD
 
@@ -50,6 +51,7 @@ def read_image(path: Path) -> Image:
         runs=tuple(c.value[0] for c in commands if c.cmd == "RUN"),
         copies=tuple(c.value for c in commands if c.cmd == "COPY"),
         user=[c.value[0] for c in commands if c.cmd == "USER"][-1],
+        env={k: v for c in commands if c.cmd == "ENV" for k, v in zip(c.value[::2], c.value[1::2])},
         exposed=frozenset(int(p) for c in commands if c.cmd == "EXPOSE" for p in c.value),
         cmd=cmds[0].value,
     )

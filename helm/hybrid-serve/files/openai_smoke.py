@@ -1,7 +1,8 @@
 """`helm test` smoke check: the OpenAI endpoint lists a model and completes one chat request.
 
 Standard library only (runs in any image with python3). Env: OPENAI_BASE_URL (e.g.
-http://NAME-openai.NS.svc:8000), SMOKE_TIMEOUT_S (seconds to wait for the model to come up).
+http://NAME-openai.NS.svc:8000), SMOKE_TIMEOUT_S (seconds to wait for the model to come up),
+OPENAI_API_KEY_FILE (optional: the API keys file; its first key is sent as a Bearer token).
 Exit code 0 on success, 1 with a reason on stderr otherwise."""
 from __future__ import annotations
 
@@ -13,10 +14,26 @@ import urllib.error
 import urllib.request
 
 
+def api_key() -> str | None:
+    """The first key of OPENAI_API_KEY_FILE (one key per line, # comments), if that variable is set."""
+    path = os.environ.get("OPENAI_API_KEY_FILE")
+    if not path:
+        return None
+    with open(path, encoding="utf-8") as f:
+        keys = [ln.strip() for ln in f if ln.strip() and not ln.strip().startswith("#")]
+    if not keys:
+        raise RuntimeError(f"{path} holds no API key")
+    return keys[0]
+
+
 def call(url: str, body: dict | None, timeout_s: float) -> tuple[int, dict]:
     """One HTTP request; returns (status, parsed JSON body or {"raw": text})."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    key = api_key()
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, data=data, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             status, text = resp.status, resp.read().decode()

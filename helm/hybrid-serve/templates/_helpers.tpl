@@ -21,6 +21,11 @@
 {{- printf "%s-openai" (include "hybrid-serve.fullname" .) -}}
 {{- end -}}
 
+{{/* The Secret holding the API keys file (auth.existingSecret or the one the chart generates). */}}
+{{- define "hybrid-serve.apiKeysSecretName" -}}
+{{- default (printf "%s-api-keys" (include "hybrid-serve.fullname" .)) .Values.auth.existingSecret -}}
+{{- end -}}
+
 {{- define "hybrid-serve.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "hybrid-serve.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
@@ -105,6 +110,10 @@ argument (pageSize -> page_size); null keeps the engine's default. Whole numbers
 {{- end -}}
 {{- $r := .Values.router -}}
 {{- $_ := set $args "router" (dict "kind" $r.kind "w_prefix" $r.wPrefix "w_load" $r.wLoad "max_load_imbalance" (int $r.maxLoadImbalance) "index_capacity_blocks" (int $r.indexCapacityBlocks)) -}}
+{{- if .Values.auth.enabled }}{{ $_ := set $args "api_keys_file" (printf "%s/%s" (trimSuffix "/" .Values.auth.mountPath) .Values.auth.secretKey) }}{{ end -}}
+{{- $limits := dict -}}
+{{- range $k, $v := .Values.limits }}{{ $_ := set $limits (snakecase $k) (ternary nil (int $v) (kindIs "invalid" $v)) }}{{ end -}}
+{{- $_ := set $args "limits" $limits -}}
 {{- $c := .Values.canary -}}
 {{- $_ := set $args "canary" (dict "enabled" $c.enabled "interval_s" $c.intervalSeconds "audit_sample_rate" $c.auditSampleRate) -}}
 {{- toYaml $args -}}
@@ -151,12 +160,28 @@ livenessProbe:
   failureThreshold: {{ int $l.failureThreshold }}
 {{- end -}}
 
-{{/* Volumes shared by head and workers: /dev/shm and the weights PVC. */}}
+{{/* Volumes of head and workers: /dev/shm, the writable scratch dirs of a read-only root filesystem, the
+weights PVC; workers (where the OpenAI ingress replica runs) also mount the API keys Secret. */}}
 {{- define "hybrid-serve.volumes" -}}
 - name: dshm
   emptyDir:
     medium: Memory
     sizeLimit: {{ .shm }}
+- name: tmp
+  emptyDir:
+    sizeLimit: {{ .root.Values.scratch.tmpSizeLimit }}
+- name: home
+  emptyDir:
+    sizeLimit: {{ .root.Values.scratch.homeSizeLimit }}
+{{- if and .apiKeys .root.Values.auth.enabled }}
+- name: api-keys
+  secret:
+    secretName: {{ include "hybrid-serve.apiKeysSecretName" .root }}
+    defaultMode: 0440
+    items:
+      - key: {{ .root.Values.auth.secretKey }}
+        path: {{ .root.Values.auth.secretKey }}
+{{- end }}
 {{- if .root.Values.weights.enabled }}
 - name: weights
   persistentVolumeClaim:
@@ -168,9 +193,18 @@ livenessProbe:
 {{- define "hybrid-serve.volumeMounts" -}}
 - name: dshm
   mountPath: /dev/shm
-{{- if .Values.weights.enabled }}
+- name: tmp
+  mountPath: /tmp
+- name: home
+  mountPath: /home/ray
+{{- if .root.Values.weights.enabled }}
 - name: weights
-  mountPath: {{ .Values.weights.mountPath }}
+  mountPath: {{ .root.Values.weights.mountPath }}
+  readOnly: true
+{{- end }}
+{{- if and .apiKeys .root.Values.auth.enabled }}
+- name: api-keys
+  mountPath: {{ .root.Values.auth.mountPath }}
   readOnly: true
 {{- end }}
 {{- end -}}
