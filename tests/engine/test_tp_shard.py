@@ -175,11 +175,12 @@ def test_bias_variant_matches_transformers(tp_paths):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_two_ranks_on_one_gpu_triton(tp_paths, tmp_path):
     """Two ranks on cuda:0 over gloo with the triton kernels, ep 1 and 2, the three checkpoints: logits and pools
-    agree with the triton tp-1 model (fp32; tf32 GEMMs, hence 2e-2) and greedy tokens are identical."""
+    agree with the triton tp-1 model within 1e-3 (fp32; other GEMM shapes and reduction orders) and greedy tokens are
+    identical wherever tp 1's top two logits are more than 0.05 apart."""
     tp_ranks.spawn(tp_ranks.report, 2, tp_paths, (1, 2), str(tmp_path), "triton", "cuda:0")
     for r in range(2):
         with open(tmp_path / f"rank{r}.json") as f:
             rep = json.load(f)
         for ckpt, checks in rep.items():
-            assert all(checks[f"ep{e}/argmax"] == 0 for e in (1, 2)), (ckpt, checks)
-            assert max(v for k, v in checks.items() if not k.endswith("argmax")) <= 2e-2, (ckpt, checks)
+            assert all(checks[f"ep{e}/argmax_clear"] == 0 for e in (1, 2)), (ckpt, checks)
+            assert max(v for k, v in checks.items() if "argmax" not in k) <= 1e-3, (ckpt, checks)

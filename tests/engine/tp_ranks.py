@@ -129,6 +129,14 @@ def build(cfg: ModelConfig, path: str, parallel: ParallelContext, kernel_backend
     return m.eval()
 
 
+CLEAR_MARGIN = 0.05      # a row whose top-2 logits differ by more than this has an unambiguous greedy token
+
+
+def _margin(logits: torch.Tensor) -> torch.Tensor:
+    top2 = logits.topk(2, dim=-1).values
+    return top2[:, 0] - top2[:, 1]
+
+
 def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     assert a.shape == b.shape, (a.shape, b.shape)
     return (a.float() - b.float()).abs().max().item()
@@ -137,7 +145,8 @@ def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def compare(parallel: ParallelContext, path: str, eps: tuple[int, ...], kernel_backend: str = "torch",
             device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """This rank's shard of the checkpoint at `path` (for each ep) vs the tp-1 model over STEPS, as
-    name -> max abs difference: `ep{e}/logits`, `ep{e}/logprobs`, `ep{e}/argmax` (rows whose greedy token differs),
+    name -> max abs difference: `ep{e}/logits`, `ep{e}/logprobs`, `ep{e}/argmax` (rows whose greedy token differs;
+    `argmax_clear`: those of them where tp 1's top-2 logits are more than CLEAR_MARGIN apart),
     `ep{e}/kv|conv|ssm` (its pools vs its slice of the tp-1 pools after the full forward), and
     `ep{e}/layer{i}{letter}` / `ep{e}/embed` (the residual stream after that layer, run one layer at a time)."""
     cfg = ModelConfig.from_model_path(path)
@@ -156,6 +165,8 @@ def compare(parallel: ParallelContext, path: str, eps: tuple[int, ...], kernel_b
         out[k + "logits"] = max(_max_err(a, b) for a, b in zip(ref_logits, logits))
         out[k + "logprobs"] = max(_max_err(a.log_softmax(-1), b.log_softmax(-1)) for a, b in zip(ref_logits, logits))
         out[k + "argmax"] = float(sum((a.argmax(-1) != b.argmax(-1)).sum().item() for a, b in zip(ref_logits, logits)))
+        out[k + "argmax_clear"] = float(sum(((a.argmax(-1) != b.argmax(-1)) & (_margin(a) > CLEAR_MARGIN)).sum().item()
+                                            for a, b in zip(ref_logits, logits)))
         mine = {"kv": pools.kv, "conv": pools.conv, "ssm": pools.ssm}
         for name, want in pool_slices(cfg, model.shapes, ref_pools).items():
             out[k + name] = _max_err(mine[name], want)

@@ -51,12 +51,21 @@ class ParallelContext:
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """Concatenation of every rank's x along dim, in rank order (x itself at tp 1). x: same shape on all ranks."""
+        """Concatenation of every rank's x along dim, in rank order (x itself at tp 1). x: same shape on all ranks.
+        gloo has no all-gather of CUDA tensors: there (two ranks sharing a GPU in tests) each rank places x in a
+        zero buffer at its own index and the buffers are all-reduced (sums with zeros are exact)."""
         if self.tp == 1:
             return x
         self._need_group()
-        parts = [torch.empty_like(x) for _ in range(self.tp)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        x = x.contiguous()
+        if x.is_cuda and dist.get_backend(self.group) == "gloo":
+            buf = torch.zeros((self.tp, *x.shape), dtype=x.dtype, device=x.device)
+            buf[self.rank] = x
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
+            parts = list(buf.unbind(0))
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.tp)]
+            dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=dim)
 
 
