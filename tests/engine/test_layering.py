@@ -44,3 +44,9 @@ def test_layer_direction():
 def test_checker_sees_imports(tmp_path):
     (tmp_path / "x.py").write_text("import ray.serve\nfrom service.engine.model import y\n")
     assert _violations(tmp_path, ("ray",)) and _violations(tmp_path, ("service.engine.model",))
+
+
+def test_parallel_context_imports_only_config():
+    """layers/ and model/ import distributed/parallel.py; it must not import them (nor the runner) back."""
+    names = _imports(ENGINE / "distributed" / "parallel.py")
+    assert [n for n in names if n.startswith("service.")] == ["service.engine.config"]

@@ -9,6 +9,7 @@ ep = 1 and ep = tp on all three; the tests read its per-rank reports."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -184,3 +185,25 @@ def test_two_ranks_on_one_gpu_triton(tp_paths, tmp_path):
         for ckpt, checks in rep.items():
             assert all(checks[f"ep{e}/argmax_clear"] == 0 for e in (1, 2)), (ckpt, checks)
             assert max(v for k, v in checks.items() if "argmax" not in k) <= 1e-3, (ckpt, checks)
+
+
+def test_sharded_checkpoint_loads_the_same_slices(tp_paths, tmp_path):
+    """A checkpoint transformers writes in many shards (model.safetensors.index.json) gives every rank the same
+    parameters, read in the same amounts, as the single-file one."""
+    transformers = pytest.importorskip("transformers")
+    single = tp_paths["latent_g1_c8"]
+    sharded = str(tmp_path / "sharded")
+    transformers.NemotronHForCausalLM.from_pretrained(single, dtype=torch.float32).save_pretrained(
+        sharded, max_shard_size="200KB")
+    with open(os.path.join(sharded, "model.safetensors.index.json")) as f:
+        assert len(set(json.load(f)["weight_map"].values())) >= 3
+    cfg = ModelConfig.from_model_path(single)
+    for r in range(2):
+        par = ParallelContext(tp=2, ep=2, rank=r)
+        models, stats = [], []
+        for path in (single, sharded):
+            models.append(NemotronHForCausalLM(cfg, get_kernels("torch"), par))
+            stats.append(load_weights(models[-1], path, cfg.tie_word_embeddings, par))
+        assert stats[0] == stats[1]
+        b = dict(models[1].named_parameters())
+        assert all(torch.equal(p, b[n]) for n, p in models[0].named_parameters())

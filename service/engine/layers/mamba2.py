@@ -68,7 +68,8 @@ class Mamba2Mixer(nn.Module):
 
     def _mix(self, zxbcdt: torch.Tensor, meta: MambaMeta, conv_pool: torch.Tensor, ssm_pool: torch.Tensor,
              k: Kernels) -> torch.Tensor:
-        """in_proj's output [T, in_proj_dim] -> the layer's output [T, hidden]."""
+        """in_proj's output [T, in_proj_dim] (this rank's rows) -> the layer's output [T, hidden], summed over the
+        ranks."""
         T = zxbcdt.shape[0]
         z, xbc, dt = zxbcdt.split([self.di, self.conv_dim, self.num_heads], dim=-1)
         weight = self.conv1d.weight[:, 0, :]                                     # [D, K]
