@@ -29,6 +29,7 @@ from service.deployments.args import AppArgs
 from service.deployments.choices import ChoiceOptions, ChoiceState
 from service.deployments.engine_deployment import GenerateChunk
 from service.deployments.gate import RequestGate, request_shape
+from service.deployments.openapi_doc import document_openai_routes
 from service.engine import SamplingParams
 from service.engine.tokenizer import Tokenizer
 from service.openai import reasoning
@@ -97,6 +98,7 @@ class OpenAIIngress:
         app.add_api_route("/v1/completions", self._guard(self.completions), methods=["POST"])
         app.add_api_route("/health", self.health, methods=["GET"])
         self._gate.install(app)   # API keys on /v1/*, per-key limits on the generation routes
+        document_openai_routes(app)   # request/response/error schemas in /openapi.json
         return app
 
     @staticmethod
