@@ -25,6 +25,7 @@ from ray import serve
 
 from service.deployments.args import AppArgs
 from service.deployments.metrics import CanaryMetrics, EngineMetrics
+from service.deployments.pool_audit import audit_pools, resident_memory_bytes
 from service.engine import AsyncEngine, SamplingParams
 from service.engine.canary import CanaryCheck, audit_hit, pinned_canary, pinned_prompts
 
@@ -121,10 +122,15 @@ class EngineDeployment:
         """Static facts the ingress needs (max_model_len, snapshot grid)."""
         return {"max_model_len": self._max_model_len, "snapshot_grid_tokens": self._grid_tokens}
 
-    async def stats(self) -> dict[str, Any]:
-        """The engine's counters and gauges (as of its last step), plus this replica's id and actor name."""
+    async def stats(self, audit: bool = False) -> dict[str, Any]:
+        """The engine's counters and gauges (as of its last step), plus this replica's id, actor name and
+        resident memory; with `audit`, also who holds the pools and check_integrity's verdict (`pool_audit`)."""
         replica = serve.get_replica_context().replica_id
-        return {**self._engine.stats(), "replica_id": replica.unique_id, "replica_actor_name": replica.to_full_id_str()}
+        out = {**self._engine.stats(), "replica_id": replica.unique_id, "replica_actor_name": replica.to_full_id_str(),
+               "rss_bytes": resident_memory_bytes()}
+        if audit:
+            out["pool_audit"] = await self._engine.inspect(audit_pools)
+        return out
 
     # ---- Serve hooks ----
     async def record_replica_metadata(self) -> dict[str, Any]:

@@ -12,13 +12,14 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
-from typing import AsyncIterator, Callable, Sequence
+from typing import AsyncIterator, Callable, Sequence, TypeVar
 
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.request import RequestOutput, SamplingParams
 
 log = logging.getLogger("hybrid_serve.engine")
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -93,6 +94,10 @@ class AsyncEngine:
 
     async def check_integrity(self) -> None:
         await self._call(self.engine.check_integrity)
+
+    async def inspect(self, fn: Callable[[Engine], T]) -> T:
+        """`fn(engine)` on the engine thread between steps (introspection; `fn` must not change state)."""
+        return await self._call(lambda: fn(self.engine))
 
     async def shutdown(self, drain_timeout_s: float = 30.0) -> None:
         """Stops accepting requests, lets running ones finish (up to drain_timeout_s), stops the loop."""
