@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import tp_ranks
 from helpers import full_prefill_logits, make_engine, random_ids
@@ -207,3 +209,28 @@ def test_sharded_checkpoint_loads_the_same_slices(tp_paths, tmp_path):
         assert stats[0] == stats[1]
         b = dict(models[1].named_parameters())
         assert all(torch.equal(p, b[n]) for n, p in models[0].named_parameters())
+
+
+def test_stacked_expert_checkpoint_loads_the_same_slices(tp_paths, tmp_path):
+    """Experts stored stacked (`experts.up_proj` [E, I, d]) load into every rank's layout exactly as the per-expert
+    `experts.{j}.up_proj.weight` tensors do (ep 1: intermediate slices; ep = tp: whole experts)."""
+    src = tp_paths["tiny"]
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    stacked = {n: t for n, t in tensors.items() if ".experts." not in n}
+    layers = sorted({n.split(".experts.")[0] for n in tensors if ".experts." in n})
+    for base in layers:
+        for proj in ("up_proj", "down_proj"):
+            n = sum(1 for k in tensors if k.startswith(base + ".experts.") and k.endswith(proj + ".weight"))
+            stacked[f"{base}.experts.{proj}"] = torch.stack([tensors[f"{base}.experts.{j}.{proj}.weight"]
+                                                             for j in range(n)])
+    dst = tmp_path / "stacked"
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("model.safetensors"))
+    save_file(stacked, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = ModelConfig.from_model_path(src)
+    for ep in (1, 2):
+        par = ParallelContext(tp=2, ep=ep, rank=1)
+        a, b = (NemotronHForCausalLM(cfg, get_kernels("torch"), par) for _ in range(2))
+        load_weights(a, src, cfg.tie_word_embeddings, par)
+        load_weights(b, str(dst), cfg.tie_word_embeddings, par)
+        pb = dict(b.named_parameters())
+        assert all(torch.equal(p, pb[n]) for n, p in a.named_parameters())

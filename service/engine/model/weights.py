@@ -66,15 +66,7 @@ def load_weights(model: nn.Module, model_path: str, tie_word_embeddings: bool = 
     """Copies this rank's slice of every checkpoint tensor into `model` (casting to the parameter's dtype/device).
     parallel: the context `model` was built with (checked; None: the model's)."""
     _check_parallel(model, parallel)
-    return _load(model, _checkpoint_tensors(model_path), f"checkpoint {model_path!r}", tie_word_embeddings)
-
-
-def load_from_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], tie_word_embeddings: bool = False
-                      ) -> LoadStats:
-    """The same as `load_weights` from in-memory tensors under checkpoint names (e.g. a tp-1 model's state dict:
-    its fused and stacked parameters are taken whole)."""
-    items = [(name, lambda t=t: (tuple(t.shape), lambda index: t[index])) for name, t in tensors.items()]
-    return _load(model, iter([items]), "the tensors", tie_word_embeddings)
+    return _load(model, _checkpoint_tensors(model_path), model_path, tie_word_embeddings)
 
 
 def _checkpoint_tensors(model_path: str):
@@ -87,7 +79,9 @@ def _checkpoint_tensors(model_path: str):
             yield [(raw, lambda raw=raw: opener(raw)) for raw in f.keys()]
 
 
-def _load(model: nn.Module, files, what: str, tie_word_embeddings: bool) -> LoadStats:
+def _load(model: nn.Module, files, model_path: str, tie_word_embeddings: bool) -> LoadStats:
+    """files: per checkpoint file, its (name, opener) pairs (`_checkpoint_tensors`); each tensor goes to its
+    parameter's loader, which reads only this rank's part."""
     parts = _checkpoint_parts(model)
     part_targets = {param_name for param_name, _, _ in parts.values()}   # loaded only through their parts
     params = {name: p for name, p in model.named_parameters() if name not in part_targets}
@@ -112,7 +106,7 @@ def _load(model: nn.Module, files, what: str, tie_word_embeddings: bool) -> Load
             seen.update(_names_covered(name, part, target, model))
     missing = sorted(expected - seen)
     if missing or unexpected:
-        raise ValueError(f"{what} does not match the model: "
+        raise ValueError(f"checkpoint {model_path!r} does not match the model: "
                          f"missing tensors {missing[:50]}{' ...' if len(missing) > 50 else ''}; "
                          f"unexpected tensors {sorted(unexpected)[:50]}")
     if tie_word_embeddings:
