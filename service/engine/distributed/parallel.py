@@ -5,10 +5,10 @@
 `rank_shapes` gives the per-rank view of `ModelConfig` (heads, groups, experts, vocab this rank holds, and where its
 slice starts in the whole model) that the layers build their parameters from and the pools are sized from.
 
-Sharding rules (docs/design.md: Tensor and expert parallelism): attention heads split (KV heads replicated when tp > num_key_value_heads); Mamba heads
-split, groups split (n_groups % tp == 0) or each group replicated on the ranks holding its heads (tp % n_groups ==
-0); experts either intermediate-split (ep == 1) or spread whole (ep == tp); dense MLP and shared expert
-intermediate-split; vocabulary split into tp equal (padded) parts."""
+Sharding rules (docs/design.md: Tensor and expert parallelism): attention heads split (KV heads replicated when
+tp > num_key_value_heads); Mamba heads split, groups split (n_groups % tp == 0) or each group replicated on the ranks
+holding its heads (tp % n_groups == 0); experts either intermediate-split (ep == 1) or spread whole (ep == tp); dense
+MLP and shared expert intermediate-split; vocabulary split into tp equal (padded) parts."""
 from __future__ import annotations
 
 from dataclasses import dataclass

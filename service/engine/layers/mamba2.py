@@ -1,4 +1,5 @@
-"""Mamba-2 mixer on slot-indexed conv/SSM state pools (docs/design.md: The model, Prefix cache), split over tensor-parallel ranks by heads.
+"""Mamba-2 mixer on slot-indexed conv/SSM state pools (docs/design.md: The model, Prefix cache), split over
+tensor-parallel ranks by heads.
 
 Each rank holds its heads' z, x and dt rows of `in_proj` and the B/C rows of its groups (split when n_groups % tp
 == 0, else the one group of its heads, replicated on the tp / n_groups ranks that hold its heads); `conv1d` the same

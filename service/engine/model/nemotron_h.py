@@ -6,10 +6,10 @@ Module names equal the HF checkpoint names under `backbone.` so weights load by 
 `qkv_proj`, which the loader fills from the checkpoint's `q_proj`/`k_proj`/`v_proj` as its segments
 (`Attention.checkpoint_parts`).
 
-Under tensor parallelism (`ParallelContext`, docs/design.md: Tensor and expert parallelism) every rank builds the model from its `rank_shapes` view and
-runs the same forward on the same tokens: each mixer returns its output summed over the ranks (one all-reduce per
-layer), so the residual stream h is replicated; the embedding and lm_head are vocabulary-parallel and the logits
-are all-gathered, so every rank returns the full-vocabulary logits."""
+Under tensor parallelism (`ParallelContext`, docs/design.md: Tensor and expert parallelism) every rank builds the
+model from its `rank_shapes` view and runs the same forward on the same tokens: each mixer returns its output summed
+over the ranks (one all-reduce per layer), so the residual stream h is replicated; the embedding and lm_head are
+vocabulary-parallel and the logits are all-gathered, so every rank returns the full-vocabulary logits."""
 from __future__ import annotations
 
 import torch
