@@ -10,6 +10,7 @@ import threading
 from typing import Any
 
 from service.deployments.args import AppArgs
+from service.deployments.auth import API_KEYS_ENV
 from service.deployments.limits import LimitArgs
 from service.engine.config import EngineConfig
 from service.engine.settings import add_setting_arguments, settings_from_namespace
@@ -50,13 +51,16 @@ def app_args_from_cli(ns: argparse.Namespace) -> dict[str, Any]:
     return args
 
 
-def _usage_text(host: str, port: int, model: str, metrics_port: int | None) -> str:
+def _usage_text(host: str, port: int, model: str, metrics_port: int | None, keyed: bool) -> str:
     base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-    return (f"\nhybrid-serve is up: {base}/v1 (model '{model}')\n\n"
-            f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+    auth = ' -H "Authorization: Bearer $KEY"' if keyed else ""
+    return (f"\nhybrid-serve is up: {base}/v1 (model '{model}')"
+            f"{'; API keys on: set KEY to one of them' if keyed else '; no API keys: the endpoint is open'}\n\n"
+            f"  curl {base}/v1/chat/completions{auth} -H 'Content-Type: application/json' \\\n"
             f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
             f"\"max_tokens\": 32}}'\n\n"
-            f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='none'); "
+            f"  python -c \"import os; from openai import OpenAI; "
+            f"c = OpenAI(base_url='{base}/v1', api_key=os.environ.get('KEY', 'none')); "
             f"print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hello'}}], "
             f"max_tokens=32).choices[0].message)\"\n\n"
             f"  metrics (ray_hybrid_serve_*): "
@@ -85,7 +89,8 @@ def run_serve(ns: argparse.Namespace) -> int:
         serve.start(http_options={"host": ns.host, "port": ns.port})
         serve.run(build_app(app_args.model_dump(mode="json")), name=APP_NAME, route_prefix=app_args.route_prefix)
         model = app_args.served_model_name or os.path.basename(app_args.model_path.rstrip("/"))
-        print(_usage_text(ns.host, ns.port, model, None if joined else ns.metrics_port), flush=True)
+        keyed = bool(app_args.api_keys_file or os.environ.get(API_KEYS_ENV))
+        print(_usage_text(ns.host, ns.port, model, None if joined else ns.metrics_port, keyed), flush=True)
         while not stop.wait(0.5):
             pass
         print("shutting down: draining in-flight requests ...", flush=True)

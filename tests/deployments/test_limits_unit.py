@@ -94,3 +94,18 @@ def test_per_request_caps_name_the_limit(shape_kw, param, limit):
     got_param, got_limit, message = cap_violation(limits, RequestShape(**{**base, **shape_kw}))
     assert (got_param, got_limit) == (param, limit) and f"{limit}=" in message
     assert RequestShape(**base).reserved_tokens == 100 + 64 * 2
+
+
+def test_serve_flags_reach_the_app_args(tmp_path):
+    from service.cli import build_parser
+    from service.deployments.args import AppArgs
+    from service.deployments.serve_cli import app_args_from_cli
+
+    ns = build_parser().parse_args(["serve", "--model-path", str(tmp_path), "--api-keys-file", "/run/keys",
+                                    "--limit-requests-per-minute", "60", "--limit-max-n", "2",
+                                    "--limit-max-stop-strings", "4"])
+    args = AppArgs.model_validate(app_args_from_cli(ns))
+    assert args.api_keys_file == "/run/keys"
+    assert args.limits == LimitArgs(requests_per_minute=60, max_n=2, max_stop_strings=4)
+    default = AppArgs.model_validate(app_args_from_cli(build_parser().parse_args(["serve", "--model-path", "m"])))
+    assert default.api_keys_file is None and default.limits == LimitArgs()
