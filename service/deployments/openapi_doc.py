@@ -21,6 +21,9 @@ from service.openai.protocol import (
 _ERROR_STATUSES = {"400": "Invalid request, or a per-request cap exceeded", "401": "Missing or wrong API key",
                    "404": "Unknown model", "413": "Request body too large",
                    "429": "A per-key limit exceeded (see Retry-After)", "503": "Overloaded or no engine replica"}
+# One server-sent event (stream: true): `data` is a JSON chunk (or an OpenAI error object), the last one [DONE].
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
 _EXAMPLES = {ChatCompletionRequest: {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8},
              CompletionRequest: {"prompt": "The weather is", "max_tokens": 8}}
 # path -> (method, request model or None, JSON success model, whether the route streams SSE)
@@ -45,7 +48,7 @@ def openai_paths() -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     for path, (method, request, response, streams) in _ROUTES.items():
         ok = _json(refs[(response, "serialization")])
         if streams:
-            ok["text/event-stream"] = {"schema": {"type": "string"}}
+            ok["text/event-stream"] = {"schema": _SSE_EVENT}
         op: dict[str, Any] = {
             "responses": {"200": {"description": "Success", "content": ok},
                           **{code: {**error, "description": why} for code, why in _ERROR_STATUSES.items()},

@@ -113,7 +113,7 @@ def test_schemathesis_bounded(fuzz_app):
 
 @pytest.mark.slow
 def test_schemathesis_long(fuzz_app):
-    run_schemathesis(fuzz_app, FUZZ_EXAMPLES_LONG)
+    print("schemathesis statuses:", run_schemathesis(fuzz_app, FUZZ_EXAMPLES_LONG))
     assert_alive(fuzz_app)
 
 
