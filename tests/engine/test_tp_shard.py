@@ -4,8 +4,8 @@ model computes, and each rank holds and reads only its slices.
 The oracle is the tp-1 model, itself checked against transformers (test_parity.py; the bias variant below).
 Checkpoints: the embedded tiny model (n_groups 2: groups split at tp 2, replicated at tp 4), transformers'
 `latent_g1_c8` (latent MoE, n_groups 1: replicated everywhere) and `bias_latent_g4` (biases on every linear, latent
-MoE, n_groups 4 split at tp 2 and 4, vocabulary 250 that tp 4 does not divide). One spawn of tp ranks per tp runs
-ep = 1 and ep = tp on all three; the tests read its per-rank reports."""
+MoE, n_groups 4 split at tp 2 and 4, vocabulary 250 that tp 4 does not divide). One spawn of 4 ranks runs tp 2
+(ranks 0-1) and tp 4, each with ep = 1 and ep = tp, on all three; the tests read its per-rank reports."""
 from __future__ import annotations
 
 import json
@@ -34,17 +34,22 @@ def tp_paths(tiny_model_dir, hf_checkpoints) -> dict[str, str]:
             "bias_latent_g4": hf_checkpoints["bias_latent_g4"]}
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda tp: f"tp{tp}")
-def tp_reports(request, tp_paths, tmp_path_factory) -> tuple[int, list[dict]]:
-    """(tp, per-rank {checkpoint: {check: max abs difference to tp 1}}) for ep = 1 and ep = tp."""
-    tp = request.param
-    out = tmp_path_factory.mktemp(f"tp{tp}")
-    tp_ranks.spawn(tp_ranks.report, tp, tp_paths, (1, tp), str(out))
+@pytest.fixture(scope="module")
+def tp_runs(tp_paths, tmp_path_factory) -> dict[int, list[dict]]:
+    """tp -> per-rank {checkpoint: {check: max abs difference to tp 1}} for ep = 1 and ep = tp, tp 2 and 4, from one
+    spawn of 4 ranks (tp 2 runs on ranks 0 and 1 in their own process group)."""
+    out = tmp_path_factory.mktemp("tp")
+    tp_ranks.spawn(tp_ranks.report, 4, tp_paths, (2, 4), str(out))
     reports = []
-    for r in range(tp):
+    for r in range(4):
         with open(out / f"rank{r}.json") as f:
             reports.append(json.load(f))
-    return tp, reports
+    return {tp: [rep[str(tp)] for rep in reports[:tp]] for tp in (2, 4)}
+
+
+@pytest.fixture(params=[2, 4], ids=lambda tp: f"tp{tp}")
+def tp_reports(request, tp_runs) -> tuple[int, list[dict]]:
+    return request.param, tp_runs[request.param]
 
 
 def _checks(reports: list[dict], ckpt: str, prefix: str) -> dict[str, float]:
@@ -180,10 +185,10 @@ def test_two_ranks_on_one_gpu_triton(tp_paths, tmp_path):
     """Two ranks on cuda:0 over gloo with the triton kernels, ep 1 and 2, the three checkpoints: logits and pools
     agree with the triton tp-1 model within 1e-3 (fp32; other GEMM shapes and reduction orders) and greedy tokens are
     identical wherever tp 1's top two logits are more than 0.05 apart."""
-    tp_ranks.spawn(tp_ranks.report, 2, tp_paths, (1, 2), str(tmp_path), "triton", "cuda:0")
+    tp_ranks.spawn(tp_ranks.report, 2, tp_paths, (2,), str(tmp_path), "triton", "cuda:0")
     for r in range(2):
         with open(tmp_path / f"rank{r}.json") as f:
-            rep = json.load(f)
+            rep = json.load(f)["2"]
         for ckpt, checks in rep.items():
             assert all(checks[f"ep{e}/argmax_clear"] == 0 for e in (1, 2)), (ckpt, checks)
             assert max(v for k, v in checks.items() if "argmax" not in k) <= 1e-3, (ckpt, checks)

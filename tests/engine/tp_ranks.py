@@ -176,9 +176,15 @@ def compare(parallel: ParallelContext, path: str, eps: tuple[int, ...], kernel_b
     return out
 
 
-def report(parallel: ParallelContext, paths: dict[str, str], eps: tuple[int, ...], out_dir: str,
+def report(world: ParallelContext, paths: dict[str, str], tps: tuple[int, ...], out_dir: str,
            kernel_backend: str = "torch", device: str = "cpu") -> None:
-    """`compare` for every checkpoint (name -> path); writes rank{r}.json: {checkpoint: {check: difference}}."""
-    result = {name: compare(parallel, path, eps, kernel_backend, device) for name, path in paths.items()}
-    with open(os.path.join(out_dir, f"rank{parallel.rank}.json"), "w") as f:
+    """For each tp in tps, on world ranks [0, tp) (their own process group): `compare` with ep = 1 and ep = tp for
+    every checkpoint (name -> path). Writes rank{r}.json: {tp: {checkpoint: {check: difference}}}."""
+    result = {}
+    for tp in tps:
+        group = world.group if tp == world.tp else dist.new_group(list(range(tp)))   # every rank joins the call
+        if world.rank < tp:
+            par = ParallelContext(tp=tp, ep=1, rank=world.rank, group=group)
+            result[tp] = {name: compare(par, path, (1, tp), kernel_backend, device) for name, path in paths.items()}
+    with open(os.path.join(out_dir, f"rank{world.rank}.json"), "w") as f:
         json.dump(result, f)
