@@ -24,15 +24,24 @@ from loadtests.workloads import multi_turn_sessions, shared_prefix_workload
 
 @dataclass(frozen=True)
 class RequestResult:
-    """Measurements of one streamed chat completion."""
-    ttft_s: float | None             # request start -> first content/reasoning delta
-    itl_s: tuple[float, ...]         # gaps between consecutive deltas
+    """Measurements of one streamed completion or chat completion."""
+    ttft_s: float | None             # request start -> first event carrying a choice
+    itl_s: tuple[float, ...]         # gaps between consecutive choice events (one event may hold several tokens)
     e2e_s: float                     # request start -> [DONE]
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
-    text: str                        # content (reasoning excluded)
+    text: str                        # completion text, or chat content (reasoning excluded)
     error: str | None = None         # error message when the request failed
+    num_chunks: int = 0              # choice events received
+    finish_reason: str | None = None # the last finish_reason seen
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first: (e2e - ttft) / (completion_tokens - 1)."""
+        if self.ttft_s is None or self.completion_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.completion_tokens - 1)
 
 
 @dataclass
@@ -46,6 +55,10 @@ class Summary:
     ttft: dict[str, float] = field(default_factory=dict)
     itl: dict[str, float] = field(default_factory=dict)
     e2e: dict[str, float] = field(default_factory=dict)
+    tpot: dict[str, float] = field(default_factory=dict)
+    output_tokens: int = 0
+    tokens_per_chunk: float = 0.0    # completion tokens / choice events (1.0: one event per token)
+    first_error: str | None = None
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
@@ -56,50 +69,76 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
 
 
-async def stream_chat(client: httpx.AsyncClient, model: str, messages: list[dict[str, str]], max_tokens: int,
-                      temperature: float = 0.0, extra: dict[str, Any] | None = None) -> RequestResult:
-    """One streamed chat completion, measured."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
-            "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
+def _choice_text(choice: dict[str, Any]) -> str:
+    """Completion text, or chat content; reasoning counts as output for timing but not as text."""
+    if "delta" in choice:
+        return choice["delta"].get("content") or ""
+    return choice.get("text") or ""
+
+
+async def stream_request(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> RequestResult:
+    """One streamed `/completions` or `/chat/completions` request (`stream` and `include_usage` are set here),
+    measured: every SSE event with a choice counts as a chunk."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    ttft, last, gaps, text, usage = None, start, [], [], {}
-    async with client.stream("POST", "/chat/completions", json=body) as resp:
-        if resp.status_code != 200:
-            detail = (await resp.aread()).decode(errors="replace")
-            return RequestResult(None, (), time.perf_counter() - start, 0, 0, 0, "", f"HTTP {resp.status_code}: {detail}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[len("data: "):])
-            if "error" in event:
-                return RequestResult(ttft, tuple(gaps), time.perf_counter() - start, 0, 0, 0, "".join(text),
-                                     event["error"].get("message", "error"))
-            usage = event.get("usage") or usage
-            for choice in event.get("choices", []):
-                delta = choice.get("delta", {})
-                if delta.get("content") or delta.get("reasoning_content"):
+    ttft, last, gaps, text, usage, chunks, finish = None, start, [], [], {}, 0, None
+    try:
+        async with client.stream("POST", path, json=body) as resp:
+            if resp.status_code != 200:
+                detail = (await resp.aread()).decode(errors="replace")
+                return RequestResult(None, (), time.perf_counter() - start, 0, 0, 0, "",
+                                     f"HTTP {resp.status_code}: {detail}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: "):])
+                if "error" in event:
+                    return RequestResult(ttft, tuple(gaps), time.perf_counter() - start, 0, 0, 0, "".join(text),
+                                         event["error"].get("message", "error"), chunks, finish)
+                usage = event.get("usage") or usage
+                choices = event.get("choices") or []
+                if choices:
                     now = time.perf_counter()
                     if ttft is None:
                         ttft = now - start
                     else:
                         gaps.append(now - last)
-                    last = now
-                    text.append(delta.get("content") or "")
+                    last, chunks = now, chunks + 1
+                for choice in choices:
+                    text.append(_choice_text(choice))
+                    finish = choice.get("finish_reason") or finish
+    except httpx.HTTPError as exc:
+        return RequestResult(ttft, tuple(gaps), time.perf_counter() - start, 0, 0, 0, "".join(text),
+                             f"{type(exc).__name__}: {exc}", chunks, finish)
     details = usage.get("prompt_tokens_details") or {}
     return RequestResult(ttft, tuple(gaps), time.perf_counter() - start, usage.get("prompt_tokens", 0),
-                         details.get("cached_tokens", 0), usage.get("completion_tokens", 0), "".join(text))
+                         details.get("cached_tokens", 0), usage.get("completion_tokens", 0), "".join(text),
+                         None, chunks, finish)
+
+
+async def stream_chat(client: httpx.AsyncClient, model: str, messages: list[dict[str, str]], max_tokens: int,
+                      temperature: float = 0.0, extra: dict[str, Any] | None = None) -> RequestResult:
+    """One streamed chat completion, measured."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
+            **(extra or {})}
+    return await stream_request(client, "/chat/completions", body)
 
 
 def summarize(results: list[RequestResult], duration_s: float) -> Summary:
     ok = [r for r in results if r.error is None]
     prompt = sum(r.prompt_tokens for r in ok)
+    output = sum(r.completion_tokens for r in ok)
+    chunks = sum(r.num_chunks for r in ok)
     return Summary(
         num_requests=len(results), num_errors=len(results) - len(ok), duration_s=duration_s,
-        output_tokens_per_s=sum(r.completion_tokens for r in ok) / duration_s if duration_s > 0 else 0.0,
+        output_tokens_per_s=output / duration_s if duration_s > 0 else 0.0,
         cache_hit_ratio=sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
         ttft=_percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
         itl=_percentiles([g for r in ok for g in r.itl_s]),
-        e2e=_percentiles([r.e2e_s for r in ok]))
+        e2e=_percentiles([r.e2e_s for r in ok]),
+        tpot=_percentiles([t for r in ok if (t := r.tpot_s) is not None]),
+        output_tokens=output, tokens_per_chunk=output / chunks if chunks else 0.0,
+        first_error=next((r.error for r in results if r.error is not None), None))
 
 
 async def bench_shared_prefix(client: httpx.AsyncClient, model: str, groups: int, per_group: int, concurrency: int,

@@ -74,3 +74,15 @@ def multi_turn_sessions(num_sessions: int, turns: int, system_words: int = 100, 
     return [Session(s, f"Session {s}. " + " ".join(rng.choice(_WORDS) for _ in range(system_words)),
                     tuple(f"Turn {t}: " + " ".join(rng.choice(_WORDS) for _ in range(turn_words)) for t in range(turns)))
             for s in range(num_sessions)]
+
+
+def random_token_prompts(num_prompts: int, prompt_tokens: int, token_id_range: tuple[int, int],
+                         seed: int = 0) -> list[list[int]]:
+    """`num_prompts` prompts of `prompt_tokens` ids drawn uniformly from `token_id_range` = [lo, hi)."""
+    if num_prompts < 1 or prompt_tokens < 1:
+        raise ValueError(f"num_prompts and prompt_tokens must be >= 1, got {num_prompts}, {prompt_tokens}")
+    lo, hi = token_id_range
+    if not 0 <= lo < hi:
+        raise ValueError(f"token_id_range must be [lo, hi) with 0 <= lo < hi, got {token_id_range}")
+    rng = random.Random(seed)
+    return [[rng.randrange(lo, hi) for _ in range(prompt_tokens)] for _ in range(num_prompts)]

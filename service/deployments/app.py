@@ -67,6 +67,17 @@ def engine_deployment_options(args: AppArgs) -> dict[str, Any]:
     return options
 
 
+def ingress_deployment_options(args: AppArgs) -> dict[str, Any]:
+    """The OpenAI ingress: it must admit every request the engine deployment can run or queue (Serve's default of
+    5 ongoing requests per replica would hold the rest in the proxy); beyond that the handle answers 503."""
+    engine_replicas = args.max_replicas or args.replicas
+    admitted = (1 + QUEUED_REQUESTS_PER_REPLICA) * args.max_ongoing_requests * engine_replicas
+    return {"name": "openai", "num_replicas": args.ingress_replicas,
+            "max_ongoing_requests": -(-admitted // args.ingress_replicas),
+            "ray_actor_options": {"num_cpus": 0.1}, "graceful_shutdown_timeout_s": ENGINE_GRACEFUL_SHUTDOWN_S,
+            "graceful_shutdown_wait_loop_s": 1.0}
+
+
 def resolve_device(args: AppArgs) -> AppArgs:
     """device="auto" becomes "cuda" when the Ray cluster has GPUs, else "cpu" (so CPU-only clusters never
     ask for GPU resources)."""
@@ -85,7 +96,5 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     app_args = resolve_device(AppArgs.model_validate(args))
     args_dict = app_args.model_dump(mode="json")
     engine = serve.deployment(EngineDeployment).options(**engine_deployment_options(app_args)).bind(args_dict)
-    ingress = serve.deployment(OpenAIIngress).options(
-        name="openai", ray_actor_options={"num_cpus": 0.1}, graceful_shutdown_timeout_s=ENGINE_GRACEFUL_SHUTDOWN_S,
-        graceful_shutdown_wait_loop_s=1.0).bind(engine, args_dict)
+    ingress = serve.deployment(OpenAIIngress).options(**ingress_deployment_options(app_args)).bind(engine, args_dict)
     return ingress

@@ -45,6 +45,10 @@ class DeploymentArgs(BaseModel):
     canary: CanaryArgs = Field(default_factory=CanaryArgs)
     cpus_per_replica: float = Field(1.0, gt=0)
     max_ongoing_requests: int = Field(256, ge=1)   # per engine replica; beyond it requests get 503
+    ingress_replicas: int = Field(1, ge=1)         # OpenAI ingress replicas (HTTP parsing, SSE, routing)
+    # new tokens leave an engine replica in about this many chunks per second over all its streams: each stream
+    # sends every (open streams / this) seconds (at most MAX_STREAM_INTERVAL_S), its first and last token at once
+    stream_chunks_per_s: float = Field(500.0, gt=0)
     route_prefix: str = "/"
     api_keys_file: str | None = Field(
         None, description="file with the accepted API keys, one per line (the keys in HYBRID_SERVE_API_KEYS are "

@@ -34,6 +34,7 @@ logger = logging.getLogger("ray.serve")
 STATS_INTERVAL_S = 1.0            # how often engine.stats() is exported to the metrics
 ROUTING_REPORT_MAX_BLOCKS = 4096  # cached prefix hashes sent per routing-stats report
 HEALTH_TIMEOUT_S = 10.0           # the engine thread must answer a health probe within this
+MAX_STREAM_INTERVAL_S = 0.25      # a running stream sends its new tokens at least this often
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class EngineDeployment:
         self._metrics = EngineMetrics()
         self._canary_metrics = CanaryMetrics()
         self._report_seq = 0
+        self._open_streams = 0   # generate() calls in progress
         self._stats_task: asyncio.Task | None = None
         self._canary_task: asyncio.Task | None = None
         self._audits: set[asyncio.Task] = set()   # in-flight audits of sampled real hits
@@ -93,12 +95,14 @@ class EngineDeployment:
         gaps: list[float] = []
         sent_tokens, sent_text, finished = 0, "", False
         audit = self._caching and random.random() < self._args.canary.audit_sample_rate
-        out = None
+        self._open_streams += 1
         try:
             async for out in self._engine.generate(list(prompt_token_ids), sampling_params, request_id=request_id,
                                                    capture_states=audit):
-                chunk = _delta_chunk(out, sent_tokens, sent_text, len(prompt_token_ids))
                 now = time.perf_counter()
+                if out.finish_reason is None and sent_tokens and now - last < self._stream_interval_s():
+                    continue        # outputs are cumulative: the next chunk carries these tokens too
+                chunk = _delta_chunk(out, sent_tokens, sent_text, len(prompt_token_ids))
                 if chunk.token_ids:
                     if ttft is None:
                         ttft = now - start
@@ -112,11 +116,17 @@ class EngineDeployment:
             finished = True
             yield GenerateChunk(request_id, (), "", None, None, None, len(prompt_token_ids), 0, error=str(exc))
         finally:
+            self._open_streams -= 1
             if not finished:        # cancelled (client went away) or failed mid-stream
                 await asyncio.shield(self._engine.abort(request_id))
             self._metrics.observe_request(ttft, gaps, time.perf_counter() - start)
             if audit:
                 self._start_audit(request_id, list(prompt_token_ids))
+
+    def _stream_interval_s(self) -> float:
+        """Seconds between a stream's chunks: the replica's chunk rate stays near `stream_chunks_per_s` however
+        many streams are open (each chunk costs the same in every process it crosses, whatever it holds)."""
+        return min(MAX_STREAM_INTERVAL_S, self._open_streams / self._args.stream_chunks_per_s)
 
     async def info(self) -> dict[str, Any]:
         """Static facts the ingress needs (max_model_len, snapshot grid)."""

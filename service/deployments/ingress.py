@@ -223,6 +223,16 @@ class OpenAIIngress:
     @staticmethod
     async def _merged(streams: list[OpenStream]) -> AsyncIterator[tuple[int, GenerateChunk]]:
         """(choice index, chunk) from all streams as they arrive; cancels every call when left early."""
+        if len(streams) == 1:      # one choice: read its stream directly (no queue, no pump task)
+            s = streams[0]
+            try:
+                yield s.choice_index, s.first
+                if s.first.finish_reason is None:
+                    async for chunk in s.rest:
+                        yield s.choice_index, chunk
+            finally:
+                s.rest.cancel()
+            return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(s: OpenStream) -> None:

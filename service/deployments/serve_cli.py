@@ -16,7 +16,8 @@ from service.engine.config import EngineConfig
 from service.engine.settings import add_setting_arguments, settings_from_namespace
 
 APP_NAME = "hybrid-serve"
-_DEPLOYMENT_FLAGS = ("served_model_name", "replicas", "reasoning_parser", "tool_call_parser")  # -> AppArgs
+_DEPLOYMENT_FLAGS = ("served_model_name", "replicas", "reasoning_parser", "tool_call_parser",  # -> AppArgs
+                     "ingress_replicas", "stream_chunks_per_s")
 
 
 def add_cli(subparsers: Any) -> None:
@@ -27,6 +28,10 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--replicas", type=int, default=None, help="engine replicas")
     p.add_argument("--reasoning-parser", choices=("nemotron_3",), default=None)
     p.add_argument("--tool-call-parser", choices=("qwen3_coder",), default=None)
+    p.add_argument("--ingress-replicas", type=int, default=None, help="OpenAI ingress replicas")
+    p.add_argument("--stream-chunks-per-s", type=float, default=None,
+                   help="streamed chunks per second an engine replica sends over all its requests (new tokens "
+                        "are coalesced: a request sends every open-requests / this seconds)")
     p.add_argument("--router", choices=("prefix_aware", "default"), default="prefix_aware",
                    help="request router of the engine deployment")
     p.add_argument("--api-keys-file", default=None, help=AppArgs.model_fields["api_keys_file"].description)

@@ -44,6 +44,8 @@ class AsyncEngine:
                        request_id: str | None = None, bypass_cache: bool = False,
                        capture_states: bool = False) -> AsyncIterator[RequestOutput]:
         """Yields cumulative RequestOutputs; the last has finish_reason set. Raises ValueError on bad input.
+        When the caller falls behind the engine, only the latest output is yielded (each one holds everything
+        before it), so a slow consumer costs one item per read, not one per step.
         bypass_cache / capture_states: see `Engine.add_request` (used by the accuracy canary)."""
         if self._stopping:
             raise EngineDeadError("engine is shutting down")
@@ -67,6 +69,8 @@ class AsyncEngine:
                 raise
             while True:
                 item = await sink.get()
+                while not isinstance(item, BaseException) and not item.finished and not sink.empty():
+                    item = sink.get_nowait()
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -141,8 +145,7 @@ class AsyncEngine:
                 log.exception("engine step failed; aborting in-flight requests")
                 self._abort_all(e)
                 continue
-            for out in outputs:
-                self._deliver(out.request_id, out)
+            self._deliver_all(outputs)
             self._stats = self.engine.stats()
 
     def _deliver(self, rid: str, item) -> None:
@@ -150,6 +153,16 @@ class AsyncEngine:
         if sink is not None:
             loop, q = sink
             loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        """One step's outputs: one wake-up per event loop, not one per request."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for out in outputs:
+            sink = self._streams.get(out.request_id)
+            if sink is not None:
+                by_loop.setdefault(sink[0], []).append((sink[1], out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _abort(self, rid: str) -> None:
         out = self.engine.abort(rid)
@@ -160,3 +173,8 @@ class AsyncEngine:
         for rid in list(self.engine.requests):
             self.engine.abort(rid)
             self._deliver(rid, error if error is not None else EngineDeadError("engine shut down"))
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)

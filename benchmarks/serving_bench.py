@@ -1,0 +1,311 @@
+"""Served vs in-process: the same random-token workload through `hybrid-serve serve` (Ray Serve, OpenAI HTTP,
+streaming) and through the engine in this process, in one call; prints both, the ratio, TTFT / TPOT / ITL
+percentiles, errors, host CPU time per generated token of every serving process, and whether Ray's routers
+logged queue-length warnings.
+
+Workloads are `ISL:OSL:PROMPTS:CONCURRENCY` (random prompt token ids, `ignore_eos`, greedy; a closed loop: the
+next request is sent when one finishes). The server is started as a subprocess (`python -m service.cli serve`,
+its own local Ray cluster under a private RAY_TMPDIR) and stopped before the in-process engine is built, so the
+two never share a device.
+
+    # CPU, the embedded tiny model:
+    PYTHONPATH=. python benchmarks/serving_bench.py --model tiny --device cpu --kernel-backend torch \\
+        --workload 64:64:64:32
+    # GPU, a Nano-shaped 8-layer model (MEM*EMEM, random bf16 weights, the embedded tokenizer):
+    PYTHONPATH=. python benchmarks/serving_bench.py --model nano --device cuda --kernel-backend triton \\
+        --workload 128:256:512:256 --workload 1024:1024:256:256
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import httpx
+
+if __package__ in (None, ""):   # run as a script: the repository root is the import root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.serving_procs import ServeProcess, cpu_delta_by_role, cpu_seconds_by_pid, own_cpu_seconds  # noqa: E402
+from loadtests.bench_client import RequestResult, Summary, stream_request, summarize  # noqa: E402
+from loadtests.workloads import random_token_prompts  # noqa: E402
+
+ENDPOINTS = {"completions": "/completions", "chat": "/chat/completions"}
+NANO_OVERRIDES = {   # Nemotron-3 Nano 30B-A3B shapes (tests/engine/fixtures/nano_30b_a3b_config.json), 8 layers
+    "hidden_size": 2688, "hybrid_override_pattern": "MEM*EMEM", "mamba_num_heads": 64, "mamba_head_dim": 64,
+    "n_groups": 8, "ssm_state_size": 128, "chunk_size": 128, "expand": 2, "num_attention_heads": 32,
+    "num_key_value_heads": 2, "head_dim": 128, "n_routed_experts": 128, "num_experts_per_tok": 6,
+    "moe_intermediate_size": 1856, "moe_shared_expert_intermediate_size": 3712, "intermediate_size": 1856,
+    "routed_scaling_factor": 2.5, "initializer_range": 0.02, "torch_dtype": "bfloat16",
+    "max_position_embeddings": 8192, "time_step_limit": [0.0, 1e9],
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    isl: int              # prompt tokens
+    osl: int              # output tokens (ignore_eos)
+    num_prompts: int
+    concurrency: int      # requests in flight at most
+
+    @classmethod
+    def parse(cls, text: str) -> "Workload":
+        parts = text.split(":")
+        if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"--workload must be ISL:OSL:PROMPTS:CONCURRENCY (positive ints), got {text!r}")
+        return cls(*map(int, parts))
+
+    @property
+    def label(self) -> str:
+        return f"{self.isl}in/{self.osl}out x{self.num_prompts} c{self.concurrency}"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One workload on one endpoint, with its prompts (token ids as the engine sees them)."""
+    workload: Workload
+    endpoint: str                     # "completions" | "chat"
+    bodies: list[dict]                # HTTP request bodies (without model / stream fields)
+    engine_prompts: list[list[int]]   # the same prompts as token ids (chat: template applied and encoded)
+
+
+# ---------------------------------------------------------------- model folders
+def write_model(kind: str, out_dir: str, nano_experts: int) -> str:
+    """The embedded tiny model, or a Nano-shaped 8-layer model with random bf16 weights and the embedded
+    tokenizer; an existing folder is reused."""
+    from service.engine.model import tiny  # noqa: PLC0415
+
+    if os.path.exists(os.path.join(out_dir, "config.json")):
+        return out_dir
+    partial = out_dir + ".partial"
+    tiny.make_tiny_model(partial)                  # tokenizer files (and the tiny model's weights)
+    if kind == "nano":
+        import torch  # noqa: PLC0415
+        from safetensors.torch import save_file  # noqa: PLC0415
+
+        config = tiny.tiny_config(tiny.train_tokenizer(), **{**NANO_OVERRIDES, "n_routed_experts": nano_experts,
+                                                            "num_experts_per_tok": min(6, nano_experts)})
+        weights = {k: v.to(torch.bfloat16) for k, v in tiny.random_weights(config, seed=0).items()}
+        save_file(weights, os.path.join(partial, "model.safetensors"), metadata={"format": "pt"})
+        del weights
+        with open(os.path.join(partial, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2)
+    os.replace(partial, out_dir)
+    return out_dir
+
+
+def make_cases(model_path: str, workloads: list[Workload], endpoints: list[str], seed: int) -> list[Case]:
+    from service.engine.tokenizer import Tokenizer  # noqa: PLC0415
+
+    tok = Tokenizer.from_model_path(model_path)
+    lo = max(tok.special_token_ids | {0}) + 1      # plain vocabulary tokens only
+    cases = []
+    for w in workloads:
+        prompts = random_token_prompts(w.num_prompts, w.isl, (lo, tok.vocab_size), seed=seed)
+        base = {"max_tokens": w.osl, "temperature": 0.0, "ignore_eos": True}
+        for ep in endpoints:
+            if ep == "completions":
+                cases.append(Case(w, ep, [{**base, "prompt": p} for p in prompts], prompts))
+                continue
+            texts = [tok.decode(p) for p in prompts]
+            ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True))
+                   for t in texts]
+            cases.append(Case(w, ep, [{**base, "messages": [{"role": "user", "content": t}]} for t in texts], ids))
+    return cases
+
+
+# ---------------------------------------------------------------- served
+async def _closed_loop_http(base_url: str, model: str, case: Case, timeout_s: float) -> tuple[Summary, list]:
+    limits = httpx.Limits(max_connections=case.workload.concurrency + 8,
+                          max_keepalive_connections=case.workload.concurrency + 8)
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits) as client:
+        gate = asyncio.Semaphore(case.workload.concurrency)
+
+        async def one(body: dict) -> RequestResult:
+            async with gate:
+                return await stream_request(client, ENDPOINTS[case.endpoint], {**body, "model": model})
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(b) for b in case.bodies))
+        return summarize(list(results), time.perf_counter() - start), list(results)
+
+
+def run_served(args: argparse.Namespace, model_path: str, cases: list[Case]) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    with ServeProcess(model_path, args.serve_args, log_path=args.serve_log) as server:
+        print(f"server up in {server.startup_s:.1f} s ({server.base_url})", flush=True)
+        for case in cases:
+            warm = Case(case.workload, case.endpoint, case.bodies[:args.warmup_prompts], [])
+            asyncio.run(_closed_loop_http(server.base_url, server.model, _shorter(warm, args.warmup_tokens),
+                                          args.timeout_s))
+            cpu0, own0 = cpu_seconds_by_pid(server.pid), own_cpu_seconds()
+            summary, _ = asyncio.run(_closed_loop_http(server.base_url, server.model, case, args.timeout_s))
+            cpu = cpu_delta_by_role(cpu0, cpu_seconds_by_pid(server.pid))
+            cpu["client (this process)"] = own_cpu_seconds() - own0
+            out[_key(case)] = {"summary": asdict(summary), "cpu_s": cpu}
+            print(f"  served {_key(case)}: {summary.output_tokens_per_s:.0f} tok/s, errors {summary.num_errors}",
+                  flush=True)
+        out["_warnings"] = {"queue_length_warnings": server.count_log("Failed to get queue length"),
+                            "serve_log_dir": server.serve_log_dir}
+    return out
+
+
+def _shorter(case: Case, max_tokens: int) -> Case:
+    bodies = [{**b, "max_tokens": min(max_tokens, b["max_tokens"])} for b in case.bodies]
+    return Case(case.workload, case.endpoint, bodies, case.engine_prompts)
+
+
+def _key(case: Case) -> str:
+    return f"{case.endpoint} {case.workload.label}"
+
+
+# ---------------------------------------------------------------- in-process
+def run_inprocess(args: argparse.Namespace, model_path: str, cases: list[Case]) -> dict[str, dict]:
+    import torch  # noqa: PLC0415
+
+    from service.engine import Engine  # noqa: PLC0415
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
+    engine = Engine(engine_config(args, model_path))
+    out = {}
+    for case in cases:
+        closed_loop_engine(engine, case.engine_prompts[:args.warmup_prompts],
+                           min(args.warmup_tokens, case.workload.osl), case.workload.concurrency)
+        own0 = own_cpu_seconds()
+        summary = closed_loop_engine(engine, case.engine_prompts, case.workload.osl, case.workload.concurrency)
+        out[_key(case)] = {"summary": asdict(summary), "cpu_s": {"engine (this process)": own_cpu_seconds() - own0}}
+        print(f"  in-process {_key(case)}: {summary.output_tokens_per_s:.0f} tok/s", flush=True)
+    return out
+
+
+def engine_config(args: argparse.Namespace, model_path: str):
+    from service.engine import EngineConfig  # noqa: PLC0415
+    return EngineConfig(model_path=model_path, device=args.device, dtype=args.dtype, page_size=args.page_size,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        kernel_backend=args.kernel_backend, mamba_cache_strategy=args.mamba_scheduler_strategy)
+
+
+def closed_loop_engine(engine, prompts: list[list[int]], osl: int, concurrency: int) -> Summary:
+    """At most `concurrency` requests in `engine`, the next added when one finishes; per-request timings as a
+    client would see them (TTFT from the add, a gap per output)."""
+    from service.engine import SamplingParams  # noqa: PLC0415
+
+    params = SamplingParams(max_tokens=osl, temperature=0.0, ignore_eos=True)
+    pending = list(reversed(prompts))
+    sent, first, last, gaps, done, outs = {}, {}, {}, {}, {}, {}
+    start = time.perf_counter()
+    while pending or len(done) < len(sent):
+        while pending and len(sent) - len(done) < concurrency:
+            rid = engine.add_request(pending.pop(), params)
+            sent[rid], gaps[rid] = time.perf_counter(), []
+        for o in engine.step():
+            now = time.perf_counter()
+            if o.num_output_tokens == 0:
+                continue
+            if o.request_id in first:
+                gaps[o.request_id].append(now - last[o.request_id])
+            first.setdefault(o.request_id, now)
+            last[o.request_id], outs[o.request_id] = now, o.num_output_tokens
+            if o.finished:
+                done[o.request_id] = now
+    duration = time.perf_counter() - start
+    results = [RequestResult(first[r] - sent[r], tuple(gaps[r]), done[r] - sent[r], 0, 0, outs[r], "",
+                             num_chunks=len(gaps[r]) + 1) for r in sent]
+    return summarize(results, duration)
+
+
+# ---------------------------------------------------------------- report
+def _ms(d: dict, key: str) -> str:
+    return f"{1e3 * d[key]:.1f}" if key in d else "-"
+
+
+def report(served: dict, inproc: dict, cases: list[Case]) -> list[str]:
+    lines = ["| workload | path | output tok/s | ratio | TTFT p50 / p90 / p99 ms | TPOT p50 ms | ITL p50 / p99 ms "
+             "| tokens/chunk | errors | host CPU ms per output token |", "|---|---|---:|---:|---|---:|---|---:|---:|---|"]
+    for case in cases:
+        key = _key(case)
+        base = inproc.get(key, {}).get("summary", {}).get("output_tokens_per_s")
+        for path, res in (("in-process", inproc.get(key)), ("served", served.get(key))):
+            if res is None:
+                continue
+            s = res["summary"]
+            ratio = f"{s['output_tokens_per_s'] / base:.2f}x" if base else "-"
+            cpu = ", ".join(f"{role} {1e3 * sec / max(s['output_tokens'], 1):.2f}"
+                            for role, sec in res["cpu_s"].items() if sec > 0.005)
+            t, tp, itl = s["ttft"], s["tpot"], s["itl"]
+            lines.append(f"| {key} | {path} | {s['output_tokens_per_s']:.0f} | {ratio} | {_ms(t, 'p50')} / "
+                         f"{_ms(t, 'p90')} / {_ms(t, 'p99')} | {_ms(tp, 'p50')} | {_ms(itl, 'p50')} / {_ms(itl, 'p99')} "
+                         f"| {s['tokens_per_chunk']:.2f} | {s['num_errors']} | {cpu} |")
+            if s.get("first_error"):
+                lines.append(f"|  | first error: {s['first_error'][:200]} |")
+    warn = served.get("_warnings")
+    if warn is not None:
+        lines.append(f"\nqueue-length warnings in the serve logs: {warn['queue_length_warnings']} "
+                     f"({warn['serve_log_dir']})")
+    return lines
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 2)[2])
+    p.add_argument("--model", choices=("tiny", "nano"), default="tiny", help="model this benchmark writes")
+    p.add_argument("--model-dir", default=None, help="where to write (or reuse) the model folder")
+    p.add_argument("--nano-experts", type=int, default=128, help="routed experts of the Nano-shaped model")
+    p.add_argument("--workload", action="append", default=None, help="ISL:OSL:PROMPTS:CONCURRENCY (repeatable)")
+    p.add_argument("--endpoints", default="completions", help="comma list of completions, chat")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--kernel-backend", default="torch")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--mamba-scheduler-strategy", default="off", help="prefix cache (off: every prompt computed)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the in-process engine on CPU (the engine "
+                   "replica gets 1 CPU from Ray, which sets its OMP_NUM_THREADS to 1)")
+    p.add_argument("--serve-extra", default="", help="more `hybrid-serve serve` flags, one string")
+    p.add_argument("--warmup-prompts", type=int, default=16)
+    p.add_argument("--warmup-tokens", type=int, default=8)
+    p.add_argument("--timeout-s", type=float, default=1200.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-served", action="store_true")
+    p.add_argument("--skip-inprocess", action="store_true")
+    p.add_argument("--serve-log", default=None, help="file for the server's output (default: in its temp dir)")
+    p.add_argument("--out", default=None, help="also write the results as JSON here")
+    args = p.parse_args(argv)
+    args.workloads = [Workload.parse(w) for w in (args.workload or ["64:64:64:32"])]
+    args.endpoints = [e for e in args.endpoints.split(",") if e]
+    if not set(args.endpoints) <= set(ENDPOINTS):
+        p.error(f"--endpoints: choose from {sorted(ENDPOINTS)}")
+    args.serve_args = ["--device", args.device, "--dtype", args.dtype, "--kernel-backend", args.kernel_backend,
+                       "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
+                       str(args.max_num_batched_tokens), "--page-size", str(args.page_size),
+                       "--mamba-scheduler-strategy", args.mamba_scheduler_strategy, "--replicas", "1",
+                       *args.serve_extra.split()]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model_dir = args.model_dir or os.path.join("/tmp", f"serving_bench_{args.model}")
+    t0 = time.perf_counter()
+    model_path = write_model(args.model, model_dir, args.nano_experts)
+    print(f"model {model_path} ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    cases = make_cases(model_path, args.workloads, args.endpoints, args.seed)
+    served = {} if args.skip_served else run_served(args, model_path, cases)
+    inproc = {} if args.skip_inprocess else run_inprocess(args, model_path, cases)
+    lines = report(served, inproc, cases)
+    print("\n".join(lines), flush=True)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "workloads"},
+                       "served": served, "in_process": inproc}, f, indent=2, default=str)
+    errors = sum(r["summary"]["num_errors"] for r in served.values() if "summary" in r)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
