@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import os
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -74,7 +75,7 @@ class Case:
 
 
 # ---------------------------------------------------------------- model folders
-def write_model(kind: str, out_dir: str, nano_experts: int) -> str:
+def write_model(kind: str, out_dir: str, nano_experts: int, device: str) -> str:
     """The embedded tiny model, or a Nano-shaped 8-layer model with random bf16 weights and the embedded
     tokenizer; an existing folder is reused."""
     from service.engine.model import tiny  # noqa: PLC0415
@@ -84,18 +85,41 @@ def write_model(kind: str, out_dir: str, nano_experts: int) -> str:
     partial = out_dir + ".partial"
     tiny.make_tiny_model(partial)                  # tokenizer files (and the tiny model's weights)
     if kind == "nano":
-        import torch  # noqa: PLC0415
         from safetensors.torch import save_file  # noqa: PLC0415
 
         config = tiny.tiny_config(tiny.train_tokenizer(), **{**NANO_OVERRIDES, "n_routed_experts": nano_experts,
                                                             "num_experts_per_tok": min(6, nano_experts)})
-        weights = {k: v.to(torch.bfloat16) for k, v in tiny.random_weights(config, seed=0).items()}
-        save_file(weights, os.path.join(partial, "model.safetensors"), metadata={"format": "pt"})
-        del weights
+        save_file(nano_weights(config, device), os.path.join(partial, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(partial, "config.json"), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2)
     os.replace(partial, out_dir)
     return out_dir
+
+
+def nano_weights(config: dict, device: str, seed: int = 0) -> dict:
+    """bf16 checkpoint tensors: `tiny.random_weights` of the same model with one routed expert (on the CPU), and
+    the router and every routed expert drawn on `device` (normal(0, initializer_range); the correction bias
+    normal(0, 0.1) as `tiny` draws it): the experts are ~95 % of the parameters."""
+    import torch  # noqa: PLC0415
+
+    from service.engine.model import tiny  # noqa: PLC0415
+    one = tiny.random_weights({**config, "n_routed_experts": 1, "num_experts_per_tok": 1}, seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    experts, std = config["n_routed_experts"], config["initializer_range"]
+
+    def draw(shape: tuple[int, ...], scale: float) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * scale).to(torch.bfloat16).cpu()
+
+    out = {}
+    for name, t in one.items():
+        if name.endswith(".mixer.gate.weight") or name.endswith(".mixer.gate.e_score_correction_bias"):
+            out[name] = draw((experts, *t.shape[1:]), 0.1 if name.endswith("bias") else std)
+        elif ".mixer.experts.0." in name:
+            for j in range(experts):
+                out[name.replace(".experts.0.", f".experts.{j}.")] = draw(tuple(t.shape), std)
+        else:
+            out[name] = t.to(torch.bfloat16)
+    return out
 
 
 def make_cases(model_path: str, workloads: list[Workload], endpoints: list[str], seed: int) -> list[Case]:
@@ -139,7 +163,7 @@ def run_served(args: argparse.Namespace, model_path: str, cases: list[Case]) -> 
     with ServeProcess(model_path, args.serve_args, log_path=args.serve_log) as server:
         print(f"server up in {server.startup_s:.1f} s ({server.base_url})", flush=True)
         for case in cases:
-            warm = Case(case.workload, case.endpoint, case.bodies[:args.warmup_prompts], [])
+            warm = Case(case.workload, case.endpoint, case.bodies[:_warmup_prompts(args, case)], [])
             asyncio.run(_closed_loop_http(server.base_url, server.model, _shorter(warm, args.warmup_tokens),
                                           args.timeout_s))
             cpu0, own0 = cpu_seconds_by_pid(server.pid), own_cpu_seconds()
@@ -149,9 +173,40 @@ def run_served(args: argparse.Namespace, model_path: str, cases: list[Case]) -> 
             out[_key(case)] = {"summary": asdict(summary), "cpu_s": cpu}
             print(f"  served {_key(case)}: {summary.output_tokens_per_s:.0f} tok/s, errors {summary.num_errors}",
                   flush=True)
+            if args.guidellm and case.endpoint == "completions":
+                out[_key(case)]["guidellm"] = run_guidellm(server, case.workload, model_path, args.timeout_s)
         out["_warnings"] = {"queue_length_warnings": server.count_log("Failed to get queue length"),
                             "serve_log_dir": server.serve_log_dir}
     return out
+
+
+def run_guidellm(server: ServeProcess, w: Workload, model_path: str, timeout_s: float) -> dict:
+    """The same workload shape from guidellm (its own synthetic prompts and client) against the same server:
+    output tok/s and TTFT p50 as guidellm reports them."""
+    path = os.path.join(server.tmp, "guidellm.json")
+    backend = {"kind": "openai_http", "target": server.base_url.removesuffix("/v1"), "model": server.model,
+               "request_format": "/v1/completions", "http2": False,
+               "extras": {"body": {"ignore_eos": True, "temperature": 0.0}}}
+    cmd = [sys.executable, "-m", "guidellm", "run", "--backend", json.dumps(backend),
+           "--profile", json.dumps({"kind": "concurrent", "streams": [w.concurrency]}),
+           "--data", json.dumps({"kind": "synthetic_text", "prompt_tokens": w.isl, "output_tokens": w.osl}),
+           "--tokenizer", json.dumps({"kind": "huggingface_auto", "model": model_path}),
+           "--constraint", json.dumps({"kind": "max_requests", "count": w.num_prompts}),
+           "--output", json.dumps({"kind": "json", "path": path}), "--disable-progress"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    if done.returncode != 0 or not os.path.exists(path):
+        return {"error": f"guidellm exited {done.returncode}: {done.stderr[-2000:]}"}
+    with open(path, encoding="utf-8") as f:
+        metrics = json.load(f)["benchmarks"][0]["metrics"]
+    return {"output_tokens_per_s": metrics["output_tokens_per_second"]["successful"]["mean"],
+            "ttft_p50_s": metrics["time_to_first_token_ms"]["successful"]["median"] / 1e3,
+            "errored": metrics["request_totals"]["errored"], "successful": metrics["request_totals"]["successful"],
+            "command": " ".join(cmd[2:])}
+
+
+def _warmup_prompts(args: argparse.Namespace, case: Case) -> int:
+    return args.warmup_prompts or case.workload.concurrency
 
 
 def _shorter(case: Case, max_tokens: int) -> Case:
@@ -173,7 +228,7 @@ def run_inprocess(args: argparse.Namespace, model_path: str, cases: list[Case]) 
     engine = Engine(engine_config(args, model_path))
     out = {}
     for case in cases:
-        closed_loop_engine(engine, case.engine_prompts[:args.warmup_prompts],
+        closed_loop_engine(engine, case.engine_prompts[:_warmup_prompts(args, case)],
                            min(args.warmup_tokens, case.workload.osl), case.workload.concurrency)
         own0 = own_cpu_seconds()
         summary = closed_loop_engine(engine, case.engine_prompts, case.workload.osl, case.workload.concurrency)
@@ -240,6 +295,12 @@ def report(served: dict, inproc: dict, cases: list[Case]) -> list[str]:
             lines.append(f"| {key} | {path} | {s['output_tokens_per_s']:.0f} | {ratio} | {_ms(t, 'p50')} / "
                          f"{_ms(t, 'p90')} / {_ms(t, 'p99')} | {_ms(tp, 'p50')} | {_ms(itl, 'p50')} / {_ms(itl, 'p99')} "
                          f"| {s['tokens_per_chunk']:.2f} | {s['num_errors']} | {cpu} |")
+            gl = res.get("guidellm")
+            if gl:
+                lines.append(f"|  | guidellm | {gl['output_tokens_per_s']:.0f} "
+                             f"({100 * (gl['output_tokens_per_s'] / s['output_tokens_per_s'] - 1):+.1f} %) | | "
+                             f"p50 {1e3 * gl['ttft_p50_s']:.1f} ({100 * (gl['ttft_p50_s'] / t['p50'] - 1):+.1f} %) | | | "
+                             f"| {gl['errored']} | |" if "error" not in gl else f"|  | guidellm failed: {gl['error'][:300]} |")
             if s.get("first_error"):
                 lines.append(f"|  | first error: {s['first_error'][:200]} |")
     warn = served.get("_warnings")
@@ -267,12 +328,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads of the in-process engine on CPU (the engine "
                    "replica gets 1 CPU from Ray, which sets its OMP_NUM_THREADS to 1)")
     p.add_argument("--serve-extra", default="", help="more `hybrid-serve serve` flags, one string")
-    p.add_argument("--warmup-prompts", type=int, default=16)
+    p.add_argument("--warmup-prompts", type=int, default=0, help="prompts of the untimed warm-up run before each "
+                   "workload (0: the workload's concurrency)")
     p.add_argument("--warmup-tokens", type=int, default=8)
     p.add_argument("--timeout-s", type=float, default=1200.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-served", action="store_true")
     p.add_argument("--skip-inprocess", action="store_true")
+    p.add_argument("--guidellm", action="store_true", help="also run guidellm (PyPI) against the same server on "
+                   "each completions workload, as an independent check of our client's numbers")
     p.add_argument("--serve-log", default=None, help="file for the server's output (default: in its temp dir)")
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     args = p.parse_args(argv)
@@ -290,9 +354,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    model_dir = args.model_dir or os.path.join("/tmp", f"serving_bench_{args.model}")
+    model_dir = args.model_dir or os.path.join("/tmp", "serving_bench", args.model)
     t0 = time.perf_counter()
-    model_path = write_model(args.model, model_dir, args.nano_experts)
+    model_path = write_model(args.model, model_dir, args.nano_experts, args.device)
     print(f"model {model_path} ready in {time.perf_counter() - t0:.1f} s", flush=True)
     cases = make_cases(model_path, args.workloads, args.endpoints, args.seed)
     served = {} if args.skip_served else run_served(args, model_path, cases)
