@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -78,7 +79,7 @@ class Case:
 def write_model(kind: str, out_dir: str, nano_experts: int, device: str) -> str:
     """The embedded tiny model, or a Nano-shaped 8-layer model with random bf16 weights and the embedded
     tokenizer; an existing folder is reused."""
-    from service.engine.model import tiny  # noqa: PLC0415
+    from service.testing import tiny  # noqa: PLC0415
 
     if os.path.exists(os.path.join(out_dir, "config.json")):
         return out_dir
@@ -102,7 +103,7 @@ def nano_weights(config: dict, device: str, seed: int = 0) -> dict:
     normal(0, 0.1) as `tiny` draws it): the experts are ~95 % of the parameters."""
     import torch  # noqa: PLC0415
 
-    from service.engine.model import tiny  # noqa: PLC0415
+    from service.testing import tiny  # noqa: PLC0415
     one = tiny.random_weights({**config, "n_routed_experts": 1, "num_experts_per_tok": 1}, seed)
     gen = torch.Generator(device=device).manual_seed(seed)
     experts, std = config["n_routed_experts"], config["initializer_range"]
@@ -193,8 +194,13 @@ def run_guidellm(server: ServeProcess, w: Workload, model_path: str, timeout_s: 
            "--tokenizer", json.dumps({"kind": "huggingface_auto", "model": model_path}),
            "--constraint", json.dumps({"kind": "max_requests", "count": w.num_prompts}),
            "--output", json.dumps({"kind": "json", "path": path}), "--disable-progress"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    # one client process that does not spin (its defaults: up to 10 workers polling every 0.1 ms, which on a
+    # small machine take the server's CPU); its log file goes to the server's temp dir
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "GUIDELLM__MAX_WORKER_PROCESSES": "1",
+           "GUIDELLM__DEFAULT_ASYNC_LOOP_SLEEP": "0.001", "GUIDELLM__LOGGING__LOG_FILE": os.path.join(server.tmp, "guidellm.log")}
+    children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=server.tmp)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0 or not os.path.exists(path):
         return {"error": f"guidellm exited {done.returncode}: {done.stderr[-2000:]}"}
     with open(path, encoding="utf-8") as f:
@@ -202,6 +208,7 @@ def run_guidellm(server: ServeProcess, w: Workload, model_path: str, timeout_s: 
     return {"output_tokens_per_s": metrics["output_tokens_per_second"]["successful"]["mean"],
             "ttft_p50_s": metrics["time_to_first_token_ms"]["successful"]["median"] / 1e3,
             "errored": metrics["request_totals"]["errored"], "successful": metrics["request_totals"]["successful"],
+            "client_cpu_s": children.ru_utime + children.ru_stime - children0.ru_utime - children0.ru_stime,
             "command": " ".join(cmd[2:])}
 
 
@@ -300,7 +307,8 @@ def report(served: dict, inproc: dict, cases: list[Case]) -> list[str]:
                 lines.append(f"|  | guidellm | {gl['output_tokens_per_s']:.0f} "
                              f"({100 * (gl['output_tokens_per_s'] / s['output_tokens_per_s'] - 1):+.1f} %) | | "
                              f"p50 {1e3 * gl['ttft_p50_s']:.1f} ({100 * (gl['ttft_p50_s'] / t['p50'] - 1):+.1f} %) | | | "
-                             f"| {gl['errored']} | |" if "error" not in gl else f"|  | guidellm failed: {gl['error'][:300]} |")
+                             f"| {gl['errored']} | guidellm client {1e3 * gl['client_cpu_s'] / max(s['output_tokens'], 1):.2f} |"
+                             if "error" not in gl else f"|  | guidellm failed: {gl['error'][:300]} |")
             if s.get("first_error"):
                 lines.append(f"|  | first error: {s['first_error'][:200]} |")
     warn = served.get("_warnings")

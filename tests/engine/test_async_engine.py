@@ -29,9 +29,10 @@ def test_streams_are_cumulative_and_match_sync(async_engine, mixed_ckpt):
     streams = asyncio.run(main())
     sync = async_engine.engine  # same weights; compare with a fresh synchronous run on the same engine
     for i, outs in enumerate(streams):
-        assert [len(o.token_ids) for o in outs] == list(range(1, 9))
+        lengths = [len(o.token_ids) for o in outs]   # a reader that falls behind gets only the latest output
+        assert lengths == sorted(set(lengths)) and lengths[0] >= 1 and lengths[-1] == 8
         assert outs[-1].finished and all(not o.finished for o in outs[:-1])
-        assert outs[-1].token_ids[:3] == outs[2].token_ids
+        assert all(outs[-1].token_ids[:len(o.token_ids)] == o.token_ids for o in outs)
     assert sync.has_unfinished() is False
 
 
