@@ -239,3 +239,17 @@ def test_stacked_expert_checkpoint_loads_the_same_slices(tp_paths, tmp_path):
         load_weights(b, str(dst), cfg.tie_word_embeddings, par)
         pb = dict(b.named_parameters())
         assert all(torch.equal(p, pb[n]) for n, p in a.named_parameters())
+
+
+@pytest.mark.parametrize("name", ["nano_30b_a3b", "super_120b_a12b"])
+def test_released_models_shard_over_2_4_8_gpus(name):
+    """The released configs split at tp 2, 4 and 8 with ep = 1 or ep = tp; Super at tp 4 / ep 4: each rank holds 8
+    query heads, 1 KV head, 32 of 128 Mamba heads in 2 of 8 groups, 128 of 512 experts."""
+    with open(os.path.join(os.path.dirname(__file__), "fixtures", f"{name}_config.json")) as f:
+        cfg = ModelConfig.from_hf_dict(json.load(f))
+    assert {(2, 1), (2, 2), (4, 1), (4, 4), (8, 1), (8, 8)} <= set(working_sizes(cfg))
+    if name.startswith("super"):
+        s = rank_shapes(cfg, ParallelContext(tp=4, ep=4, rank=3))
+        assert (s.attention_heads, s.kv_heads, s.mamba_heads, s.mamba_groups, s.experts, s.expert_start) == \
+            (8, 1, 32, 2, 128, 384)
+        assert s.conv_dim == 32 * 64 + 2 * 2 * 128 and s.group_ranks == 1 and s.vocab * 4 == cfg.vocab_size

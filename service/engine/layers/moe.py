@@ -74,10 +74,13 @@ class Experts(nn.Module):
 
 def local_picks(weights: torch.Tensor, ids: torch.Tensor, num_local: int, rank: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Routing [T, k] over all experts -> the same over this rank's num_local experts (ranks hold consecutive runs):
-    a pick of another rank's expert keeps weight 0 on local expert id % num_local, so every op keeps its shapes."""
-    mine = torch.div(ids, num_local, rounding_mode="floor") == rank
-    return torch.where(mine, weights, torch.zeros_like(weights)), ids % num_local
+    """Routing [T, k] over all experts -> the same over this rank's num_local experts (rank r holds experts
+    [r * num_local, (r + 1) * num_local)), shapes kept so every op (and CUDA graph) stays static: a pick of another
+    rank's expert becomes weight 0 on local expert 0. Those picks are still computed (the kernels have no skip), all
+    on one expert, so at decode they re-read one expert's weights instead of streaming others."""
+    local = ids - rank * num_local
+    mine = (local >= 0) & (local < num_local)
+    return torch.where(mine, weights, torch.zeros_like(weights)), torch.where(mine, local, torch.zeros_like(local))
 
 
 class MoE(nn.Module):
