@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         port = s.getsockname()[1]
         s.close()
         model_path = ns.model_path or make_tiny_model(f"{tmp}/tiny")
-        ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING")
+        ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
         try:
             serve.start(http_options={"host": "127.0.0.1", "port": port})
             serve.run(build_app({**soak_app_args(model_path), "route_prefix": "/soak"}), name="soak",

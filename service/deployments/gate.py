@@ -15,6 +15,7 @@ from typing import Any, Awaitable, Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.deployments.auth import ApiKeys
 from service.deployments.limits import KeyLimiter, LimitArgs, Refusal, RequestShape, cap_violation
@@ -76,6 +77,14 @@ def _error(err: ErrorResponse, headers: dict[str, str] | None = None) -> JSONRes
     return JSONResponse(err.model_dump(mode="json"), status_code=err.status_code, headers=headers)
 
 
+async def _http_exception_as_openai_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    err = ErrorResponse.make(f"{exc.detail}: {request.method} {_route_path(request.scope)}", status=exc.status_code,
+                             code=code)
+    return _error(err, dict(exc.headers or {}))
+
+
 def _rate_limited(refusal: Refusal) -> ErrorResponse:
     kind = "tokens" if refusal.limit == "tokens_per_minute" else "requests"
     return ErrorResponse.make(refusal.message, type=kind, status=refusal.status, code="rate_limit_exceeded",
@@ -101,7 +110,9 @@ class RequestGate:
         return cls(keys, limits, GateMetrics())
 
     def install(self, app: FastAPI) -> None:
+        """The middleware, and OpenAI error objects for the router's own errors (unknown path, wrong method)."""
         app.add_middleware(_GateMiddleware, gate=self)
+        app.add_exception_handler(StarletteHTTPException, _http_exception_as_openai_error)
 
     def default_max_tokens(self, room_tokens: int) -> int:
         """max_tokens of a request that sets none: the context room left, at most the max_tokens cap."""

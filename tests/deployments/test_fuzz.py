@@ -195,3 +195,10 @@ def test_prompts_of_only_special_tokens(http, fuzz_app):
         else:
             assert is_openai_error(resp), resp.text
     assert_alive(fuzz_app)
+
+
+@pytest.mark.parametrize("method,path,status", [("GET", "/completions", 405), ("DELETE", "/models", 405),
+                                                ("POST", "/engines/x/completions", 404), ("GET", "/%00%ff", 404)])
+def test_unknown_routes_and_methods_get_openai_errors(http, method, path, status):
+    resp = http.request(method, path)
+    assert resp.status_code == status and is_openai_error(resp), resp.text
