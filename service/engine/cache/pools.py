@@ -7,6 +7,7 @@ Live slots (one per running request) and snapshot slots (owned by the radix cach
 separate ranges so each is bounded on its own."""
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import torch
@@ -64,12 +65,14 @@ class PagePool:
 
 
 class SlotAllocator:
-    """Free list over a contiguous range of mamba slot ids."""
+    """Free slots over a contiguous range of mamba slot ids; `alloc` hands out the lowest free id, so requests
+    admitted together get one ascending run of slots, which the torch bundle's decode steps update in place on a
+    view of the pool (no gather / scatter)."""
 
     def __init__(self, first: int, count: int, kind: str):
         self.kind = kind                     # "live" | "snapshot", for messages
         self.first, self.count = first, count
-        self.free_ids = list(range(first + count - 1, first - 1, -1))
+        self.free_ids = list(range(first, first + count))   # a min-heap (heapq) of free slot ids
         self.in_use: set[int] = set()        # slot ids handed out
 
     @property
@@ -79,14 +82,14 @@ class SlotAllocator:
     def alloc(self) -> int:
         if not self.free_ids:
             raise MemoryError(f"no free {self.kind} mamba slot")
-        slot = self.free_ids.pop()
+        slot = heapq.heappop(self.free_ids)
         self.in_use.add(slot)
         return slot
 
     def free(self, slot: int) -> None:
         assert slot in self.in_use, f"{self.kind} slot {slot} freed but not in use"
         self.in_use.remove(slot)
-        self.free_ids.append(slot)
+        heapq.heappush(self.free_ids, slot)
 
     def check_integrity(self) -> None:
         assert len(set(self.free_ids)) == len(self.free_ids), f"{self.kind} slot freed twice"

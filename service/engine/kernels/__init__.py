@@ -1,15 +1,20 @@
-"""Kernels: pure-torch references (`*_ref`) and Triton kernels. Imports nothing from the engine.
+"""Kernels: pure-torch references (`*_ref`), fast pure-torch kernels (`cpu_*.py`) and Triton kernels. Imports
+nothing from the engine.
 
 `Kernels` bundles one implementation of each op; `get_kernels(name)` returns the bundle for an
-explicit backend choice ("torch" or "triton"). There is no silent fallback between them."""
+explicit backend choice ("torch" or "triton"). There is no silent fallback between them.
+The "torch" bundle runs the fast pure-torch kernels where they exist (tuned on CPU; each is tested against its
+`*_ref` oracle) and the references elsewhere; `torch_reference_kernels()` is the all-reference bundle (same name,
+for tests and benchmarks)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
 import torch.nn.functional as F
 
-from service.engine.kernels import attention, conv1d, moe, norm, ssd
+from service.engine.kernels import attention, conv1d, cpu_attention, cpu_conv1d, cpu_moe, cpu_ssd, moe, norm, ssd
 
 
 @dataclass(frozen=True)
@@ -35,7 +40,8 @@ class Kernels:
     gated_norm_linear: Callable        # norm.gated_norm_linear_ref signature (mamba gated norm + out_proj)
 
 
-def torch_kernels() -> Kernels:
+def torch_reference_kernels() -> Kernels:
+    """Every op its pure-torch reference (`*_ref`): the readable oracle."""
     return Kernels(
         name="torch", ssd_varlen=ssd.ssd_varlen_ref, selective_state_update=ssd.selective_state_update_ref,
         selective_state_update_slots_raw_dt=ssd.selective_state_update_slots_raw_dt_ref,
@@ -48,6 +54,17 @@ def torch_kernels() -> Kernels:
         linear=F.linear, add_rms_norm_linear=norm.add_rms_norm_linear_ref,
         gated_norm_linear=norm.gated_norm_linear_ref,
     )
+
+
+def torch_kernels() -> Kernels:
+    """The "torch" bundle: the fast pure-torch kernels (cpu_attention, cpu_conv1d, cpu_moe, cpu_ssd) for the
+    prefill scan and conv, the decode recurrence, paged attention and the routed experts; references for the rest.
+    cpu_moe.moe_experts runs `F.grouped_mm`, whose CUDA kernel takes bf16 only: off the CPU it is the reference."""
+    return dataclasses.replace(
+        torch_reference_kernels(), ssd_varlen=cpu_ssd.ssd_varlen,
+        selective_state_update_slots_raw_dt=cpu_ssd.selective_state_update_slots_raw_dt,
+        conv_varlen=cpu_conv1d.causal_conv1d_varlen, conv_update_slots=cpu_conv1d.causal_conv1d_update_slots,
+        paged_attention=cpu_attention.paged_attention, moe_experts=cpu_moe.moe_experts)
 
 
 def get_kernels(name: str) -> Kernels:

@@ -1,0 +1,65 @@
+"""Fast pure-torch causal depthwise conv1d for the `torch` bundle (tuned on CPU). Same contracts as
+`conv1d.causal_conv1d_varlen_ref` and `conv1d.causal_conv1d_update_slots_ref` (the oracles the tests compare
+against).
+
+- `causal_conv1d_varlen`: the packed batch is laid out once as `[state_0 | x_0 | state_1 | x_1 | ...]` (each
+  request's K-1 state columns right before its tokens), so every token's window is K consecutive rows and the conv
+  is K shifted multiply-adds over that buffer (no [T, K, D] window gather, no einsum).
+- `causal_conv1d_update_slots`: the K taps read the state in place and the state shifts in place, on a view of the
+  pool when the slots are one ascending run (else one gathered copy written back).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from service.engine.kernels.cpu_ssd import ascending_run
+
+
+def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         init_states: torch.Tensor, query_start_loc: torch.Tensor,
+                         token_req: torch.Tensor) -> torch.Tensor:
+    """x [T, D], weight [D, K], bias [D] or None, init_states [B, D, K-1], query_start_loc [B+1], token_req [T]
+    -> silu(conv(x) + bias) [T, D] in x's dtype (fp32 accumulation)."""
+    T, Dm = x.shape
+    K = weight.shape[1]
+    B = init_states.shape[0]
+    km1 = K - 1
+    n = T + B * km1
+    reqs = torch.arange(B, device=x.device)
+    # request i's state rows start at query_start_loc[i] + i*(K-1); its token t sits at t + (i+1)*(K-1)
+    state_rows = (query_start_loc[:-1] + reqs * km1)[:, None] + torch.arange(km1, device=x.device)[None, :]
+    token_rows = torch.arange(T, device=x.device) + (token_req + 1) * km1
+    buf = torch.empty(n, Dm, dtype=torch.float32, device=x.device)
+    buf[state_rows.flatten()] = init_states.transpose(1, 2).reshape(B * km1, Dm).float()
+    buf[token_rows] = x.float()
+    w = weight.float()
+    m = n - km1                                                   # row r of acc: window buf[r : r + K]
+    acc = buf[:m] * w[:, 0]
+    for k in range(1, K):
+        acc.addcmul_(buf[k:k + m], w[:, k])
+    out = acc[token_rows - km1]
+    if bias is not None:
+        out += bias.float()
+    return F.silu(out, inplace=True).to(x.dtype)
+
+
+def causal_conv1d_update_slots(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                               conv_pool: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+    """x [B, D], weight [D, K], conv_pool [S, D, K-1] updated in place at slot_ids [B] -> silu(conv) [B, D]."""
+    Bt = x.shape[0]
+    K = weight.shape[1]
+    first = ascending_run(slot_ids)
+    state = conv_pool[first:first + Bt] if first is not None else conv_pool.index_select(0, slot_ids)
+    w = weight.float()
+    out = x.float() * w[:, K - 1]
+    for k in range(K - 1):
+        out.addcmul_(state[:, :, k].float(), w[:, k])
+    if bias is not None:
+        out += bias.float()
+    if K > 2:
+        state[:, :, :K - 2] = state[:, :, 1:].clone()
+    state[:, :, K - 2] = x.to(state.dtype)
+    if first is None:
+        conv_pool.index_copy_(0, slot_ids, state)
+    return F.silu(out, inplace=True).to(x.dtype)
