@@ -98,11 +98,9 @@ class EngineDeployment:
         self._open_streams += 1
         try:
             async for out in self._engine.generate(list(prompt_token_ids), sampling_params, request_id=request_id,
-                                                   capture_states=audit):
-                now = time.perf_counter()
-                if out.finish_reason is None and sent_tokens and now - last < self._stream_interval_s():
-                    continue        # outputs are cumulative: the next chunk carries these tokens too
+                                                   capture_states=audit, min_interval_s=self._stream_interval_s):
                 chunk = _delta_chunk(out, sent_tokens, sent_text, len(prompt_token_ids))
+                now = time.perf_counter()
                 if chunk.token_ids:
                     if ttft is None:
                         ttft = now - start

@@ -32,7 +32,7 @@ class AsyncEngine:
         self.tokenizer = self.engine.tokenizer
         self.config = config
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # request_id -> sink
+        self._streams: dict[str, _Sink] = {}  # request_id -> where its outputs go
         self._stats = self.engine.stats()
         self._wake = threading.Event()
         self._stopping = False
@@ -41,11 +41,12 @@ class AsyncEngine:
 
     # ---------- public API ----------
     async def generate(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, bypass_cache: bool = False,
-                       capture_states: bool = False) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, bypass_cache: bool = False, capture_states: bool = False,
+                       min_interval_s: Callable[[], float] | None = None) -> AsyncIterator[RequestOutput]:
         """Yields cumulative RequestOutputs; the last has finish_reason set. Raises ValueError on bad input.
-        When the caller falls behind the engine, only the latest output is yielded (each one holds everything
-        before it), so a slow consumer costs one item per read, not one per step.
+        Each output holds everything before it, so only the newest is kept: a reader that falls behind, or that
+        asks for `min_interval_s()` seconds between outputs (the first and the last come at once), is woken
+        once per output it reads, not once per engine step.
         bypass_cache / capture_states: see `Engine.add_request` (used by the accuracy canary)."""
         if self._stopping:
             raise EngineDeadError("engine is shutting down")
@@ -54,10 +55,9 @@ class AsyncEngine:
         rid = request_id or uuid.uuid4().hex
         if rid in self._streams:
             raise ValueError(f"request_id {rid!r} is already in use")
-        loop = asyncio.get_running_loop()
-        sink: asyncio.Queue = asyncio.Queue()
+        sink = _Sink(asyncio.get_running_loop())
         added: Future = Future()
-        self._streams[rid] = (loop, sink)
+        self._streams[rid] = sink
         self._submit(lambda: added.set_result(self.engine.add_request(ids, params, rid, bypass_cache, capture_states)),
                      added)
         finished = False
@@ -68,11 +68,11 @@ class AsyncEngine:
                 finished = True       # never added (or refused): there is nothing to abort
                 raise
             while True:
-                item = await sink.get()
-                while not isinstance(item, BaseException) and not item.finished and not sink.empty():
-                    item = sink.get_nowait()
+                item = await sink.take()
                 if isinstance(item, BaseException):
                     raise item
+                if min_interval_s is not None:
+                    sink.wake_at = time.monotonic() + min_interval_s()
                 yield item
                 if item.finished:
                     finished = True
@@ -148,21 +148,20 @@ class AsyncEngine:
             self._deliver_all(outputs)
             self._stats = self.engine.stats()
 
-    def _deliver(self, rid: str, item) -> None:
+    def _deliver(self, rid: str, item: RequestOutput | BaseException) -> None:
         sink = self._streams.get(rid)
         if sink is not None:
-            loop, q = sink
-            loop.call_soon_threadsafe(q.put_nowait, item)
+            sink.loop.call_soon_threadsafe(_publish, [(sink, item)])
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
         """One step's outputs: one wake-up per event loop, not one per request."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, RequestOutput]]] = {}
         for out in outputs:
             sink = self._streams.get(out.request_id)
             if sink is not None:
-                by_loop.setdefault(sink[0], []).append((sink[1], out))
+                by_loop.setdefault(sink.loop, []).append((sink, out))
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            loop.call_soon_threadsafe(_publish, items)
 
     def _abort(self, rid: str) -> None:
         out = self.engine.abort(rid)
@@ -175,6 +174,31 @@ class AsyncEngine:
             self._deliver(rid, error if error is not None else EngineDeadError("engine shut down"))
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for q, out in items:
-        q.put_nowait(out)
+class _Sink:
+    """One request's newest output (or error), set on its event loop; the reader is woken when it is due."""
+    __slots__ = ("loop", "item", "ready", "wake_at")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.item: RequestOutput | BaseException | None = None
+        self.ready = asyncio.Event()
+        self.wake_at = 0.0                  # time.monotonic() before which a running output does not wake the reader
+
+    def publish(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(self.item, BaseException):
+            return                          # an error stays until it is read
+        self.item = item
+        if isinstance(item, BaseException) or item.finished or time.monotonic() >= self.wake_at:
+            self.ready.set()
+
+    async def take(self) -> RequestOutput | BaseException:
+        await self.ready.wait()
+        self.ready.clear()
+        item, self.item = self.item, None
+        assert item is not None
+        return item
+
+
+def _publish(items: list[tuple[_Sink, RequestOutput | BaseException]]) -> None:
+    for sink, item in items:
+        sink.publish(item)

@@ -71,3 +71,17 @@ def test_duplicate_request_id_is_refused_without_touching_the_first(async_engine
         return await first
     outs = asyncio.run(main())
     assert outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 300
+
+
+def test_min_interval_yields_first_and_last_and_loses_no_token(async_engine):
+    """A reader asking for an hour between outputs gets the first output at once and then only the finished one,
+    which holds every token; a reader asking for none gets every step (or the latest when it falls behind)."""
+    async def main():
+        params = greedy(24)
+        slow = [o async for o in async_engine.generate(random_ids(12, 5), params, min_interval_s=lambda: 3600.0)]
+        fast = await _collect(async_engine, random_ids(12, 5), params)
+        return slow, fast
+    slow, fast = asyncio.run(main())
+    assert len(slow) == 2 and len(slow[0].token_ids) >= 1 and not slow[0].finished
+    assert slow[1].finished and slow[1].token_ids == fast[-1].token_ids and len(fast[-1].token_ids) == 24
+    assert len(fast) > 2
