@@ -14,7 +14,7 @@ import openai
 import pytest
 import ray
 from ray import serve
-from serve_testkit import (
+from tests.deployments.serve_testkit import (
     ROUTER_CACHE_ARGS, ROUTER_GROUPS, ROUTER_PER_GROUP, ROUTER_PREFIX_TOKENS, ROUTER_SUFFIX_TOKENS, free_port,
     replica_stats,
 )

@@ -11,9 +11,9 @@ import os
 import httpx
 import openai
 import pytest
-from conftest import deploy
+from tests.deployments.conftest import deploy
 from prometheus_client.parser import text_string_to_metric_families
-from serve_testkit import wait_until
+from tests.deployments.serve_testkit import wait_until
 
 from service.deployments.auth import key_id
 

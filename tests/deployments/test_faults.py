@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from serve_testkit import replica_stats, wait_until
+from tests.deployments.serve_testkit import replica_stats, wait_until
 
 
 def _error_body(resp: httpx.Response) -> dict:

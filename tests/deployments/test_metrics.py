@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from serve_testkit import wait_until
+from tests.deployments.serve_testkit import wait_until
 
 from service.deployments.metric_defs import CANARY_METRICS, ENGINE_METRICS, ROUTER_METRICS
 from service.deployments.metrics import scraped_name

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import ray
 from ray import serve
-from serve_testkit import replica_stats, wait_until
+from tests.deployments.serve_testkit import replica_stats, wait_until
 
 
 def _engine_running_replicas(app_name: str) -> int:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ray import serve
-from serve_testkit import ROUTER_GROUPS, ROUTER_PER_GROUP, wait_until
+from tests.deployments.serve_testkit import ROUTER_GROUPS, ROUTER_PER_GROUP, wait_until
 
 from service.engine.cache.block_hash import chained_block_hashes
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from ray import serve
-from serve_testkit import wait_until
+from tests.deployments.serve_testkit import wait_until
 
 from service.deployments.serve_cli import APP_NAME
 

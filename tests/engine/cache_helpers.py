@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from helpers import greedy
+from service.engine.canary import max_rel_error
+from tests.engine.helpers import greedy
 
 
 def cold_state(engine_off, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -19,10 +20,6 @@ def cold_state(engine_off, tokens: list[int]) -> tuple[torch.Tensor, torch.Tenso
     return state
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
-
-
 def snapshot_errors(engine, engine_off) -> dict[int, float]:
     """For every snapshot in engine's tree: prefix length -> max relative error vs the cold state."""
     tree, pools = engine.cache.tree, engine.runner.pools
@@ -30,7 +27,7 @@ def snapshot_errors(engine, engine_off) -> dict[int, float]:
     for node, depth in tree.snapshot_prefix_lengths():
         conv, ssm = cold_state(engine_off, tree.path_tokens(node))
         slot = node.snapshot_slot
-        errors[depth] = max(rel_err(pools.conv[:, slot], conv), rel_err(pools.ssm[:, slot], ssm))
+        errors[depth] = max(max_rel_error(pools.conv[:, slot], conv), max_rel_error(pools.ssm[:, slot], ssm))
     return errors
 
 

@@ -1,12 +1,9 @@
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from hf_models import VARIANTS, write_hf_checkpoint  # noqa: E402
+from tests.engine.hf_models import VARIANTS, write_hf_checkpoint
 
 
 @pytest.fixture(scope="session")

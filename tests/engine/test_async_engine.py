@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from helpers import greedy, random_ids
+from tests.engine.helpers import greedy, random_ids
 from service.engine import AsyncEngine, EngineConfig
 
 

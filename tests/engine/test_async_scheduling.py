@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_helpers import snapshot_errors
-from helpers import greedy, make_engine, random_ids
+from tests.engine.cache_helpers import snapshot_errors
+from tests.engine.helpers import greedy, make_engine, random_ids
 from service.engine import Engine, EngineConfig, SamplingParams
+from tests.outputs import assert_same_outputs
 
 C = 16  # chunk size of the mixed_g2_c16 checkpoint
 
@@ -21,13 +22,7 @@ def _run(engine, prompts, params):
 def _assert_same(out, ref) -> None:
     """Same tokens, finish reasons and top-logprob ids; logprobs equal up to fp32 batch-shape rounding (a row
     wasted on a stopped request changes the batch's shape)."""
-    for o, r in zip(out, ref, strict=True):
-        assert (o.token_ids, o.finish_reason) == (r.token_ids, r.finish_reason)
-        assert (o.logprobs is None) == (r.logprobs is None)
-        if o.logprobs is not None:
-            assert max(abs(a - b) for a, b in zip(o.logprobs, r.logprobs, strict=True)) <= 1e-5
-        if o.top_logprobs is not None:
-            assert [sorted(d) for d in o.top_logprobs] == [sorted(d) for d in r.top_logprobs]
+    assert_same_outputs(out, ref, 1e-5, finish_reason=True, top_logprob_ids=True)
 
 
 def _params_mix(stop_token: int) -> list[SamplingParams]:
@@ -73,8 +68,7 @@ def test_stop_while_next_step_in_flight_publishes_the_right_state(mixed_ckpt):
     out = cached.generate([follow], greedy(6, logprobs=True))[0]
     ref = off.generate([follow], greedy(6, logprobs=True))[0]
     assert out.num_cached_tokens == key_len
-    assert out.token_ids == ref.token_ids
-    assert max(abs(a - b) for a, b in zip(out.logprobs, ref.logprobs)) <= 1e-4
+    assert_same_outputs(out, ref, 1e-4)
 
 
 @pytest.mark.parametrize("strategy", ["no_buffer", "off"])

@@ -6,8 +6,8 @@ import asyncio
 import pytest
 
 import service.engine.runner.batch as batch_mod
-from cache_helpers import buggy_snapshot_chunk_indices
-from helpers import greedy, random_ids
+from tests.engine.cache_helpers import buggy_snapshot_chunk_indices
+from tests.engine.helpers import greedy, random_ids
 from service.engine import AsyncEngine, EngineConfig
 from service.engine.canary import audit_hit, pinned_canary, pinned_prompts
 
@@ -57,7 +57,7 @@ def test_audit_of_a_real_hit(mixed_ckpt):
 
 
 def test_bypass_cache_neither_reads_nor_writes(mixed_ckpt):
-    from helpers import make_engine
+    from tests.engine.helpers import make_engine
     engine = make_engine(mixed_ckpt, mamba_cache_strategy="extra_buffer")
     prompt = random_ids(50, 8)
     engine.add_request(prompt, greedy(2), bypass_cache=True)
@@ -75,7 +75,7 @@ def test_bypass_cache_neither_reads_nor_writes(mixed_ckpt):
 
 @pytest.mark.parametrize("n", [70])
 def test_captured_states_are_bounded(mixed_ckpt, n):
-    from helpers import make_engine
+    from tests.engine.helpers import make_engine
     from service.engine.engine import MAX_CAPTURED_REQUESTS
     engine = make_engine(mixed_ckpt, mamba_cache_strategy="off", max_num_seqs=8)
     for i in range(n):

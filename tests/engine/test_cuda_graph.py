@@ -11,6 +11,7 @@ import torch
 from service.engine import Engine, EngineConfig, SamplingParams
 from service.engine.runner.batch import build_forward_batch
 from service.engine.runner.cuda_graph import BATCH_BUCKETS, graph_buckets, is_graphable, layer_segments
+from tests.outputs import assert_same_outputs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -95,9 +96,7 @@ def _generate(path: str, graphs: bool, prompt_lens, max_tokens: int, model=None,
 
 
 def _assert_same(eager, graphed, logprob_tol: float) -> None:
-    for e, g in zip(eager, graphed):
-        assert g.token_ids == e.token_ids
-        assert max(abs(a - b) for a, b in zip(g.logprobs, e.logprobs)) <= logprob_tol
+    assert_same_outputs(graphed, eager, logprob_tol)
 
 
 @pytest.mark.gpu

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from helpers import greedy, make_engine, random_ids
+from tests.engine.helpers import greedy, make_engine, random_ids
 from service.engine.runner.batch import build_forward_batch
 from service.engine.runner.cuda_graph import is_graphable, pack_decode_inputs
 

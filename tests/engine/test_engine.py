@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import greedy, make_engine, random_ids
+from tests.engine.helpers import greedy, make_engine, random_ids
 from service.engine import SamplingParams
 
 LENGTHS = (5, 17, 40, 33, 2, 70, 16, 9)

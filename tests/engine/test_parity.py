@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import full_prefill_logits, greedy, make_engine, random_ids
+from tests.engine.helpers import full_prefill_logits, greedy, make_engine, random_ids
+from tests.outputs import Expected, assert_same_outputs
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,6 +39,5 @@ def test_greedy_continuation_matches_transformers(variant, hf_checkpoints, hf_mo
         ref = hf_models[variant].generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
                                           output_scores=True, return_dict_in_generate=True, eos_token_id=None)
     ref_tokens = ref.sequences[0, len(ids):].tolist()
-    assert out.token_ids == ref_tokens
     ref_lp = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(ref.scores, ref_tokens)]
-    assert max(abs(a - b) for a, b in zip(out.logprobs, ref_lp)) <= 1e-4
+    assert_same_outputs(out, Expected(ref_tokens, ref_lp), 1e-4)

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import tp_ranks
-from helpers import full_prefill_logits, make_engine, random_ids
+from tests.engine import tp_ranks
+from tests.engine.helpers import full_prefill_logits, make_engine, random_ids
 from service.engine.config import ModelConfig
 from service.engine.distributed.parallel import ParallelContext, check_shardable, rank_shapes, working_sizes
 from service.engine.kernels import get_kernels

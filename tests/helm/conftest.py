@@ -9,7 +9,7 @@ from typing import Callable
 import pytest
 import yaml
 
-from helm_chart_util import CHART, NAMESPACE, RELEASE, HelmResult, find_helm, values_args
+from tests.helm.helm_chart_util import CHART, NAMESPACE, RELEASE, HelmResult, find_helm, values_args
 
 
 @pytest.fixture(scope="session")

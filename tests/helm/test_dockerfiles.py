@@ -13,7 +13,7 @@ import pytest
 import ray
 import yaml
 
-from helm_chart_util import CHART, EXAMPLES, REPO
+from tests.helm.helm_chart_util import CHART, EXAMPLES, REPO
 
 from service.deployments.args import AppArgs
 
@@ -74,7 +74,7 @@ def test_image_installs_the_package_like_the_readme(name):
     assert {"pyproject.toml", "service"} <= copied
     installs = [r for r in image.runs if re.search(r"\bpip install\b.*(\s\.(\s|$))", r)]
     assert len(installs) == 1, "one `pip install .` of the repository"
-    assert f"ray[serve]==${{RAY_VERSION}}" in installs[0]
+    assert "ray[serve]==${RAY_VERSION}" in installs[0]
     torch_runs = [r for r in image.runs if re.search(r"pip install \S*(torch|TORCH)", r)]
     assert torch_runs and image.runs.index(torch_runs[0]) < image.runs.index(installs[0]), "torch before the package"
     assert any(re.search(r"apt-get install .*\bwget\b", r) for r in image.runs), "KubeRay's probes run wget"

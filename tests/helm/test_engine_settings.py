@@ -14,7 +14,7 @@ import sys
 import pytest
 import yaml
 
-from helm_chart_util import CHART, load_values
+from tests.helm.helm_chart_util import CHART, load_values
 from service.cli import build_parser
 from service.deployments import chart_schema
 from service.deployments.args import AppArgs

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from kubernetes_validate.utils import latest_version
 
-from helm_chart_util import CHART, CONFIGS, NAMESPACE, load_values, only, pod_templates, values_args
+from tests.helm.helm_chart_util import CHART, CONFIGS, NAMESPACE, load_values, only, pod_templates, values_args
 
 from service.deployments.args import AppArgs
 

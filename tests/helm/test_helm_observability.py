@@ -18,8 +18,8 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from helm_chart_util import CONFIGS, REPO, load_values, only
-from promql_names import RAY_SERVE_METRICS, check, grafana_query_names, selector_names
+from tests.helm.helm_chart_util import CONFIGS, REPO, load_values, only
+from tests.helm.promql_names import RAY_SERVE_METRICS, check, grafana_query_names, selector_names
 
 from service.deployments.metric_defs import ALL_METRICS, metric_names
 

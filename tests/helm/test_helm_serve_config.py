@@ -13,7 +13,7 @@ import yaml
 from ray._common.utils import import_attr
 from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
 
-from helm_chart_util import CONFIGS, REPO, load_values, only, pod_templates
+from tests.helm.helm_chart_util import CONFIGS, REPO, load_values, only, pod_templates
 
 from service.deployments.args import AppArgs
 

@@ -16,7 +16,7 @@ import yaml
 from openai.types import Model
 from openai.types.chat import ChatCompletion
 
-from helm_chart_util import CHART, only
+from tests.helm.helm_chart_util import CHART, only
 
 SCRIPT = (CHART / "files" / "openai_smoke.py").read_text()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_test_util import DEVICE, assert_close, gpu, needs_cuda
+from tests.kernels.triton_test_util import DEVICE, assert_close, gpu, needs_cuda
 from service.engine.kernels import conv1d, norm
 from service.engine.kernels.triton_conv1d import causal_conv1d_update, causal_conv1d_update_slots, causal_conv1d_varlen
 from service.engine.kernels.triton_norm import gated_group_rms_norm, rms_norm

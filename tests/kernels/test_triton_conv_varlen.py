@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_test_util import DEVICE, assert_close, gpu, needs_cuda
+from tests.kernels.triton_test_util import DEVICE, assert_close, gpu, needs_cuda
 from service.engine.kernels import conv1d
 from service.engine.kernels.triton_conv1d import (CONV_TILE_VARIANTS, ConvTiles, causal_conv1d_varlen,
                                                   causal_conv1d_varlen_tiled)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import triton
 
-from triton_test_util import DEVICE, gpu, needs_cuda
+from tests.kernels.triton_test_util import DEVICE, gpu, needs_cuda
 from service.engine.kernels import moe
 from service.engine.kernels.triton_backend import ARRIVAL_COUNTER_SLOTS, ArrivalCounters, triton_kernels
 from service.engine.kernels.triton_common import TARGET_PROGRAMS

@@ -4,11 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_test_util import DEVICE, gpu, needs_cuda
+from tests.kernels.triton_test_util import DEVICE, gpu, needs_cuda
 from service.engine import Engine, EngineConfig, SamplingParams
 from service.engine.kernels import get_kernels
 from service.engine.kernels.triton_backend import TORCH_REFERENCE_OPS
 from service.testing.tiny import make_tiny_model
+from tests.outputs import assert_same_outputs
 
 # prompt lengths vs chunk 16 / page 4: unaligned first request, < C, = C, k*C +- 1
 PROMPT_LENS = (35, 7, 16, 33)
@@ -43,10 +44,7 @@ def test_bundle_names_its_torch_reference_ops():
 def _compare(path: str, dtype: str, max_tokens: int, logprob_tol: float) -> None:
     ref = _run(path, "torch", dtype, max_tokens)
     out = _run(path, "triton", dtype, max_tokens)
-    for r, o in zip(ref, out):
-        assert o.token_ids == r.token_ids
-        diff = max(abs(a - b) for a, b in zip(o.logprobs, r.logprobs))
-        assert diff <= logprob_tol, f"logprob difference {diff:.2e}"
+    assert_same_outputs(out, ref, logprob_tol)
 
 
 def test_engine_triton_equals_torch_fp32(tiny_dir):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from triton_test_util import DEVICE, assert_close, gpu, needs_cuda
+from tests.kernels.triton_test_util import DEVICE, assert_close, gpu, needs_cuda
 from service.engine import Engine, EngineConfig, SamplingParams
 from service.engine.kernels import moe, norm
 from service.engine.kernels.triton_activation import relu2

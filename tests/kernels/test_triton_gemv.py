@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_test_util import DEVICE, TOL, assert_close, assert_pdl_chain_bit_equal, gpu, moe_inputs, needs_cuda
+from tests.kernels.triton_test_util import DEVICE, TOL, assert_close, assert_pdl_chain_bit_equal, gpu, moe_inputs, needs_cuda
 from service.engine.kernels import moe
 from service.engine.kernels.triton_gemv import (GEMV_SHAPES, GEMV_TILE_VARIANTS, GemvTiles, default_gemv_tiles, gemv,
                                                 gemv_ref)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_test_util import DEVICE, gpu, needs_cuda
+from tests.kernels.triton_test_util import DEVICE, gpu, needs_cuda
 from service.engine.kernels import attention
 from service.engine.kernels.triton_kv import write_kv
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_test_util import DEVICE, assert_close, gpu, moe_inputs, needs_cuda
+from tests.kernels.triton_test_util import DEVICE, assert_close, gpu, moe_inputs, needs_cuda
 from service.engine.kernels import moe
 from service.engine.kernels.triton_moe import (ALIGN_TILE_VARIANTS, AlignTiles, align_by_expert, align_by_expert_ref,
                                                align_into, default_tiles, moe_experts, moe_route)

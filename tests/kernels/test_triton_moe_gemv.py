@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from triton_test_util import DEVICE, assert_close, gpu, moe_inputs, needs_cuda
+from tests.kernels.triton_test_util import DEVICE, assert_close, gpu, moe_inputs, needs_cuda
 from service.engine.kernels import moe
 from service.engine.kernels.triton_moe import moe_experts
 from service.engine.kernels.triton_moe_gemv import (EXPERT_GEMV_TILE_VARIANTS, MAX_GEMV_PAIRS, ExpertGemvTiles,

@@ -9,7 +9,7 @@ import collections
 import pytest
 import torch
 
-from triton_test_util import DEVICE, assert_close, assert_pdl_chain_bit_equal, gpu, needs_cuda
+from tests.kernels.triton_test_util import DEVICE, assert_close, assert_pdl_chain_bit_equal, gpu, needs_cuda
 from service.engine import Engine, EngineConfig, SamplingParams
 from service.engine.kernels import norm, triton_gemv, triton_norm, triton_norm_gemv
 from service.engine.kernels.triton_gemv import GEMV_TILE_VARIANTS, GemvTiles, default_gemv_tiles, gemv
@@ -19,6 +19,7 @@ from service.engine.config import ModelConfig
 from service.engine.kernels.triton_backend import triton_kernels
 from service.testing.tiny import make_tiny_model
 from service.engine.runner.model_runner import build_model
+from tests.outputs import assert_same_outputs
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 EPS = 1e-5
@@ -239,10 +240,7 @@ def test_engine_batch1_fusion_leaves_tokens_and_logprobs_unchanged(tiny_dir, mon
     calls.clear()
     off = _generate(tiny_dir, fused=False)
     assert not calls
-    for a, b in zip(fused, off):
-        assert a.token_ids == b.token_ids
-        diffs = [abs(x - y) for x, y in zip(a.logprobs, b.logprobs)]
-        assert max(diffs) == 0.0 if INTERPRETED else max(diffs) <= 1e-4, diffs
+    assert_same_outputs(fused, off, 0.0 if INTERPRETED else 1e-4)
 
 
 @gpu
@@ -250,6 +248,4 @@ def test_engine_batch1_fusion_leaves_tokens_and_logprobs_unchanged(tiny_dir, mon
 def test_engine_batch1_fused_graphs_gpu(tiny_dir):
     """CUDA graphs (batch-1 bucket, layer segments: a mamba layer that starts a segment takes the plain path)
     with the fusion vs eager without it: same greedy tokens, logprobs within 1e-4 (fp32)."""
-    for a, b in zip(_generate(tiny_dir, fused=True, graphs=True), _generate(tiny_dir, fused=False)):
-        assert a.token_ids == b.token_ids
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-4
+    assert_same_outputs(_generate(tiny_dir, fused=True, graphs=True), _generate(tiny_dir, fused=False), 1e-4)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_test_util import DEVICE, assert_close, gpu, needs_cuda
+from tests.kernels.triton_test_util import DEVICE, assert_close, gpu, needs_cuda
 from service.engine.kernels import ssd
 from service.engine.kernels.triton_ssd import (selective_state_update, selective_state_update_slots,
                                                selective_state_update_slots_raw_dt, ssd_varlen)
