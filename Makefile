@@ -8,7 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 REPLICAS ?= 2
 
-.PHONY: install serve test test-gpu tiny-model generate clean
+.PHONY: install serve lint test test-gpu tiny-model generate clean
 
 $(STAMP): pyproject.toml Makefile scripts/install_tools.sh
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -34,7 +34,10 @@ serve: install tiny-model
 generate: install tiny-model
 	$(BIN)/hybrid-serve generate --model-path $(MODEL_DIR) --prompt "Hello" --max-tokens 16
 
-test: install
+lint: install
+	$(BIN)/ruff check .
+
+test: install lint
 	$(BIN)/python -m pytest -q -x --durations=15 tests
 
 test-gpu: install

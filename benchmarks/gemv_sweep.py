@@ -399,7 +399,7 @@ def _summary(cases, results, copy_gbs, timer, deadline, broken, tiny) -> list[st
             except Exception as e:
                 retimed = f"error: {type(e).__name__}"
 
-        def pct(us):
+        def pct(us, case=case):
             return 100 * case.bytes_moved / us / 1e3 / copy_gbs
         out.append(f"| {case.name} | {case.bytes_moved / 1e6:.1f} | {d[0].name} | {d[1]:.2f} | {pct(d[1]):.1f}% "
                    f"| {b[0].name} | {b[1]:.2f} | {pct(b[1]):.1f}% | {d[1] / b[1]:.3f}x | {retimed} "

@@ -32,7 +32,7 @@ Decisions (all errors are 400 with `param` set to the offending field):
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -371,7 +371,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return [t.model_dump(exclude_none=True) for t in self.tools or []]
 
 
-PromptT = Union[str, list[str], list[pydantic.NonNegativeInt], list[list[pydantic.NonNegativeInt]]]
+PromptT = str | list[str] | list[pydantic.NonNegativeInt] | list[list[pydantic.NonNegativeInt]]
 
 
 class CompletionRequest(_SamplingRequest):

@@ -91,6 +91,7 @@ class NemotronHForCausalLM(nn.Module):
         layer other than layer `start`, both run inside the layer, fused with its in_proj (`forward_add_norm`)."""
         k, eps, layers = self.kernels, self.cfg.layer_norm_epsilon, self.backbone.layers
         fused = False           # layer lid's input is (out, h): its residual add + norm are left to its in_proj
+        out = x                 # the previous layer's mixer output (read only when fused)
         for lid in range(start, end):
             block = layers[lid]
             if block.layer_type == MAMBA:
