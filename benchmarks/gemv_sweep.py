@@ -33,9 +33,10 @@ import triton.testing
 
 from service.engine.config import ModelConfig
 from service.engine.kernels import moe
-from service.engine.kernels.triton_gemv import GemvTiles, default_gemv_tiles, gemv
-from service.engine.kernels.triton_moe_gemv import (ExpertGemvTiles, expert_down_pass, expert_up_pass,
-                                                    moe_experts_by_size, moe_experts_gemv, moe_experts_tiled_shared)
+from service.engine.kernels.triton_gemv import gemv
+from service.engine.kernels.tiles import GemvTiles, default_gemv_tiles
+from service.engine.kernels.triton_moe_gemv import expert_down_pass, expert_up_pass, moe_experts_by_size, moe_experts_gemv, moe_experts_tiled_shared
+from service.engine.kernels.tiles import ExpertGemvTiles
 
 NANO_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "engine",
                            "fixtures", "nano_30b_a3b_config.json")

@@ -29,16 +29,20 @@ import triton.testing
 from benchmarks import gemv_sweep, roofline
 
 from service.engine.kernels import attention, conv1d, moe, norm, ssd
-from service.engine.kernels.triton_attention import (DECODE_TILE_VARIANTS, PrefillTiles, paged_attention,
-                                                     paged_attention_tiled)
-from service.engine.kernels.triton_conv1d import (CONV_TILE_VARIANTS, causal_conv1d_update, causal_conv1d_varlen,
-                                                  causal_conv1d_varlen_tiled)
-from service.engine.kernels.triton_moe import MOE_DECODE_TILE_VARIANTS, MoeTiles, moe_experts, moe_experts_tiled
-from service.engine.kernels.triton_moe import (align_by_expert, align_by_expert_ref, default_tiles, max_expert_blocks,
-                                               moe_route)
-from service.engine.kernels.triton_moe_gemv import EXPERT_GEMV_TILE_VARIANTS, MAX_GEMV_PAIRS, moe_experts_gemv
+from service.engine.kernels.triton_attention import paged_attention, paged_attention_tiled
+from service.engine.kernels.tiles import DECODE_TILE_VARIANTS, PrefillTiles
+from service.engine.kernels.triton_conv1d import causal_conv1d_update, causal_conv1d_varlen, causal_conv1d_varlen_tiled
+from service.engine.kernels.tiles import CONV_TILE_VARIANTS
+from service.engine.kernels.triton_moe import moe_experts, moe_experts_tiled
+from service.engine.kernels.tiles import MOE_DECODE_TILE_VARIANTS, MoeTiles
+from service.engine.kernels.triton_moe import align_by_expert, moe_route
+from service.engine.kernels.moe import align_by_expert_ref, max_expert_blocks
+from service.engine.kernels.tiles import default_tiles
+from service.engine.kernels.triton_moe_gemv import MAX_GEMV_PAIRS, moe_experts_gemv
+from service.engine.kernels.tiles import EXPERT_GEMV_TILE_VARIANTS
 from service.engine.kernels.triton_norm import gated_group_rms_norm, rms_norm
-from service.engine.kernels.triton_ssd import SsdTiles, selective_state_update, ssd_varlen, ssd_varlen_tiled
+from service.engine.kernels.triton_ssd import selective_state_update, ssd_varlen, ssd_varlen_tiled
+from service.engine.kernels.tiles import SsdTiles
 
 DEV, BF16 = "cuda", torch.bfloat16
 H, P, G, N, CHUNK, K_CONV = 64, 64, 8, 128, 128, 4           # Nano mamba
@@ -237,8 +241,10 @@ def route_cases() -> list[Case]:
     """moe_route and align_by_expert at T = 1, 256, 8192 (defaults, vs the torch references), then every launch-shape
     variant of ROUTE_TILE_VARIANTS / ALIGN_TILE_VARIANTS (first of each = the default; each checked by the GPU
     tests); variant rows' rel err: the ids vs moe_route_ref's / sorted_pairs vs the oracle's, 0 when equal."""
-    from service.engine.kernels.triton_moe import ALIGN_TILE_VARIANTS, align_into
-    from service.engine.kernels.triton_moe_route import ROUTE_TILE_VARIANTS, moe_route_tiled
+    from service.engine.kernels.triton_moe import align_into
+    from service.engine.kernels.tiles import ALIGN_TILE_VARIANTS
+    from service.engine.kernels.triton_moe_route import moe_route_tiled
+    from service.engine.kernels.tiles import ROUTE_TILE_VARIANTS
     out = [_moe_route_case(t) for t in (1, 256, 8192)] + [_align_case(t) for t in (1, 256, 8192)]
     for T, variants in ROUTE_TILE_VARIANTS.items():
         base = _moe_route_case(T)

@@ -6,8 +6,8 @@ import torch
 
 from tests.kernels.triton_test_util import DEVICE, assert_close, gpu, needs_cuda
 from service.engine.kernels import attention
-from service.engine.kernels.triton_attention import (DECODE_TILE_VARIANTS, DecodeTiles, PrefillTiles, decode_splits,
-                                                     paged_attention, paged_attention_tiled)
+from service.engine.kernels.triton_attention import paged_attention, paged_attention_tiled
+from service.engine.kernels.tiles import DECODE_TILE_VARIANTS, DecodeTiles, PrefillTiles, decode_splits
 
 
 def _setup(qlens, plens, Hq, Hkv, Dh, page_size, dtype, seed):

@@ -7,8 +7,8 @@ import torch
 
 from tests.kernels.triton_test_util import DEVICE, assert_close, gpu, needs_cuda
 from service.engine.kernels import conv1d
-from service.engine.kernels.triton_conv1d import (CONV_TILE_VARIANTS, ConvTiles, causal_conv1d_varlen,
-                                                  causal_conv1d_varlen_tiled)
+from service.engine.kernels.triton_conv1d import causal_conv1d_varlen, causal_conv1d_varlen_tiled
+from service.engine.kernels.tiles import CONV_TILE_VARIANTS, ConvTiles
 
 
 def _inputs(qlens, Dm, K, dtype, seed, with_bias=True):

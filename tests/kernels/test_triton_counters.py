@@ -10,8 +10,11 @@ from tests.kernels.triton_test_util import DEVICE, gpu, needs_cuda
 from service.engine.kernels import moe
 from service.engine.kernels.triton_backend import ARRIVAL_COUNTER_SLOTS, ArrivalCounters, triton_kernels
 from service.engine.kernels.triton_common import TARGET_PROGRAMS
-from service.engine.kernels.triton_gemv import GemvTiles, default_gemv_tiles, gemv, gemv_ref, linear
-from service.engine.kernels.triton_moe_route import RouteTiles, moe_route, moe_route_tiled, route_tiles
+from service.engine.kernels.triton_gemv import gemv, linear
+from service.engine.kernels.linear import gemv_ref
+from service.engine.kernels.tiles import GemvTiles, default_gemv_tiles
+from service.engine.kernels.triton_moe_route import moe_route, moe_route_tiled
+from service.engine.kernels.tiles import RouteTiles, route_tiles
 
 ROUTE_TILES = RouteTiles("fma", 4, 16, 16, 2, 2)        # T=7, E=64, d=100: 2 token blocks x 16 arrivals
 GEMV_TILES = GemvTiles(8, 32, 4, True, 3)               # N=50, K=300: 7 column blocks x 3 splits

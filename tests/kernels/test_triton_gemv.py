@@ -7,9 +7,11 @@ import torch
 
 from tests.kernels.triton_test_util import DEVICE, TOL, assert_close, assert_pdl_chain_bit_equal, gpu, moe_inputs, needs_cuda
 from service.engine.kernels import moe
-from service.engine.kernels.triton_gemv import (GEMV_SHAPES, GEMV_TILE_VARIANTS, GemvTiles, default_gemv_tiles, gemv,
-                                                gemv_ref)
-from service.engine.kernels.triton_moe import MOE_DECODE_TILE_VARIANTS, MoeTiles, default_tiles, moe_experts_tiled
+from service.engine.kernels.triton_gemv import gemv
+from service.engine.kernels.linear import gemv_ref
+from service.engine.kernels.tiles import GEMV_SHAPES, GEMV_TILE_VARIANTS, GemvTiles, default_gemv_tiles
+from service.engine.kernels.triton_moe import moe_experts_tiled
+from service.engine.kernels.tiles import MOE_DECODE_TILE_VARIANTS, MoeTiles, default_tiles
 
 
 def _inputs(M, N, K, dtype, seed, bias=True, row_pad=0):

@@ -7,9 +7,11 @@ import torch
 
 from tests.kernels.triton_test_util import DEVICE, assert_close, gpu, moe_inputs, needs_cuda
 from service.engine.kernels import moe
-from service.engine.kernels.triton_moe import (ALIGN_TILE_VARIANTS, AlignTiles, align_by_expert, align_by_expert_ref,
-                                               align_into, default_tiles, moe_experts, moe_route)
-from service.engine.kernels.triton_moe_route import ROUTE_TILE_VARIANTS, RouteTiles, moe_route_tiled
+from service.engine.kernels.triton_moe import align_by_expert, align_into, moe_experts, moe_route
+from service.engine.kernels.moe import align_by_expert_ref
+from service.engine.kernels.tiles import ALIGN_TILE_VARIANTS, AlignTiles, default_tiles
+from service.engine.kernels.triton_moe_route import moe_route_tiled
+from service.engine.kernels.tiles import ROUTE_TILE_VARIANTS, RouteTiles
 
 NANO = dict(d=2688, E=128, k=6)
 SUPER = dict(d=4096, E=512, k=22)
@@ -358,7 +360,7 @@ def test_moe_experts_gpu_nano_shapes(T, dtype):
 def test_max_expert_blocks_bounds_every_routing():
     """The static block count covers sum_e ceil(count_e / block_m) for any split of the pairs over the experts,
     including the worst case (every non-empty expert one pair past a block boundary)."""
-    from service.engine.kernels.triton_moe import max_expert_blocks
+    from service.engine.kernels.moe import max_expert_blocks
     g = torch.Generator().manual_seed(0)
     for _ in range(300):
         E = int(torch.randint(1, 300, (1,), generator=g))

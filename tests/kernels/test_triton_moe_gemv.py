@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from tests.kernels.triton_test_util import DEVICE, assert_close, gpu, moe_inputs, needs_cuda
 from service.engine.kernels import moe
 from service.engine.kernels.triton_moe import moe_experts
-from service.engine.kernels.triton_moe_gemv import (EXPERT_GEMV_TILE_VARIANTS, MAX_GEMV_PAIRS, ExpertGemvTiles,
-                                                    moe_experts_by_size, moe_experts_gemv, moe_experts_tiled_shared)
+from service.engine.kernels.triton_moe_gemv import MAX_GEMV_PAIRS, moe_experts_by_size, moe_experts_gemv, moe_experts_tiled_shared
+from service.engine.kernels.tiles import EXPERT_GEMV_TILE_VARIANTS, ExpertGemvTiles
 
 
 def _shared_weights(S: int, d: int, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:

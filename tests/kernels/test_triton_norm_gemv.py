@@ -12,7 +12,8 @@ import torch
 from tests.kernels.triton_test_util import DEVICE, assert_close, assert_pdl_chain_bit_equal, gpu, needs_cuda
 from service.engine import Engine, EngineConfig, SamplingParams
 from service.engine.kernels import norm, triton_gemv, triton_norm, triton_norm_gemv
-from service.engine.kernels.triton_gemv import GEMV_TILE_VARIANTS, GemvTiles, default_gemv_tiles, gemv
+from service.engine.kernels.triton_gemv import gemv
+from service.engine.kernels.tiles import GEMV_TILE_VARIANTS, GemvTiles, default_gemv_tiles
 from service.engine.kernels.triton_norm_gemv import (add_rms_norm_gemv, add_rms_norm_linear, gated_norm_gemv,
                                                      gated_norm_linear)
 from service.engine.config import ModelConfig

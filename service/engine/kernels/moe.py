@@ -8,6 +8,8 @@ more such MLP with weight 1, added in fp32 before the one rounding to x's dtype.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -78,3 +80,39 @@ def moe_experts_ref(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, topk_
     if n_shared:
         out += F.linear(relu2(F.linear(x, shared_up)), shared_down).float()
     return out.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class ExpertAlignment:
+    sorted_pairs: torch.Tensor   # [num_blocks * block_m] int32: pair index t*k + j, or T*k for padding
+    block_expert: torch.Tensor   # [num_blocks] int32: expert of each block of block_m rows, -1 for unused blocks
+    block_m: int                 # rows per block
+
+
+def max_expert_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Static upper bound on sum_e ceil(count_e / block_m) over the experts that got pairs: at most
+    min(num_experts, num_pairs) experts are non-empty, each adds < 1 block of padding, so
+    cdiv(num_pairs, block_m) + min(num_experts, num_pairs) blocks always suffice (decode T=1, top-6: 7 blocks,
+    not 1 + 128: the grouped GEMMs launch no programs that only exit)."""
+    return -(-num_pairs // block_m) + min(num_experts, num_pairs)
+
+
+def align_by_expert_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertAlignment:
+    """Torch oracle of `align_by_expert` (about 20 device ops, no host sync)."""
+    flat = topk_ids.flatten()
+    tk = flat.numel()
+    dev = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends_p = torch.cumsum(padded, 0)
+    starts = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    rank = torch.arange(tk, device=dev) - starts[sorted_e]
+    num_blocks = max_expert_blocks(tk, num_experts, block_m)
+    sorted_pairs = torch.full((num_blocks * block_m,), tk, dtype=torch.int32, device=dev)
+    sorted_pairs[ends_p[sorted_e] - padded[sorted_e] + rank] = order.to(torch.int32)
+    block_start = torch.arange(num_blocks, device=dev) * block_m
+    block_expert = torch.searchsorted(ends_p, block_start, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return ExpertAlignment(sorted_pairs, block_expert, block_m)

@@ -15,51 +15,17 @@ Softmax in fp32 (exp2 with the scale folded in). `write_kv` stays the torch refe
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from service.engine.kernels.triton_common import (TARGET_PROGRAMS, block_dim, check_dim, check_inner_contiguous,
+from service.engine.kernels.triton_common import (block_dim, check_dim, check_inner_contiguous,
                                                   check_same_device, dot_precision, pdl_args, pdl_release,
                                                   pdl_wait)
+from service.engine.kernels.tiles import DECODE_TILE_VARIANTS, DecodeTiles, PrefillTiles, decode_splits
 
 _LOG2E = 1.4426950408889634
-
-
-@dataclass(frozen=True)
-class PrefillTiles:
-    """Launch shape of `_prefill_kernel`."""
-    block_m: int = 128            # queries per program (16 when every request has <= 16 new tokens)
-    block_n: int = 128            # keys per inner step
-    warps: int = 8                # warps per program
-    stages: int = 2               # software-pipelining depth
-
-
-@dataclass(frozen=True)
-class DecodeTiles:
-    """Launch shape and split plan of `_decode_kernel`. Splits per (request, KV head): about `programs` programs in
-    all (floor, at least 1 split), at most max_seq_len / min_split; a request's keys are spread evenly over them in
-    multiples of block_n, at least min_split keys each (splits past its context stay empty). fp32 operands take
-    half the keys per step (twice the bytes per key)."""
-    block_n: int = 128            # keys per inner step (may span pages)
-    warps: int = 4                # warps per program
-    stages: int = 3               # software pipelining (triton 3.x: 5 double-buffers the K/V tiles, 2-4 one buffer)
-    programs: int = TARGET_PROGRAMS   # programs the split plan aims for
-    min_split: int = 128          # fewest keys per split (rounded up to a multiple of block_n)
-
-
-# Launch shapes the `tune` benchmark compares at decode sizes (the GPU tests check each); the first is the default,
-# the fastest measured on H200 (see benchmarks/RESULTS.md).
-DECODE_TILE_VARIANTS = (DecodeTiles(), DecodeTiles(64, 4, 5), DecodeTiles(128, 8, 5, min_split=256),
-                        DecodeTiles(64, 4, 5, programs=132, min_split=512),
-                        DecodeTiles(64, 4, 5, programs=2 * TARGET_PROGRAMS, min_split=64))
-
-
-def decode_splits(batch: int, kv_heads: int, max_seq_len: int, tiles: DecodeTiles) -> int:
-    """KV splits per (request, KV head) from host ints only (a captured decode graph replays it for any lengths)."""
-    return max(1, min(tiles.programs // (batch * kv_heads), triton.cdiv(max_seq_len, tiles.min_split)))
 
 
 @triton.jit

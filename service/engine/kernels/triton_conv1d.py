@@ -7,7 +7,6 @@ silu(conv + bias) in x's dtype, accumulated in fp32. `conv_state_windows` stays 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -15,22 +14,7 @@ import triton.language as tl
 
 from service.engine.kernels.triton_common import (block_dim, check_dim, check_inner_contiguous, check_same_device,
                                                   check_shape, pdl_args, pdl_release, pdl_wait)
-
-
-@dataclass(frozen=True)
-class ConvTiles:
-    """Launch shape of `_conv_varlen_kernel`: a program slides over `block_t` tokens of `block_d` channels, `rows`
-    tokens per step (the next step's rows load while a step computes); each thread holds block_d / (32 * warps)
-    channels of every row of a step."""
-    block_t: int = 64             # tokens per program (a multiple of rows)
-    block_d: int = 512            # channels per program
-    warps: int = 4                # warps per program
-    rows: int = 8                 # tokens per step
-
-
-# Launch shapes the `tune` benchmark compares at Nano shapes (the GPU tests check each); the first is the default.
-CONV_TILE_VARIANTS = (ConvTiles(64, 512, 4, 8), ConvTiles(64, 512, 4, 4), ConvTiles(32, 512, 4, 8),
-                      ConvTiles(64, 256, 2, 8), ConvTiles(128, 512, 4, 16))
+from service.engine.kernels.tiles import CONV_TILE_VARIANTS, ConvTiles
 
 
 @triton.jit

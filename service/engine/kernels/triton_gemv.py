@@ -18,16 +18,15 @@ kernel, x after; the next kernel is released after the K loop.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from service.engine.kernels.triton_common import (TARGET_PROGRAMS, check_dim, check_inner_contiguous,
+from service.engine.kernels.triton_common import (check_dim, check_inner_contiguous,
                                                   check_same_device, check_shape, pdl_args, pdl_release, pdl_wait)
+from service.engine.kernels.tiles import GemvTiles, default_gemv_tiles
 
 MAX_ROWS = 4                # rows of x one launch takes (one fp32 register tile per row)
 ACC_PER_THREAD = 64         # fp32 accumulator registers per thread over all rows before block_k is halved
@@ -182,43 +181,6 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N, K, k_split,
         arrive_and_reduce(count_ptr, pid_n, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS, HAS_BIAS, SPLIT_K)
 
 
-@dataclass(frozen=True)
-class GemvTiles:
-    """Launch shape of `gemv` (for one row of x; more rows may halve block_k, see `_rows_block_k`)."""
-    block_n: int = 8              # weight rows (output columns) per program
-    block_k: int = 256            # K elements per step and row (>= 8 bf16 per thread: 16-byte loads)
-    warps: int = 4                # warps per program
-    prefetch: bool = True         # load step k+1 before step k's FMAs (registers; tl's num_stages does not
-                                  # pipeline loads that feed no tl.dot: it is 1 here)
-    split_k: int = 1              # programs per column block, each over a slice of K (> 1: last arriver adds)
-
-
-# Launch shapes the `gemv` benchmark compares per Nano-30B-A3B shape (N, K); the GPU tests check every one.
-_WIDE = (GemvTiles(8, 256, 4), GemvTiles(8, 256, 4, False), GemvTiles(16, 128, 4), GemvTiles(8, 512, 4),
-         GemvTiles(32, 128, 8), GemvTiles(16, 256, 8), GemvTiles(4, 1024, 4, False))
-# The first of each is the default (measured on H200, see benchmarks/RESULTS.md); on the wide shapes cuBLAS ties.
-_SHORT_K = (GemvTiles(4, 512, 4), GemvTiles(8, 256, 4, False), GemvTiles(8, 256, 4), GemvTiles(8, 128, 4, True, 3),
-            GemvTiles(16, 128, 4, True, 3), GemvTiles(8, 256, 4, True, 2), GemvTiles(4, 1024, 4, False))
-_LONG_K = (GemvTiles(4, 512, 4), GemvTiles(8, 512, 4, False), GemvTiles(8, 512, 4), GemvTiles(8, 512, 4, True, 2),
-           GemvTiles(16, 256, 4, True, 4), GemvTiles(8, 256, 4, True, 4), GemvTiles(4, 1024, 4, False, 2))
-GEMV_SHAPES = (("in_proj", 10304, 2688), ("out_proj", 2688, 4096), ("qkv_proj", 4608, 2688),
-               ("shared_up", 3712, 2688), ("shared_down", 2688, 3712), ("lm_head", 131072, 2688))
-GEMV_TILE_VARIANTS = MappingProxyType({
-    (10304, 2688): _WIDE, (131072, 2688): _WIDE,          # mamba in_proj, lm_head: enough programs without split
-    (4608, 2688): _SHORT_K, (3712, 2688): _SHORT_K,       # attention q/k/v (one GEMV), shared-expert up
-    (2688, 4096): _LONG_K, (2688, 3712): _LONG_K,         # mamba out_proj / attention o_proj, shared-expert down
-})
-
-
-def default_gemv_tiles(n: int, k: int) -> GemvTiles:
-    """The first variant of a tuned shape; otherwise 8-row blocks, split over K up to 4 ways until there are about
-    TARGET_PROGRAMS programs."""
-    if (n, k) in GEMV_TILE_VARIANTS:
-        return GEMV_TILE_VARIANTS[(n, k)][0]
-    blocks = triton.cdiv(max(n, 1), 8)
-    return GemvTiles(8, 256, 4, True, max(1, min(4, TARGET_PROGRAMS // blocks)))
-
-
 def _rows_block_k(t: GemvTiles, rows: int) -> int:
     """block_k for `rows` fp32 register tiles: halved (not below 128) while they would exceed 64 per thread."""
     bk = t.block_k
@@ -299,11 +261,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         ROWS=M, HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_K=K % bk == 0, PREFETCH=t.prefetch,
         BLOCK_N=t.block_n, BLOCK_K=bk, num_warps=t.warps, num_stages=1, **pdl_args(x, pdl))
     return y
-
-
-def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Reference: torch's F.linear."""
-    return F.linear(x, weight, bias)
 
 
 # Up to this the GEMV runs single rows, mamba in_proj (27.7 M) included; lm_head (352 M) stays on cuBLAS, which

@@ -11,7 +11,6 @@ Same signature and semantics as `moe.moe_experts_ref`. Steps (no host sync, so a
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -20,42 +19,8 @@ import triton.language as tl
 from service.engine.kernels.triton_common import (block_dim, check_dim, check_inner_contiguous, check_same_device,
                                                   check_shape, dot_precision, pdl_args, pdl_release, pdl_wait)
 from service.engine.kernels.triton_moe_route import moe_route  # noqa: F401  (the backend's moe_route)
-
-
-@dataclass(frozen=True)
-class ExpertAlignment:
-    sorted_pairs: torch.Tensor   # [num_blocks * block_m] int32: pair index t*k + j, or T*k for padding
-    block_expert: torch.Tensor   # [num_blocks] int32: expert of each block of block_m rows, -1 for unused blocks
-    block_m: int                 # rows per block
-
-
-def max_expert_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Static upper bound on sum_e ceil(count_e / block_m) over the experts that got pairs: at most
-    min(num_experts, num_pairs) experts are non-empty, each adds < 1 block of padding, so
-    cdiv(num_pairs, block_m) + min(num_experts, num_pairs) blocks always suffice (decode T=1, top-6: 7 blocks,
-    not 1 + 128: the grouped GEMMs launch no programs that only exit)."""
-    return triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
-
-
-def align_by_expert_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertAlignment:
-    """Torch oracle of `align_by_expert` (about 20 device ops, no host sync)."""
-    flat = topk_ids.flatten()
-    tk = flat.numel()
-    dev = flat.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends_p = torch.cumsum(padded, 0)
-    starts = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(flat, stable=True)
-    sorted_e = flat[order]
-    rank = torch.arange(tk, device=dev) - starts[sorted_e]
-    num_blocks = max_expert_blocks(tk, num_experts, block_m)
-    sorted_pairs = torch.full((num_blocks * block_m,), tk, dtype=torch.int32, device=dev)
-    sorted_pairs[ends_p[sorted_e] - padded[sorted_e] + rank] = order.to(torch.int32)
-    block_start = torch.arange(num_blocks, device=dev) * block_m
-    block_expert = torch.searchsorted(ends_p, block_start, right=True)
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
-    return ExpertAlignment(sorted_pairs, block_expert, block_m)
+from service.engine.kernels.tiles import BY_CHUNK_MAX, AlignTiles, MoeTiles, align_tiles, default_tiles, hist_bins
+from service.engine.kernels.moe import ExpertAlignment, max_expert_blocks
 
 
 @triton.jit
@@ -167,47 +132,6 @@ def _align_kernel(ids_ptr, pairs_ptr, block_expert_ptr, num_pairs, E, block_m, n
     _fill_tail(pairs_ptr, block_expert_ptr, num_pairs, block_m, num_blocks, tl.sum(padded, axis=0), FILL)
 
 
-@dataclass(frozen=True)
-class AlignTiles:
-    """Launch shape of `align_into`: grid max(cdiv(T*k, chunk) if by_chunk, cdiv(E, epp))."""
-    by_chunk: bool                # program p places the pairs of chunk p (T*k <= BY_CHUNK_MAX), else of its experts
-    chunk: int                    # by_chunk: pairs per program; else ids per scan step
-    epp: int                      # experts per program (their sentinels and blocks; else also their pairs)
-    warps: int
-
-
-BY_CHUNK_MAX = 2048               # pairs held in one tile by every program of the by-chunk kernel
-
-
-def align_tiles(tk: int, num_experts: int) -> AlignTiles:
-    """tk <= BY_CHUNK_MAX: chunks of 4096 / HIST pairs ([chunk, HIST] one-hot picks; Nano: 16, T=256 -> 96
-    programs) and >= 8 programs for the sentinels. Larger: about 128 programs of experts (each reads every id twice,
-    4096 per step, the next step's ids loading meanwhile)."""
-    hist = _hist_bins(num_experts)
-    if tk <= BY_CHUNK_MAX:
-        chunk = max(1, 4096 // hist)
-        progs = max(8, triton.cdiv(tk, chunk))
-        return AlignTiles(True, chunk, min(triton.next_power_of_2(triton.cdiv(num_experts, progs)), 8192 // hist), 4)
-    epp = min(triton.next_power_of_2(triton.cdiv(num_experts, 128)), max(1, 8192 // hist))
-    return AlignTiles(False, max(128, 4096 // epp), epp, 8)
-
-
-# Launch-shape variants timed by benchmarks/kernels.py (group "route") and checked by the GPU tests; keys: T at
-# Nano shapes (k=6, E=128), the first of each list = `align_tiles`' pick.
-ALIGN_TILE_VARIANTS = {
-    1: [AlignTiles(True, 16, 16, 4), AlignTiles(True, 16, 32, 4), AlignTiles(True, 16, 8, 4),
-        AlignTiles(True, 8, 16, 2), AlignTiles(True, 16, 4, 4)],
-    256: [AlignTiles(True, 16, 2, 4), AlignTiles(True, 8, 1, 4), AlignTiles(True, 32, 4, 8), AlignTiles(True, 16, 2, 8),
-          AlignTiles(False, 1024, 8, 4)],
-    8192: [AlignTiles(False, 4096, 1, 8), AlignTiles(False, 2048, 1, 8), AlignTiles(False, 2048, 1, 4),
-           AlignTiles(False, 4096, 2, 8), AlignTiles(False, 1024, 1, 4), AlignTiles(False, 2048, 2, 8)],
-}
-
-
-def _hist_bins(num_experts: int) -> int:
-    return max(32, triton.next_power_of_2(num_experts + 1))           # bins: the experts + a spare one (>= 32)
-
-
 def align_into(topk_ids: torch.Tensor, num_experts: int, block_m: int, sorted_pairs: torch.Tensor,
                block_expert: torch.Tensor, tiles: AlignTiles | None = None) -> ExpertAlignment:
     """`align_by_expert` into given buffers (every element is written); tiles None: `align_tiles`."""
@@ -229,7 +153,7 @@ def align_into(topk_ids: torch.Tensor, num_experts: int, block_m: int, sorted_pa
         progs = max(progs, triton.cdiv(tk, cfg.chunk))
     _align_kernel[(progs,)](
         topk_ids.reshape(-1), sorted_pairs, block_expert, tk, num_experts, block_m, num_blocks,
-        BY_CHUNK=cfg.by_chunk, EPP=cfg.epp, CHUNK=cfg.chunk, HIST=_hist_bins(num_experts),
+        BY_CHUNK=cfg.by_chunk, EPP=cfg.epp, CHUNK=cfg.chunk, HIST=hist_bins(num_experts),
         TK_PAD=max(32 * cfg.warps, triton.next_power_of_2(tk)) if cfg.by_chunk else 1,       # >= one id per lane
         BM_PAD=triton.next_power_of_2(block_m), BFILL=min(256, triton.next_power_of_2(triton.cdiv(tk, block_m) + 1)),
         FILL=256, num_warps=cfg.warps)
@@ -320,32 +244,6 @@ def _sum_slots_kernel(y_ptr, out_ptr, top_k, d, BLOCK_K: tl.constexpr, BLOCK_D: 
                 mask=(offs_k < top_k)[:, None] & md[None, :], other=0.0)
     pdl_release(PDL)
     tl.store(out_ptr + t * d + offs_d, tl.sum(v.to(tl.float32), axis=0).to(out_ptr.dtype.element_ty), mask=md)
-
-
-@dataclass(frozen=True)
-class MoeTiles:
-    """Launch shape of both grouped GEMMs."""
-    block_m: int                  # sorted (token, slot) rows per program; each expert's run is padded to it
-    block_n: int                  # output columns per program
-    block_k: int                  # reduction step
-    warps: int                    # warps per program
-    stages: int                   # software-pipelining depth
-
-
-# Decode launch shapes (<= 16 pairs per expert) the `moe_tune` benchmark compares at T = 1, 8, 64 (the GPU tests
-# check each); the first is the default.
-MOE_DECODE_TILE_VARIANTS = (MoeTiles(16, 64, 128, 4, 4), MoeTiles(16, 32, 128, 4, 4), MoeTiles(16, 32, 256, 4, 3),
-                            MoeTiles(16, 64, 256, 4, 3), MoeTiles(16, 64, 128, 8, 5), MoeTiles(16, 128, 128, 8, 4))
-
-
-def default_tiles(pairs_per_expert: float, element_size: int) -> MoeTiles:
-    """Tiles for the average rows per expert: weight streaming (decode) vs matrix-bound (prefill);
-    4-byte operands get a smaller prefill tile so the pipeline fits in shared memory."""
-    if pairs_per_expert <= 16:
-        return MOE_DECODE_TILE_VARIANTS[0]
-    if pairs_per_expert <= 48:
-        return MoeTiles(32, 64, 128, 4, 4)
-    return MoeTiles(128, 256, 64, 8, 4) if element_size <= 2 else MoeTiles(64, 128, 64, 4, 3)
 
 
 def moe_experts(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,

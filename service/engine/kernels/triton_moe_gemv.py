@@ -19,7 +19,6 @@ this path is for T * k up to MAX_GEMV_PAIRS.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -30,31 +29,9 @@ from service.engine.kernels.triton_activation import relu2
 from service.engine.kernels.triton_common import check_dtype, check_same_device, pdl_args, pdl_release, pdl_wait
 from service.engine.kernels.triton_gemv import _load_w, _load_x, dot_tiles
 from service.engine.kernels.triton_moe import check_experts_args, sum_slots
+from service.engine.kernels.tiles import ExpertGemvTiles
 
 MAX_GEMV_PAIRS = 16          # (token, slot) pairs up to which `moe_experts_gemv` accepts a batch
-
-
-@dataclass(frozen=True)
-class ExpertGemvTiles:
-    """Launch shape of a grouped-GEMV pass (`moe_experts_gemv` takes one for both passes, or one each)."""
-    block_n: int = 4             # weight rows (outputs) per program
-    block_k: int = 512           # reduction elements per step (16-byte loads of bf16)
-    warps: int = 4               # warps per program
-    depth: int = 2               # weight tiles in flight per program, in registers: 1 = load, then FMA; 2 = the next
-                                 # step's tile loaded before this step's FMAs (`dot_tiles`' prefetch); 3-4 = 2-3 ahead
-    stages: int = 1              # > 1 (with depth 1): the K loop is `tl.range(num_stages=stages)`, Triton's pipeliner
-                                 # keeps stages - 1 steps of loads in flight through shared memory (the launch's
-                                 # num_stages would pipeline only loads feeding tl.dot: none here)
-
-    def __post_init__(self):
-        if not 1 <= self.depth <= 4:
-            raise ValueError(f"depth must be 1..4, got {self.depth}")
-        if self.stages < 1 or (self.stages > 1 and self.depth != 1):
-            raise ValueError(f"stages > 1 pipelines the plain loop: needs depth 1, got {self}")
-
-
-EXPERT_GEMV_TILE_VARIANTS = (ExpertGemvTiles(), ExpertGemvTiles(8, 256, 4), ExpertGemvTiles(8, 512, 4),
-                             ExpertGemvTiles(4, 1024, 4), ExpertGemvTiles(16, 256, 8))
 
 
 @triton.jit

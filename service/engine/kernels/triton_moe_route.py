@@ -22,16 +22,16 @@ reduction per pick, ties to the lowest index. No host sync: graph-capturable.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from service.engine.kernels.triton_common import (TARGET_PROGRAMS, block_dim, check_dim, check_inner_contiguous,
+from service.engine.kernels.triton_common import (block_dim, check_dim, check_inner_contiguous,
                                                   check_same_device, check_shape, pdl_args, pdl_release,
                                                   pdl_wait)
 from service.engine.kernels.triton_gemv import arrival_counters, check_counters
+from service.engine.kernels.tiles import RouteTiles, route_tiles
 
 MAX_EXPERTS = 1024          # the selection holds a [rows, next_pow2(E)] tile in registers
 SELECT_TILE = 2048          # rows * padded experts per selection step (int64 keys)
@@ -211,59 +211,6 @@ def _moe_route_kernel(h_ptr, w_ptr, bias_ptr, part_ptr, count_ptr, w_out_ptr, id
             _select_block(part_ptr, bias_ptr, w_out_ptr, ids_ptr, pid_t, T, E, tl.num_programs(2), s_b, top_k,
                           n_group, topk_group, scaling, BLOCK_T, SEL_T, KS_TILE, E_PAD, K_PAD, G_PAD, GROUPED, NORM)
             tl.store(count_ptr + pid_t, 0)  # leaves a persistent counter buffer zeroed for the next launch
-
-
-@dataclass(frozen=True)
-class RouteTiles:
-    """Launch shape of the router: grid (cdiv(T, block_t), cdiv(E, block_e), cdiv(d, block_k * k_steps))."""
-    mode: str                     # "fma", "ieee" or "bf16x3" (bf16 h only), see the module docstring
-    block_t: int                  # tokens per program (>= 16 for the dot modes)
-    block_e: int                  # experts per program (>= 16 for the dot modes)
-    block_k: int                  # reduction step over the hidden size (>= 16 for the dot modes)
-    k_steps: int                  # steps per program: its K slice is block_k * k_steps ("fma": unrolled, <= 16)
-    warps: int
-    stages: int = 3
-
-
-def route_tiles(T: int, e_pad: int, d: int, dtype: torch.dtype) -> RouteTiles:
-    """T <= 8 (decode): "fma", 256-wide K slices and e_pad / 16 experts per program (Nano: 16 x 11 = 176 programs,
-    8 KB of W each, every load in flight at once). Larger T: "bf16x3" for bf16 h ("ieee" otherwise) on 16/32/64-token
-    blocks; K split so that there are about TARGET_PROGRAMS programs while the last program of a token block sums
-    at most 64K partial logits; bf16 h above 64 tokens takes the tiles measured fastest (Nano: T=256 ->
-    16 x 2 x 14 programs, T=8192 -> 64 x 2 x 1; measured on H200, see benchmarks/RESULTS.md)."""
-    if T <= 8:
-        bt = triton.next_power_of_2(T)
-        bk = max(32, 256 // bt)
-        return RouteTiles("fma", bt, max(8, e_pad // 16), bk, 256 // bk, 4)
-    mode = "bf16x3" if dtype == torch.bfloat16 else "ieee"
-    steps = triton.cdiv(d, 64)
-    if mode == "bf16x3" and T > 64:     # up to 512 tokens: 16 x 64 tiles, 3 K steps per slice;
-        if T <= 512:                    # above: 128 x 64 tiles over the whole K
-            n_ks = max(1, min(triton.cdiv(steps, 3), 65536 // (16 * e_pad)))
-            return RouteTiles(mode, 16, min(64, e_pad), 64, triton.cdiv(steps, n_ks), 4)
-        return RouteTiles(mode, 128, min(64, e_pad), 64, steps, 8)
-    bt, be = (16, 32) if T <= 64 else (32, 64) if T <= 512 else (64, 128)
-    be = min(be, e_pad)
-    blocks = triton.cdiv(T, bt) * triton.cdiv(e_pad, be)
-    n_ks = max(1, min(TARGET_PROGRAMS // blocks, 65536 // (bt * e_pad)))
-    return RouteTiles(mode, bt, be, 64, triton.cdiv(triton.cdiv(d, 64), n_ks), 4 if bt * be <= 2048 else 8)
-
-
-# Launch-shape variants timed by benchmarks/kernels.py (group "route") and checked by the GPU tests; the first of
-# each list is `route_tiles`' pick at Nano shapes (E=128, d=2688, bf16 h).
-ROUTE_TILE_VARIANTS = {
-    1: [RouteTiles("fma", 1, 8, 256, 1, 4), RouteTiles("fma", 1, 16, 128, 1, 4), RouteTiles("fma", 1, 16, 256, 1, 4),
-        RouteTiles("fma", 1, 8, 128, 1, 4), RouteTiles("fma", 1, 4, 512, 1, 4), RouteTiles("fma", 1, 8, 256, 1, 2),
-        RouteTiles("fma", 1, 8, 512, 1, 8), RouteTiles("fma", 1, 32, 128, 1, 4)],
-    256: [RouteTiles("bf16x3", 16, 64, 64, 3, 4), RouteTiles("bf16x3", 16, 32, 64, 3, 4),
-          RouteTiles("bf16x3", 32, 128, 64, 6, 8), RouteTiles("bf16x3", 64, 128, 64, 6, 8),
-          RouteTiles("bf16x3", 32, 64, 32, 6, 4), RouteTiles("bf16x3", 32, 64, 64, 3, 4),
-          RouteTiles("ieee", 32, 64, 32, 6, 4), RouteTiles("ieee", 16, 32, 32, 6, 4)],
-    8192: [RouteTiles("bf16x3", 128, 64, 64, 42, 8), RouteTiles("bf16x3", 64, 128, 64, 42, 8),
-           RouteTiles("bf16x3", 128, 128, 32, 21, 8, 2), RouteTiles("bf16x3", 64, 128, 64, 21, 8),
-           RouteTiles("bf16x3", 64, 128, 32, 42, 8), RouteTiles("bf16x3", 64, 64, 32, 84, 4),
-           RouteTiles("ieee", 64, 128, 32, 84, 8), RouteTiles("ieee", 64, 128, 32, 42, 8)],
-}
 
 
 def _check_route_args(h, gate_weight, correction_bias, top_k, n_group, topk_group) -> None:

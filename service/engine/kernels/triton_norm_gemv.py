@@ -33,9 +33,8 @@ from service.engine.kernels import Kernels, triton_gemv, triton_norm
 from service.engine.kernels.triton_common import (block_dim, check_dim, check_inner_contiguous, check_same_device,
                                                   check_shape, pdl_args, pdl_release, pdl_wait)
 # triton_gemv's loop pieces: tile loads, the per-split epilogue, the last arriver's reduction
-from service.engine.kernels.triton_gemv import (GemvTiles, _emit_row, _load, _load_w, _rows_block_k,
-                                                arrival_counters, arrive_and_reduce, default_gemv_tiles,
-                                                program_block)
+from service.engine.kernels.triton_gemv import _emit_row, _load, _load_w, _rows_block_k, arrival_counters, arrive_and_reduce, program_block
+from service.engine.kernels.tiles import GemvTiles, default_gemv_tiles
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 PROLOGUE_CHUNK = 512        # elements per step of the rms prologue: a power of two >= 128 (see `_sum_sq`)

@@ -19,7 +19,6 @@ dt preprocessing (softplus(dt + dt_bias), clamp) and A = -exp(A_log) into it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -29,18 +28,9 @@ from service.engine.kernels.ssd import ChunkLayout
 from service.engine.kernels.triton_common import (block_dim, check_dim, check_dtype, check_inner_contiguous,
                                                   check_same_device, check_shape, dot_precision, pdl_args,
                                                   pdl_release, pdl_wait)
+from service.engine.kernels.tiles import SsdTiles
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-
-
-@dataclass(frozen=True)
-class SsdTiles:
-    """Launch shapes of `ssd_varlen` (block sizes are capped by the problem's own padded sizes)."""
-    scan_block_m: int = 64        # chunk rows per `_chunk_scan_kernel` program
-    scan_block_k: int = 64        # source rows per inner step of the intra-chunk product
-    scan_warps: int = 4           # warps of `_chunk_scan_kernel`
-    pass_block: int = 256         # state elements (of P*N) per `_state_passing_kernel` program
-    state_block_k: int = 64       # tokens per inner step of `_chunk_state_kernel`
 
 
 @triton.jit
