@@ -10,7 +10,7 @@ import time
 from dataclasses import asdict
 
 import pytest
-from conftest import deploy
+from tests.deployments.conftest import deploy
 
 from loadtests.soak import SoakConfig, run_soak, soak_app_args
 from service.deployments.pool_audit import PoolAudit, audit_pools

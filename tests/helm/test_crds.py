@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 import yaml
 
-from helm_chart_util import CONFIGS, REPO
+from tests.helm.helm_chart_util import CONFIGS, REPO
 
 CRD_DIR = REPO.parent / "shared" / "k8s-crds"
 CRD_FILES = {

@@ -9,9 +9,9 @@ import base64
 
 import pytest
 import yaml
-from test_dockerfiles import DOCKERFILES, read_image
+from tests.helm.test_dockerfiles import DOCKERFILES, read_image
 
-from helm_chart_util import CONFIGS, load_values, only, pod_templates
+from tests.helm.helm_chart_util import CONFIGS, load_values, only, pod_templates
 from service.deployments.args import AppArgs
 
 WRITABLE = {"/tmp", "/home/ray", "/dev/shm"}   # where Ray, Triton and torch write at run time
