@@ -137,6 +137,36 @@ def _margin(logits: torch.Tensor) -> torch.Tensor:
     return top2[:, 0] - top2[:, 1]
 
 
+def count_collectives(fn) -> dict[str, int]:
+    """fn() with torch.distributed.all_reduce / all_gather counted (the layers call them through the module)."""
+    calls = {"all_reduce": 0, "all_gather": 0}
+    originals = {name: getattr(dist, name) for name in calls}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+        return call
+    for name in calls:
+        setattr(dist, name, counted(name))
+    try:
+        fn()
+    finally:
+        for name, f in originals.items():
+            setattr(dist, name, f)
+    return calls
+
+
+def expected_collectives(model: NemotronHForCausalLM, device: str) -> dict[str, int]:
+    """One all-reduce per layer and for the embedding, one more per Mamba layer whose norm groups span ranks, one
+    all-gather of the logits (an all-reduce on gloo with CUDA tensors)."""
+    reduces = 1 + len(model.backbone.layers)
+    if model.shapes.group_ranks > 1:
+        reduces += len(model.cfg.mamba_layer_ids)
+    gather_by_reduce = device.startswith("cuda") and dist.get_backend(model.parallel.group) == "gloo"
+    return {"all_reduce": reduces + gather_by_reduce, "all_gather": int(not gather_by_reduce)}
+
+
 def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     assert a.shape == b.shape, (a.shape, b.shape)
     return (a.float() - b.float()).abs().max().item()
@@ -148,7 +178,8 @@ def compare(parallel: ParallelContext, path: str, eps: tuple[int, ...], kernel_b
     name -> max abs difference: `ep{e}/logits`, `ep{e}/logprobs`, `ep{e}/argmax` (rows whose greedy token differs;
     `argmax_clear`: those of them where tp 1's top-2 logits are more than CLEAR_MARGIN apart),
     `ep{e}/kv|conv|ssm` (its pools vs its slice of the tp-1 pools after the full forward), and
-    `ep{e}/layer{i}{letter}` / `ep{e}/embed` (the residual stream after that layer, run one layer at a time)."""
+    `ep{e}/layer{i}{letter}` / `ep{e}/embed` (the residual stream after that layer, run one layer at a time),
+    `ep{e}/collectives` (1 when one forward's all-reduce / all-gather counts differ from `expected_collectives`)."""
     cfg = ModelConfig.from_model_path(path)
     ref_model = build(cfg, path, ParallelContext(), kernel_backend, device, dtype)
 
@@ -162,6 +193,10 @@ def compare(parallel: ParallelContext, path: str, eps: tuple[int, ...], kernel_b
         model = build(cfg, path, with_ep(parallel, ep), kernel_backend, device, dtype)
         logits, pools, layers = passes(model)
         k = f"ep{ep}/"
+        fresh = make_pools(cfg, model.shapes, dtype, device)
+        batch = step_batches(cfg, fresh, device)[0]
+        calls = count_collectives(lambda: run_steps(model, fresh, [batch]))
+        out[k + "collectives"] = float(calls != expected_collectives(model, device))
         out[k + "logits"] = max(_max_err(a, b) for a, b in zip(ref_logits, logits))
         out[k + "logprobs"] = max(_max_err(a.log_softmax(-1), b.log_softmax(-1)) for a, b in zip(ref_logits, logits))
         out[k + "argmax"] = float(sum((a.argmax(-1) != b.argmax(-1)).sum().item() for a, b in zip(ref_logits, logits)))
