@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 import os
 import socket
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from service.engine.cache.pools import PoolSizes, StatePools
 from service.engine.config import ModelConfig
 from service.engine.distributed.parallel import ParallelContext, RankShapes
 from service.engine.kernels import get_kernels
@@ -61,21 +61,35 @@ def prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
+@dataclass(frozen=True)
+class Pools:
+    """One rank's state tensors (the engine's pool layout): KV pages, conv and SSM state slots (slot 0 unused)."""
+    kv: torch.Tensor     # [L_attn, 2, pages * PAGE_SIZE, this rank's KV heads, Dh]
+    conv: torch.Tensor   # [L_mamba, slots, this rank's conv channels, K-1]
+    ssm: torch.Tensor    # [L_mamba, slots, this rank's Mamba heads, P, N] fp32
+
+
 def make_pools(cfg: ModelConfig, shapes: RankShapes, dtype: torch.dtype = torch.float32,
-               device: str = "cpu") -> StatePools:
-    """Pools sized for this rank: its KV heads, conv channels and Mamba heads."""
-    sizes = PoolSizes(num_kv_pages=64, num_live_slots=len(PROMPT_LENS), num_snapshot_slots=0)
-    return StatePools(sizes, PAGE_SIZE, len(cfg.attention_layer_ids), shapes.kv_heads, cfg.head_dim,
-                      len(cfg.mamba_layer_ids), shapes.conv_dim, cfg.conv_kernel, shapes.mamba_heads,
-                      cfg.mamba_head_dim, cfg.ssm_state_size, dtype, torch.device(device))
+               device: str = "cpu") -> Pools:
+    """Zeroed pools sized for this rank: its KV heads, conv channels and Mamba heads."""
+    pages, slots = 1 + sum(-(-n // PAGE_SIZE) for n in PROMPT_LENS), 1 + len(PROMPT_LENS)
+    la, lm = len(cfg.attention_layer_ids), len(cfg.mamba_layer_ids)
+    return Pools(
+        torch.zeros(la, 2, pages * PAGE_SIZE, shapes.kv_heads, cfg.head_dim, dtype=dtype, device=device),
+        torch.zeros(lm, slots, shapes.conv_dim, cfg.conv_kernel - 1, dtype=dtype, device=device),
+        torch.zeros(lm, slots, shapes.mamba_heads, cfg.mamba_head_dim, cfg.ssm_state_size, dtype=torch.float32,
+                    device=device))
 
 
-def step_batches(cfg: ModelConfig, pools: StatePools, device: str = "cpu") -> list[ForwardBatch]:
-    """The ForwardBatches of STEPS (built by the runner's batch builder; every token's logits are asked for)."""
+def step_batches(cfg: ModelConfig, device: str = "cpu") -> list[ForwardBatch]:
+    """The ForwardBatches of STEPS (built by the runner's batch builder; every token's logits are asked for).
+    Request i owns live slot i + 1 and consecutive KV pages from page 1 on."""
     reqs = [Request(f"r{i}", ids, SamplingParams(max_tokens=1), i) for i, ids in enumerate(prompts(cfg.vocab_size))]
-    for r in reqs:
-        r.page_ids = pools.pages.alloc(-(-len(r.prompt_token_ids) // PAGE_SIZE))
-        r.live_slot = pools.live.alloc()
+    first_page = 1
+    for i, r in enumerate(reqs):
+        n = -(-len(r.prompt_token_ids) // PAGE_SIZE)
+        r.page_ids, r.live_slot = list(range(first_page, first_page + n)), i + 1
+        first_page += n
     out = []
     for step in STEPS:
         sched = SchedulerOutput(tuple(ScheduledRequest(reqs[i], p, n, True, ()) for i, p, n in step), (), (), ())
@@ -83,7 +97,7 @@ def step_batches(cfg: ModelConfig, pools: StatePools, device: str = "cpu") -> li
     return out
 
 
-def run_steps(model: NemotronHForCausalLM, pools: StatePools, batches: list[ForwardBatch]) -> list[torch.Tensor]:
+def run_steps(model: NemotronHForCausalLM, pools: Pools, batches: list[ForwardBatch]) -> list[torch.Tensor]:
     """The model's forward over every step: logits [T, vocab] fp32 of every token."""
     out = []
     for b in batches:
@@ -93,7 +107,7 @@ def run_steps(model: NemotronHForCausalLM, pools: StatePools, batches: list[Forw
 
 
 @torch.inference_mode()
-def run_layerwise(model: NemotronHForCausalLM, pools: StatePools, batches: list[ForwardBatch]
+def run_layerwise(model: NemotronHForCausalLM, pools: Pools, batches: list[ForwardBatch]
                   ) -> list[list[torch.Tensor]]:
     """The same steps one layer at a time (`run_layers(lid, lid + 1)`): per step, the residual stream h after the
     embedding and after each layer."""
@@ -108,7 +122,7 @@ def run_layerwise(model: NemotronHForCausalLM, pools: StatePools, batches: list[
     return out
 
 
-def pool_slices(cfg: ModelConfig, s: RankShapes, whole: StatePools) -> dict[str, torch.Tensor]:
+def pool_slices(cfg: ModelConfig, s: RankShapes, whole: Pools) -> dict[str, torch.Tensor]:
     """The tp-1 pools cut to what rank `s` holds: KV heads, conv channels (x, B, C of its heads and groups), heads."""
     P, N = cfg.mamba_head_dim, cfg.ssm_state_size
     di, gn = cfg.mamba_intermediate, cfg.n_groups * N
@@ -185,8 +199,8 @@ def compare(parallel: ParallelContext, path: str, eps: tuple[int, ...], kernel_b
 
     def passes(model: NemotronHForCausalLM):
         pools = [make_pools(cfg, model.shapes, dtype, device) for _ in range(2)]
-        logits = run_steps(model, pools[0], step_batches(cfg, pools[0], device))
-        return logits, pools[0], run_layerwise(model, pools[1], step_batches(cfg, pools[1], device))
+        logits = run_steps(model, pools[0], step_batches(cfg, device))
+        return logits, pools[0], run_layerwise(model, pools[1], step_batches(cfg, device))
     ref_logits, ref_pools, ref_layers = passes(ref_model)
     out: dict[str, float] = {}
     for ep in eps:
@@ -194,7 +208,7 @@ def compare(parallel: ParallelContext, path: str, eps: tuple[int, ...], kernel_b
         logits, pools, layers = passes(model)
         k = f"ep{ep}/"
         fresh = make_pools(cfg, model.shapes, dtype, device)
-        batch = step_batches(cfg, fresh, device)[0]
+        batch = step_batches(cfg, device)[0]
         calls = count_collectives(lambda: run_steps(model, fresh, [batch]))
         out[k + "collectives"] = float(calls != expected_collectives(model, device))
         out[k + "logits"] = max(_max_err(a, b) for a, b in zip(ref_logits, logits))
