@@ -1,4 +1,5 @@
-"""Engine benchmark: the Nano-30B-A3B config with random bf16 weights created on the GPU, per engine variant.
+"""Engine benchmark: the Nano-30B-A3B (or Super, or any) config with dummy weights drawn on the GPU
+(`load_format="dummy"`), in BF16 and/or ModelOpt FP8 (`--formats bf16,fp8`), per engine variant.
 
 Variants: `torch`, `triton` (eager steps), `triton+graphs` (decode-only steps replayed from CUDA graphs; a mixed
 step replays its plain decode rows and runs the rest eagerly) and `triton+graphs+nosplit` (mixed steps all eager).
@@ -7,8 +8,9 @@ tokens/s at concurrency 1, 64, 256 (prompts of --prompt-len tokens, timed over p
 throughput run (--tp-isl in / --tp-osl out, ignore_eos, at most --tp-concurrency requests in flight: a request is
 sent when one finishes; output tok/s, TTFT and TPOT medians), and the decode weight-bandwidth limit at batch 1
 (active bytes per step / measured copy bandwidth) with each variant's fraction of it.
-One model is built (`build_model(load=False)`, default dtype bf16 so no fp32 copy is ever made) and shared;
-`model.kernels` is rebound to each variant's bundle (the Engine takes the model as given).
+One model per format is built (`build_model` with load_format="dummy": the weights are drawn on the device in their
+final dtypes) and shared by the variants; `model.kernels` is rebound to each variant's bundle (the Engine takes the
+model as given).
 
     PYTHONPATH=. python benchmarks/engine_bench.py [--variants triton,triton+graphs] [--out engine.md]
 CPU smoke run (tiny config, interpreter): TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/engine_bench.py \
@@ -33,44 +35,22 @@ from benchmarks import roofline
 from service.engine import Engine, EngineConfig, SamplingParams
 from service.engine.config import ModelConfig
 from service.engine.kernels import Kernels, get_kernels
+from service.testing.model_dir import fp8_exclusions, published_config
+from service.engine.model.quant import QuantConfig
 from service.engine.runner.model_runner import build_model
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NANO_CONFIG = os.path.join(REPO, "tests", "engine", "fixtures", "nano_30b_a3b_config.json")
 
-
-@torch.no_grad()
-def init_random_(model: torch.nn.Module, seed: int) -> None:
-    """NemotronH-like random init, on the parameters' own device."""
-    g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    for name, p in model.named_parameters():
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf == "A_log":
-            p.copy_(torch.empty_like(p, dtype=torch.float32).uniform_(1.0, 16.0, generator=g).log())
-        elif leaf == "dt_bias":
-            dt = torch.empty_like(p, dtype=torch.float32).uniform_(math.log(1e-3), math.log(1e-1), generator=g).exp()
-            p.copy_(dt + torch.log(-torch.expm1(-dt)))            # softplus^-1(dt)
-        elif leaf == "D" or "norm" in name:
-            p.fill_(1.0)
-        elif leaf in ("bias", "e_score_correction_bias"):
-            p.zero_()
-        elif "embeddings" in name:
-            p.normal_(0.0, 1.0, generator=g)
-        elif "conv1d" in name:
-            p.uniform_(-0.5, 0.5, generator=g)
-        else:
-            p.normal_(0.0, 0.02, generator=g)
-
-
-def build_random_model(engine_cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, seed: int):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)                                  # parameters are born in the serving dtype
-    try:
-        model = build_model(engine_cfg, model_cfg, dtype, torch.device(engine_cfg.device), load=False)
-    finally:
-        torch.set_default_dtype(previous)
-    init_random_(model, seed)
-    return model
+def write_model_dir(config: str, fmt: str) -> str:
+    """A temporary folder with the config.json of `config` ('nano', 'super' or a path) and, for fmt 'fp8', a ModelOpt
+    FP8 hf_quant_config.json with the published recipe's exclusions: the engine draws dummy weights from it."""
+    model_dir = tempfile.mkdtemp(prefix=f"engine_bench_{fmt}_")
+    cfg = published_config(config)
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    if fmt == "fp8":
+        with open(os.path.join(model_dir, "hf_quant_config.json"), "w") as f:
+            json.dump(QuantConfig("FP8", None, fp8_exclusions(cfg)).to_hf_quant_config(), f)
+    return model_dir
 
 
 def active_bytes_per_token(model: torch.nn.Module, model_cfg: ModelConfig) -> float:
@@ -269,7 +249,9 @@ def variant_kernels(backend: str, options: list[str]) -> Kernels:
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default=NANO_CONFIG, help="HF config.json of the model to build")
+    ap.add_argument("--config", default="nano", help="'nano', 'super' or the path of an HF config.json")
+    ap.add_argument("--formats", default="bf16", help="comma list of bf16 | fp8 (ModelOpt FP8 with the published "
+                    "recipe's exclusions): each builds its own dummy-weight model and runs every variant")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--variants", default="triton,triton+graphs",
@@ -300,69 +282,78 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    model_dir = tempfile.mkdtemp(prefix="engine_bench_")
-    shutil.copy(args.config, os.path.join(model_dir, "config.json"))
-    dtype = getattr(torch, args.dtype)
     variants = [v for v in args.variants.split(",") if v]
     tp_variants = set(args.throughput_variants.split(","))
-    base = dict(model_path=model_dir, device=args.device, dtype=args.dtype, page_size=args.page_size,
-                mamba_cache_strategy="off",
-                max_num_seqs=max(args.decode_batches + [args.tp_concurrency]),
-                max_num_batched_tokens=args.max_batched_tokens,
-                max_model_len=max(args.isl + [args.prompt_len + args.decode_steps, args.tp_isl + args.tp_osl]) + 64)
-    model_cfg = ModelConfig.from_model_path(model_dir)
-    t0 = time.perf_counter()
-    model = build_random_model(EngineConfig(**base, kernel_backend=variants[0].split("+")[0]), model_cfg, dtype, seed=0)
-    print(f"model built in {time.perf_counter() - t0:.1f} s", flush=True)
     results: dict[str, dict[str, float]] = {}
-    for variant in variants:
-        backend, _, extra = variant.partition("+")
-        model.kernels = variant_kernels(backend, extra.split("+"))
+    active: dict[str, float] = {}
+    for fmt in [f for f in args.formats.split(",") if f]:
+        model_dir = write_model_dir(args.config, fmt)
+        base = dict(model_path=model_dir, device=args.device, dtype=args.dtype, page_size=args.page_size,
+                    mamba_cache_strategy="off",
+                    max_num_seqs=max(args.decode_batches + [args.tp_concurrency]),
+                    max_num_batched_tokens=args.max_batched_tokens, load_format="dummy",
+                    max_model_len=max(args.isl + [args.prompt_len + args.decode_steps, args.tp_isl + args.tp_osl]) + 64)
+        model_cfg = ModelConfig.from_model_path(model_dir)
         t0 = time.perf_counter()
-        engine = Engine(EngineConfig(**base, kernel_backend=backend, cuda_graphs=extra.startswith("graphs"),
-                                     async_scheduling="sync" not in extra.split("+")), model=model)
-        engine.runner.split_steps = engine.runner.graphs is not None and "nosplit" not in extra
-        print(f"variant {variant}: engine ready in {time.perf_counter() - t0:.1f} s "
-              f"(graphs: {engine.runner.graphs.buckets if engine.runner.graphs else None})", flush=True)
-        results[variant] = bench_variant(engine, args, variant in tp_variants)
-        del engine
+        model = build_model(EngineConfig(**base, kernel_backend=variants[0].split("+")[0]), model_cfg,
+                            getattr(torch, args.dtype), torch.device(args.device))
+        sync(args.device)
+        print(f"{fmt} model: dummy weights drawn in {time.perf_counter() - t0:.1f} s", flush=True)
+        active[fmt] = active_bytes_per_token(model, model_cfg)
+        for variant in variants:
+            backend, _, extra = variant.partition("+")
+            model.kernels = variant_kernels(backend, extra.split("+"))
+            t0 = time.perf_counter()
+            engine = Engine(EngineConfig(**base, kernel_backend=backend, cuda_graphs=extra.startswith("graphs"),
+                                         async_scheduling="sync" not in extra.split("+")), model=model)
+            engine.runner.split_steps = engine.runner.graphs is not None and "nosplit" not in extra
+            print(f"{fmt} {variant}: engine ready in {time.perf_counter() - t0:.1f} s "
+                  f"(graphs: {engine.runner.graphs.buckets if engine.runner.graphs else None})", flush=True)
+            results[f"{fmt} {variant}"] = bench_variant(engine, args, variant in tp_variants)
+            del engine
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+        del model
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
-    report(results, model, model_cfg, args)
-    shutil.rmtree(model_dir, ignore_errors=True)
+        shutil.rmtree(model_dir, ignore_errors=True)
+    report(results, active, args)
 
 
 def _fmt(v: float) -> str:
     return f"{v:.1f}" if abs(v) >= 100 else f"{v:.3f}"
 
 
-def bandwidth_limit_lines(results: dict[str, dict[str, float]], active: float, device: str) -> list[str]:
-    """The batch-1 decode limit: active weight bytes per step / the measured HBM bandwidth, the higher of the 1 GiB
-    copy (read + write) and the 1 GiB read-only stream (`roofline`, the same ceilings as benchmarks/kernels.py);
-    and each variant's fraction of it."""
+def bandwidth_limit_lines(results: dict[str, dict[str, float]], active: dict[str, float], device: str) -> list[str]:
+    """The batch-1 decode limit of each format: active weight bytes per step / the measured HBM bandwidth, the higher
+    of the 1 GiB copy (read + write) and the 1 GiB read-only stream (`roofline`, the same ceilings as
+    benchmarks/kernels.py); and each variant's fraction of it."""
     if not device.startswith("cuda"):
         return ["decode weight-bandwidth limit: needs a CUDA device"]
     copy, read = roofline.copy_gbs(device), roofline.read_gbs(device)
     bw = max(copy, read)
-    limit = bw * 1e9 / active
-    lines = [f"decode weight-bandwidth limit at batch 1: {active / 1e9:.2f} GB active weights per step / {bw:.0f} GB/s "
-             f"measured (1 GiB copy {copy:.0f}, 1 GiB read {read:.0f}) = {limit:.0f} tok/s"]
-    for b, r in results.items():
-        if "decode B=1" in r:
-            lines.append(f"  {b}: decode B=1 reaches {100 * r['decode B=1'] / limit:.1f}% of it")
+    lines = []
+    for fmt, nbytes in active.items():
+        limit = bw * 1e9 / nbytes
+        lines.append(f"{fmt}: decode weight-bandwidth limit at batch 1: {nbytes / 1e9:.2f} GB active weights per step "
+                     f"/ {bw:.0f} GB/s measured (1 GiB copy {copy:.0f}, 1 GiB read {read:.0f}) = {limit:.0f} tok/s")
+        for b, r in results.items():
+            if b.startswith(fmt + " ") and "decode B=1" in r:
+                lines.append(f"  {b}: decode B=1 reaches {100 * r['decode B=1'] / limit:.1f}% of it")
     return lines
 
 
-def report(results: dict[str, dict[str, float]], model, model_cfg: ModelConfig, args: argparse.Namespace) -> None:
+def report(results: dict[str, dict[str, float]], active: dict[str, float], args: argparse.Namespace) -> None:
     backends = list(results)
     keys = list(dict.fromkeys(k for b in backends for k in results[b]))
     lines = ["| metric (tok/s unless named) | " + " | ".join(backends) + " |", "| --- |" + " ---: |" * len(backends)]
     lines += [f"| {k} | " + " | ".join(_fmt(results[b][k]) if k in results[b] else "-" for b in backends) + " |"
               for k in keys]
-    lines += [""] + bandwidth_limit_lines(results, active_bytes_per_token(model, model_cfg), args.device)
+    lines += [""] + bandwidth_limit_lines(results, active, args.device)
     meta = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-            "torch": torch.__version__, "prompt_len(decode)": args.prompt_len, "decode_steps": args.decode_steps,
-            "max_num_batched_tokens": args.max_batched_tokens, "page_size": args.page_size,
+            "torch": torch.__version__, "config": args.config, "prompt_len(decode)": args.prompt_len,
+            "decode_steps": args.decode_steps, "max_num_batched_tokens": args.max_batched_tokens,
+            "page_size": args.page_size,
             "throughput": f"{args.tp_prompts} prompts, {args.tp_isl} in / {args.tp_osl} out, "
                           f"concurrency {args.tp_concurrency}, ignore_eos"}
     text = json.dumps(meta) + "\n\n" + "\n".join(lines) + "\n"

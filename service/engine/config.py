@@ -313,6 +313,8 @@ class ModelConfig:
 KERNEL_BACKENDS = ("torch", "triton")
 CACHE_STRATEGIES = ("off", "no_buffer", "extra_buffer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy")
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
 
 
 def setting(default: Any, help: str, **checks: Any) -> Any:  # noqa: A002  (the metadata key is "help")
@@ -355,6 +357,14 @@ class EngineConfig:
     async_scheduling: bool = setting(True, "launch the next plain decode step before reading this one's tokens")
     tp: int = setting(1, "tensor-parallel GPUs per replica", min=1)
     ep: int = setting(1, "expert-parallel GPUs per replica", min=1)
+    load_format: str = setting("auto", "where the weights come from: auto reads the checkpoint's safetensors; dummy "
+                               "draws random weights on the device from config.json alone (at the checkpoint's "
+                               "dtype and quantization, deterministic by seed), for benchmarks", choices=LOAD_FORMATS)
+    kv_cache_dtype: str = setting("auto", "KV cache element type: auto (the model dtype) or bf16; fp8 is not "
+                                  "implemented yet and is refused", choices=KV_CACHE_DTYPES)
+    gpu_memory_utilization: float = setting(0.90, "fraction of the GPU's memory the engine may use: on CUDA the KV "
+                                            "pages and Mamba slots fill what the weights and a profiling forward "
+                                            "leave (within max_num_seqs); ignored on CPU", min=0.05)
 
     def resolved(self) -> "EngineConfig":
         """This config with device "auto" and an unset kernel_backend replaced by what this machine runs."""
@@ -373,3 +383,8 @@ class EngineConfig:
         if self.mamba_cache_strategy != "off" and self.max_mamba_snapshots == 0:
             raise ValueError(f"max_mamba_snapshots must be >= 1 with mamba_cache_strategy="
                              f"{self.mamba_cache_strategy!r} (got 0); use 'off' to disable caching")
+        if self.gpu_memory_utilization > 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_dtype == "fp8":
+            raise ValueError("kv_cache_dtype='fp8': an FP8 KV cache is not implemented yet; use 'auto' or 'bf16' "
+                             "(the checkpoint's k_scale / v_scale are loaded and kept)")

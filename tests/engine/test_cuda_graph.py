@@ -113,21 +113,18 @@ def test_graph_decode_equals_eager_tiny(tiny_model_dir):
 @pytest.mark.gpu
 @needs_cuda
 def test_graph_decode_equals_eager_nano_slice(tmp_path):
-    """A random Nano-30B-A3B-shaped slice (mamba, attention, MoE layers), fp32."""
-    from benchmarks.engine_bench import NANO_CONFIG, build_random_model
-    from service.engine.config import ModelConfig
-    with open(NANO_CONFIG, encoding="utf-8") as f:
-        config = json.load(f)
+    """A random Nano-30B-A3B-shaped slice (mamba, attention, MoE layers), fp32, dummy weights (the same seed in
+    both engines, so the same weights)."""
+    from service.testing.model_dir import published_config
+    config = published_config("nano")
     config.update(hybrid_override_pattern="M*E", num_hidden_layers=3)
     with open(tmp_path / "config.json", "w", encoding="utf-8") as f:
         json.dump(config, f)
-    cfg = dict(dtype="float32", mamba_cache_strategy="off", page_size=16, max_num_seqs=4, max_num_batched_tokens=512, max_model_len=512)
-    model_cfg = ModelConfig.from_model_path(str(tmp_path))
-    model = build_random_model(EngineConfig(model_path=str(tmp_path), device="cuda", kernel_backend="triton", **cfg),
-                               model_cfg, torch.float32, seed=0)
+    cfg = dict(dtype="float32", mamba_cache_strategy="off", page_size=16, max_num_seqs=4, max_num_batched_tokens=512,
+               max_model_len=512, load_format="dummy")
     lens = (100, 37, 250)
-    eager, _ = _generate(str(tmp_path), False, lens, 12, model=model, **cfg)
-    graphed, n = _generate(str(tmp_path), True, lens, 12, model=model, **cfg)
+    eager, _ = _generate(str(tmp_path), False, lens, 12, **cfg)
+    graphed, n = _generate(str(tmp_path), True, lens, 12, **cfg)
     assert n >= 10, n
     _assert_same(eager, graphed, 1e-3)
 

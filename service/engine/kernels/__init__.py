@@ -14,7 +14,8 @@ from typing import Callable
 
 import torch.nn.functional as F
 
-from service.engine.kernels import attention, conv1d, cpu_attention, cpu_conv1d, cpu_moe, cpu_ssd, moe, norm, ssd
+from service.engine.kernels import attention, conv1d, cpu_attention, cpu_conv1d, cpu_moe, cpu_ssd, fp8, moe, norm, \
+    ssd
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class Kernels:
     linear: Callable                   # F.linear signature (every projection: in/out, q/k/v/o, MLPs, lm_head)
     add_rms_norm_linear: Callable      # norm.add_rms_norm_linear_ref signature (residual add + norm + in_proj)
     gated_norm_linear: Callable        # norm.gated_norm_linear_ref signature (mamba gated norm + out_proj)
+    fp8_linear: Callable               # fp8.fp8_linear_ref signature (FP8 weight, per-tensor scales)
+    fp8_moe_experts: Callable          # fp8.fp8_moe_experts_ref signature (FP8 experts, per-expert weight scales)
 
 
 def torch_reference_kernels() -> Kernels:
@@ -53,6 +56,7 @@ def torch_reference_kernels() -> Kernels:
         gated_rms_norm=norm.gated_group_rms_norm_ref, relu2=moe.relu2,
         linear=F.linear, add_rms_norm_linear=norm.add_rms_norm_linear_ref,
         gated_norm_linear=norm.gated_norm_linear_ref,
+        fp8_linear=fp8.fp8_linear_dequant_ref, fp8_moe_experts=fp8.fp8_moe_experts_ref,
     )
 
 

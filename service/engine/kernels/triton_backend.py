@@ -10,7 +10,9 @@ Triton ops:  ssd_varlen, selective_state_update, selective_state_update_slots_ra
              rms_norm, add_rms_norm (residual add + RMSNorm), gated_rms_norm (triton_norm); relu2 (triton_activation);
              linear (triton_gemv.linear: one-launch GEMV for single-row decode linears up to 32 M weights,
              cuBLAS otherwise); add_rms_norm_linear, gated_norm_linear (triton_norm_gemv: a single row runs the norm
-             in the GEMV's prologue, one launch; other shapes the norm kernel, then linear).
+             in the GEMV's prologue, one launch; other shapes the norm kernel, then linear);
+             fp8_linear (fp8: torch._scaled_mm, FP8 tensor cores), fp8_moe_experts (fp8_moe: grouped GEMMs over
+             FP8 expert weights).
 moe_route, linear and the norm + linear ops are bound to the bundle's `ArrivalCounters` (one persistent zeroed
 counter buffer per device for the multi-program router and split-K GEMVs: no memset per launch).
 Torch references used on purpose (each a single gather/scatter, no Python loop):
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from service.engine.kernels import Kernels, conv1d
+from service.engine.kernels import Kernels, conv1d, fp8, fp8_moe
 from service.engine.kernels import triton_attention, triton_conv1d, triton_moe_route, triton_norm, triton_ssd
 from service.engine.kernels import triton_activation, triton_gemv, triton_kv, triton_moe_gemv, triton_norm_gemv
 
@@ -126,5 +128,7 @@ def triton_kernels(counters: ArrivalCounters | None = None, fuse_norm_linear: bo
         linear=counters.linear,
         add_rms_norm_linear=counters.add_rms_norm_linear,
         gated_norm_linear=counters.gated_norm_linear,
+        fp8_linear=fp8.fp8_linear,
+        fp8_moe_experts=fp8_moe.fp8_moe_experts,
     )
     return bundle if fuse_norm_linear else triton_norm_gemv.without_norm_fusion(bundle)

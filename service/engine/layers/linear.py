@@ -23,9 +23,39 @@ from torch import nn
 from service.engine.kernels import Kernels
 
 
+_FP8 = torch.float8_e4m3fn
+
+
+def is_fp8_linear(layer: nn.Module) -> bool:
+    """An FP8 checkpoint's linear (model/quant.py): weight float8_e4m3fn, with `weight_scale` and `input_scale`."""
+    return layer.weight.dtype == _FP8
+
+
 def project(k: Kernels, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """layer(x) computed by `k.linear` (the Triton bundle picks its GEMV or cuBLAS by shape)."""
+    """layer(x) computed by `k.linear` (the Triton bundle picks its GEMV or cuBLAS by shape), or by `k.fp8_linear`
+    for an FP8 layer."""
+    if layer.weight.dtype == _FP8:
+        return k.fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, layer.bias)
     return k.linear(x, layer.weight, layer.bias)
+
+
+def add_norm_project(k: Kernels, layer: nn.Linear, out: torch.Tensor, residual: torch.Tensor,
+                     norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(layer(RMSNorm(residual + out) * norm_weight), residual + out): `k.add_rms_norm_linear` (one launch at batch 1
+    on the Triton bundle), or for an FP8 layer `k.add_rms_norm` then `k.fp8_linear`."""
+    if layer.weight.dtype == _FP8:
+        x, h = k.add_rms_norm(out, residual, norm_weight, eps)
+        return project(k, layer, x), h
+    return k.add_rms_norm_linear(out, residual, norm_weight, eps, layer.weight, layer.bias)
+
+
+def gated_norm_project(k: Kernels, layer: nn.Linear, y: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor,
+                       group_size: int, eps: float) -> torch.Tensor:
+    """layer(gated group RMSNorm(y, z)): `k.gated_norm_linear`, or for an FP8 layer `k.gated_rms_norm` (to z's
+    dtype) then `k.fp8_linear`."""
+    if layer.weight.dtype == _FP8:
+        return project(k, layer, k.gated_rms_norm(y, z, norm_weight, group_size, eps, z.dtype))
+    return k.gated_norm_linear(y, z, norm_weight, group_size, eps, layer.weight, layer.bias)
 
 
 @dataclass(frozen=True)
@@ -74,6 +104,9 @@ def _mismatch(src: Source, expected: tuple[int, ...]) -> ValueError:
 def copy_into(dst: torch.Tensor, t: torch.Tensor, src: Source) -> None:
     if tuple(dst.shape) != tuple(t.shape):
         raise _mismatch(src, tuple(dst.shape))
+    if (dst.dtype == _FP8) != (t.dtype == _FP8):
+        raise ValueError(f"tensor {src.name!r} is {t.dtype}, the model expects {dst.dtype} (from the checkpoint's "
+                         "quantization config: check quant_algo and exclude_modules)")
     dst.copy_(t.to(dtype=dst.dtype))
 
 

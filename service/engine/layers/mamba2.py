@@ -18,8 +18,8 @@ from service.engine.config import ModelConfig
 from service.engine.distributed.parallel import ParallelContext, RankShapes
 from service.engine.kernels import Kernels
 from service.engine.kernels.ssd import dt_softplus_clamp, final_chunk_indices
-from service.engine.layers.linear import ColumnParallelLinear, RowParallelLinear, Segment, project, segment_loader, \
-    set_loader
+from service.engine.layers.linear import ColumnParallelLinear, RowParallelLinear, Segment, add_norm_project, \
+    gated_norm_project, project, segment_loader, set_loader
 from service.engine.layers.meta import MambaMeta
 from service.engine.layers.norm import rms_norm_module
 
@@ -64,7 +64,7 @@ class Mamba2Mixer(nn.Module):
         """The layer before its residual add + RMSNorm: h = residual + out (the previous layer's output) ->
         (forward(RMSNorm(h) * norm_weight), h), the add and norm fused with in_proj (`Kernels.add_rms_norm_linear`:
         one launch at batch 1 on the Triton bundle)."""
-        zxbcdt, h = k.add_rms_norm_linear(out, residual, norm_weight, eps, self.in_proj.weight, self.in_proj.bias)
+        zxbcdt, h = add_norm_project(k, self.in_proj, out, residual, norm_weight, eps)
         return self._mix(zxbcdt, meta, conv_pool, ssm_pool, k), h
 
     def _mix(self, zxbcdt: torch.Tensor, meta: MambaMeta, conv_pool: torch.Tensor, ssm_pool: torch.Tensor,
@@ -105,9 +105,8 @@ class Mamba2Mixer(nn.Module):
         if self.shapes.group_ranks > 1:
             return self.parallel.all_reduce(self._cross_rank_norm_linear(y, z, k))
         # gated group RMSNorm (to out_proj's dtype) + out_proj: one launch at batch 1 on the Triton bundle
-        return self.parallel.all_reduce(k.gated_norm_linear(
-            y, z, self.norm.weight, self.norm_group_size, self.cfg.layer_norm_epsilon, self.out_proj.weight,
-            self.out_proj.bias))
+        return self.parallel.all_reduce(gated_norm_project(
+            k, self.out_proj, y, z, self.norm.weight, self.norm_group_size, self.cfg.layer_norm_epsilon))
 
     def _cross_rank_norm_linear(self, y: torch.Tensor, z: torch.Tensor, k: Kernels) -> torch.Tensor:
         """Gated RMSNorm + out_proj when this rank holds part of one norm group (tp > n_groups): y, z [T, Di_local]
@@ -119,7 +118,7 @@ class Mamba2Mixer(nn.Module):
         sq[:, col] = g.square().sum(-1)
         mean = self.parallel.all_reduce(sq)[:, col:col + 1] / self.norm_group_size
         normed = self.norm.weight.float() * (g * torch.rsqrt(mean + self.cfg.layer_norm_epsilon))
-        return project(k, self.out_proj, normed.to(self.out_proj.weight.dtype))
+        return project(k, self.out_proj, normed.to(z.dtype))       # the model dtype (out_proj's, unless FP8)
 
     def _split(self, xbc: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x, B, C = xbc.split([self.di, self.gn, self.gn], dim=-1)

@@ -13,7 +13,7 @@ from service.engine.config import ModelConfig
 from service.engine.distributed.parallel import ParallelContext, RankShapes
 from service.engine.kernels import Kernels
 from service.engine.layers.linear import (ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, Segment, Source,
-                                          copy_into, project, set_loader)
+                                          copy_into, is_fp8_linear, project, set_loader)
 
 
 class MLP(nn.Module):
@@ -106,7 +106,9 @@ class MoE(nn.Module):
                                    c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
         if self.shapes.ep > 1:
             weights, ids = local_picks(weights, ids, self.shapes.experts, self.parallel.rank)
-        if not c.moe_latent_size and not c.mlp_bias:
+        if self.experts.up_proj.dtype == torch.float8_e4m3fn:
+            return self.parallel.all_reduce(self._forward_fp8(h, weights, ids, k))
+        if not c.moe_latent_size and not c.mlp_bias and not is_fp8_linear(self.shared_experts.up_proj):
             return self.parallel.all_reduce(k.moe_experts(
                 h, self.experts.up_proj, self.experts.down_proj, weights, ids,
                 shared_up=self.shared_experts.up_proj.weight, shared_down=self.shared_experts.down_proj.weight))
@@ -115,3 +117,14 @@ class MoE(nn.Module):
         if c.moe_latent_size:
             routed = project(k, self.fc2_latent_proj, routed)
         return self.parallel.all_reduce(routed + self.shared_experts(h, k))
+
+    def _forward_fp8(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, k: Kernels) -> torch.Tensor:
+        """This rank's partial output with FP8 routed experts (`k.fp8_moe_experts`, per-expert weight scales); the
+        shared expert and latent projections run as separate linears (each FP8 or not, as the checkpoint has them)."""
+        e = self.experts
+        x = project(k, self.fc1_latent_proj, h) if self.cfg.moe_latent_size else h
+        routed = k.fp8_moe_experts(x, e.up_proj, e.down_proj, e.up_proj_weight_scale, e.down_proj_weight_scale,
+                                   e.up_proj_input_scale, e.down_proj_input_scale, weights, ids)
+        if self.cfg.moe_latent_size:
+            routed = project(k, self.fc2_latent_proj, routed)
+        return routed + self.shared_experts(h, k)

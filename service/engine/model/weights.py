@@ -21,8 +21,10 @@ from torch import nn
 
 from service.engine.distributed.parallel import ParallelContext
 from service.engine.layers.linear import Source, get_loader
+from service.engine.model.quant import scale_parts
 
-_EXPERT = re.compile(r"^(backbone\.layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^(backbone\.layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.(weight|weight_scale|input_scale)$")
+_STACKED = re.compile(r"experts\.(up_proj|down_proj)(?:_(weight_scale|input_scale))?$")
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,7 @@ def _checkpoint_parts(model: nn.Module) -> dict[str, tuple[str, nn.Parameter, in
             for name, (param, part) in module.checkpoint_parts().items():
                 parts[f"{prefix}.{name}" if prefix else name] = (f"{prefix}.{param}" if prefix else param,
                                                                  module.get_parameter(param), part)
+    parts.update(scale_parts(model))          # FP8: the fused linears' part scales, attention's k/v scales
     return parts
 
 
@@ -155,18 +158,21 @@ def _resolve(name: str, params: dict[str, nn.Parameter], parts: dict[str, tuple[
         return param, part
     m = _EXPERT.match(name)
     if m:
-        return params.get(f"{m.group(1)}.{m.group(3)}"), int(m.group(2))
+        suffix = "" if m.group(4) == "weight" else "_" + m.group(4)       # FP8 scales: ...experts.up_proj_weight_scale
+        return params.get(f"{m.group(1)}.{m.group(3)}{suffix}"), int(m.group(2))
     return params.get(name), None
 
 
 def _is_stacked_experts(name: str) -> bool:
-    return name.endswith("experts.up_proj") or name.endswith("experts.down_proj")
+    return _STACKED.search(name) is not None
 
 
 def _per_expert_names(stacked_name: str, num_experts: int) -> list[str]:
-    """`...experts.up_proj` -> the checkpoint's `...experts.{j}.up_proj.weight` names."""
-    base, proj = stacked_name.rsplit(".", 1)
-    return [f"{base}.{j}.{proj}.weight" for j in range(num_experts)]
+    """`...experts.up_proj` -> the checkpoint's `...experts.{j}.up_proj.weight` names (FP8 scale stacks
+    `...experts.up_proj_weight_scale` -> `...experts.{j}.up_proj.weight_scale`)."""
+    m = _STACKED.search(stacked_name)
+    base = stacked_name[:m.start()] + "experts"
+    return [f"{base}.{j}.{m.group(1)}.{m.group(2) or 'weight'}" for j in range(num_experts)]
 
 
 def _names_covered(name: str, part: int | None, target: nn.Parameter, model: nn.Module) -> list[str]:

@@ -11,7 +11,7 @@ from service.engine.cache.pools import PoolSizes, StatePools
 from service.engine.config import EngineConfig, ModelConfig
 from service.engine.kernels import get_kernels
 from service.engine.model.nemotron_h import NemotronHForCausalLM
-from service.engine.model.weights import load_weights
+from service.engine.model import loader
 from service.engine.runner.batch import build_forward_batch, to_device_async
 from service.engine.runner.cuda_graph import DecodeGraphs, is_graphable
 from service.engine.runner.sampler import DeviceSample, HostSample, Sampler, SamplerOutput
@@ -39,19 +39,11 @@ def default_pool_sizes(cfg: EngineConfig, max_model_len: int) -> PoolSizes:
                      num_snapshot_slots=snapshots if cfg.mamba_cache_strategy != "off" else 0)
 
 
-def build_model(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                load: bool = True) -> NemotronHForCausalLM:
+def build_model(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+                ) -> NemotronHForCausalLM:
     kernels = get_kernels(cfg.resolved().kernel_backend)
     log.info("kernel backend: %s", kernels.name)
-    with torch.device(device):
-        model = NemotronHForCausalLM(model_cfg, kernels)
-    model.to(dtype)
-    for block in model.backbone.layers:       # router stays fp32 (as in the checkpoint)
-        if hasattr(block.mixer, "gate"):
-            block.mixer.gate.float()
-    if load:
-        load_weights(model, cfg.model_path, model_cfg.tie_word_embeddings)
-    return model.eval()
+    return loader.build_model(cfg, model_cfg, kernels, dtype, device)
 
 
 @dataclass(frozen=True)
