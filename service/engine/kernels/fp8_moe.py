@@ -17,7 +17,8 @@ import triton.language as tl
 
 from service.engine.kernels.fp8 import check_fp8_experts_args
 from service.engine.kernels.triton_common import dot_precision
-from service.engine.kernels.triton_moe import align_by_expert, default_tiles, sum_slots
+from service.engine.kernels.tiles import default_tiles
+from service.engine.kernels.triton_moe import align_by_expert, sum_slots
 
 @triton.jit
 def _e4m3_bits_to_f16(b):
