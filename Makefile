@@ -3,7 +3,9 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-MODEL_DIR ?= .models/tiny
+# the trained tiny model shipped in the package (service/assets/tiny-trained); `make tiny-model` writes a random one
+MODEL_DIR ?= service/assets/tiny-trained
+RANDOM_MODEL_DIR ?= .models/tiny
 HOST ?= 127.0.0.1
 PORT ?= 8000
 REPLICAS ?= 2
@@ -22,17 +24,18 @@ $(STAMP): pyproject.toml Makefile scripts/install_tools.sh
 
 install: $(STAMP)
 
-$(MODEL_DIR)/config.json: $(STAMP)
-	$(BIN)/hybrid-serve make-tiny-model $(MODEL_DIR)
+$(RANDOM_MODEL_DIR)/config.json: $(STAMP)
+	$(BIN)/hybrid-serve make-tiny-model $(RANDOM_MODEL_DIR)
 
-tiny-model: $(MODEL_DIR)/config.json
+tiny-model: $(RANDOM_MODEL_DIR)/config.json
 
-serve: install tiny-model
+serve: install
 	$(BIN)/hybrid-serve serve --model-path $(MODEL_DIR) --host $(HOST) --port $(PORT) --replicas $(REPLICAS) \
 		--reasoning-parser nemotron_3 --tool-call-parser qwen3_coder
 
-generate: install tiny-model
-	$(BIN)/hybrid-serve generate --model-path $(MODEL_DIR) --prompt "Hello" --max-tokens 16
+generate: install
+	$(BIN)/hybrid-serve generate --model-path $(MODEL_DIR) --chat --prompt "What is 482+357?" --max-tokens 48 \
+		--temperature 0
 
 lint: install
 	$(BIN)/ruff check .

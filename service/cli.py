@@ -13,6 +13,7 @@ _SUBCOMMANDS = (
     "service.engine.generate_cli:add_cli",        # generate
     "service.deployments.serve_cli:add_cli",      # serve
     "service.training.cli:add_cli",               # train-tiny-model
+    "service.evals.cli:add_cli",                  # eval
 )
 
 

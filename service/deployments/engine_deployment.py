@@ -28,6 +28,7 @@ from service.deployments.metrics import CanaryMetrics, EngineMetrics
 from service.deployments.pool_audit import audit_pools, resident_memory_bytes
 from service.engine import AsyncEngine, SamplingParams
 from service.engine.canary import CanaryCheck, audit_hit, pinned_canary, pinned_prompts
+from service.evals.canary_set import PinnedQuestion, is_correct, pinned_questions
 
 logger = logging.getLogger("ray.serve")
 
@@ -186,16 +187,31 @@ class EngineDeployment:
         task.add_done_callback(self._audits.discard)
 
     async def _canary_forever(self) -> None:
-        """Every canary.interval_s: the pinned prompts, cached vs cold, on this replica."""
-        stats = self._engine.stats()
-        prompts = pinned_prompts(self._engine.engine.model_config.vocab_size, int(stats["snapshot_grid_tokens"]))
+        """Every canary.interval_s: the pinned prompts, cached vs cold, on this replica. With a chat template they
+        are the trained tasks' questions, and the share answered correctly is exported too."""
+        questions = pinned_questions(self._engine.engine.tokenizer) if self._engine.engine.tokenizer else []
+        prompts = [] if questions else pinned_prompts(self._engine.engine.model_config.vocab_size, self._grid_tokens)
         while True:
             await asyncio.sleep(self._args.canary.interval_s)
-            for prompt in prompts:
-                try:
-                    self._record(await pinned_canary(self._engine, prompt))
-                except Exception:   # a failed canary run is logged; health checks see real engine failures
-                    logger.exception("accuracy canary run failed")
+            await self._canary_round(questions, prompts)
+
+    async def _canary_round(self, questions: list[PinnedQuestion], prompts: list[list[int]]) -> None:
+        correct = asked = 0
+        for question in questions:
+            try:
+                check = await pinned_canary(self._engine, question.prompt_ids, question.max_tokens, ignore_eos=False)
+            except Exception:   # a failed canary run is logged; health checks see real engine failures
+                logger.exception("accuracy canary run failed")
+                continue
+            self._record(check)
+            asked += 1
+            correct += is_correct(question, check.text)
+        self._canary_metrics.record_answers(correct, asked)
+        for prompt in prompts:
+            try:
+                self._record(await pinned_canary(self._engine, prompt))
+            except Exception:
+                logger.exception("accuracy canary run failed")
 
     # ---- metrics export ----
     def _ensure_stats_loop(self) -> None:

@@ -50,6 +50,8 @@ CANARY_METRICS: tuple[MetricDef, ...] = (
               "Largest relative state error of the last canary run", (), "canary"),
     MetricDef(_P + "canary_token_agreement_ratio", "gauge",
               "Fraction of greedy tokens equal between cached and cold runs", (), "canary"),
+    MetricDef(_P + "canary_answer_accuracy", "gauge",
+              "Fraction of the pinned questions the last canary round answered correctly (cached runs)", (), "canary"),
 )
 INGRESS_METRICS: tuple[MetricDef, ...] = (   # `key`: the API key's id (a hash prefix), never the key
     MetricDef(_P + "api_requests_total", "counter", "OpenAI API requests by key id and HTTP status",

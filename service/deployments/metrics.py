@@ -118,3 +118,8 @@ class CanaryMetrics:
         if math.isfinite(max_state_rel_error):
             self.live["hybrid_serve_canary_max_state_rel_error"].set(max_state_rel_error)
         self.live["hybrid_serve_canary_token_agreement_ratio"].set(token_agreement)
+
+    def record_answers(self, correct: int, asked: int) -> None:
+        """One canary round over pinned questions with known answers (nothing to record when none was asked)."""
+        if asked:
+            self.live["hybrid_serve_canary_answer_accuracy"].set(correct / asked)

@@ -6,6 +6,9 @@
   tokens and logprobs of the cached and cold runs.
 - `audit_hit`: a sampled real request's hit snapshot (captured by the engine) against a cold recompute.
 
+A pinned prompt may be a question with a known answer (the deployment pins the trained tasks' questions); the
+check then carries the cached run's text, which the caller scores (`answer_accuracy` on the canary metrics).
+
 Both run through the AsyncEngine like any request, so they see the live scheduler, pools and kernels."""
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ class CanaryCheck:
     max_logprob_diff: float      # max |logprob cached - logprob cold| over generated tokens (0 for audits)
     num_cached_tokens: int       # prefix length the cached run resumed from (0: no hit, nothing compared)
     detail: str = ""
+    text: str = ""               # the cached run's generated text (pinned checks)
 
 
 def max_rel_error(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -68,22 +72,25 @@ async def cold_prefix_state(engine: AsyncEngine, prefix: Sequence[int]) -> Captu
 
 
 async def pinned_canary(engine: AsyncEngine, prompt: Sequence[int], max_tokens: int = 8,
-                        tolerances: tuple[float, float] | None = None) -> CanaryCheck:
+                        tolerances: tuple[float, float] | None = None, ignore_eos: bool = True) -> CanaryCheck:
+    """`ignore_eos=False` for questions: the reply ends at EOS (cached and cold must end at the same token)."""
     state_tol, lp_tol = tolerances or default_tolerances(engine.engine.runner.dtype)
-    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=True)
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos, logprobs=True)
     decoy = list(prompt[: len(prompt) // 2 + 3])[::-1]
     await asyncio.gather(_run(engine, decoy, greedy, bypass_cache=True), _run(engine, prompt, greedy))
     hit_rid, hit = await _run(engine, prompt, greedy, capture_states=True)
     _, cold = await _run(engine, prompt, greedy, bypass_cache=True)
     captured = (await engine.pop_captured_states(hit_rid)).get("hit")
-    agreement = sum(a == b for a, b in zip(hit.token_ids, cold.token_ids)) / max(1, len(cold.token_ids))
+    agreement = (sum(a == b for a, b in zip(hit.token_ids, cold.token_ids))
+                 / max(1, len(cold.token_ids), len(hit.token_ids)))
     lp_diff = max((abs(a - b) for a, b in zip(hit.logprobs or [], cold.logprobs or [])), default=0.0)
     err = math.nan
     if captured is not None:
         err = state_rel_error(captured, await cold_prefix_state(engine, prompt[:captured.num_tokens]))
     mismatch = agreement < 1.0 or lp_diff > lp_tol or (not math.isnan(err) and err > state_tol)
     return CanaryCheck("pinned", mismatch, err, agreement, lp_diff, hit.num_cached_tokens,
-                       "" if captured is not None else "no snapshot hit (evicted or cache off): outputs compared only")
+                       "" if captured is not None else "no snapshot hit (evicted or cache off): outputs compared only",
+                       text=hit.text)
 
 
 async def audit_hit(engine: AsyncEngine, prompt: Sequence[int], captured: CapturedState,

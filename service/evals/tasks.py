@@ -30,6 +30,8 @@ TOOL_ADD = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
                    "required": ["a", "b"]}}}
 TASKS = ("addition", "comparison", "recall", "state", "tool")
+# generation budget per task: the trained replies are 8-40 tokens (tool calls ~45)
+MAX_TOKENS = {"addition": 48, "comparison": 32, "recall": 24, "state": 24, "tool": 80}
 _NUMBER = re.compile(r"-?\d+")
 
 
@@ -82,10 +84,15 @@ def recall_context(rng: random.Random, num_pairs: int = 45) -> tuple[str, dict[s
     return "Remember: " + "; ".join(f"{k}={values[k]}" for k in keys) + ".", values, keys
 
 
-def recall(rng: random.Random, split: str = "train", turns: int = 1) -> Example:
+def recall_questions(rng: random.Random, num: int) -> tuple[str, list[tuple[str, str, str]]]:
+    """A recall context and `num` (question, answer, reasoning) about keys from its first two thirds."""
     text, values, keys = recall_context(rng, rng.randint(42, 48))
-    asked = [rng.choice(keys[: 2 * len(keys) // 3]) for _ in range(turns)]
-    return _multi_turn("recall", text, [(f"What is {k}?", str(values[k]), f"find {k}") for k in asked])
+    asked = [rng.choice(keys[: 2 * len(keys) // 3]) for _ in range(num)]
+    return text, [(f"What is {k}?", str(values[k]), f"find {k}") for k in asked]
+
+
+def recall(rng: random.Random, split: str = "train", turns: int = 1) -> Example:
+    return conversation("recall", *recall_questions(rng, turns))
 
 
 def state_context(rng: random.Random, length: int | None = None) -> tuple[str, dict[str, int]]:
@@ -98,14 +105,20 @@ def state_context(rng: random.Random, length: int | None = None) -> tuple[str, d
     return "Stream: " + " ".join(symbols) + ".", {m: symbols.count(m) for m in MARKS}
 
 
-def state(rng: random.Random, split: str = "train", turns: int = 1) -> Example:
+def state_questions(rng: random.Random, num: int) -> tuple[str, list[tuple[str, str, str]]]:
+    """A state context and `num` (question, answer, reasoning) about its marks."""
     text, counts = state_context(rng)
-    asked = [rng.choice(MARKS) for _ in range(turns)]
-    return _multi_turn("state", text, [(f"How many {m}?", str(counts[m]), f"count {m}") for m in asked])
+    asked = [rng.choice(MARKS) for _ in range(num)]
+    return text, [(f"How many {m}?", str(counts[m]), f"count {m}") for m in asked]
 
 
-def _multi_turn(task: str, context: str, qa: list[tuple[str, str, str]]) -> Example:
-    """The context and the first question in one user turn; later questions after the earlier answers."""
+def state(rng: random.Random, split: str = "train", turns: int = 1) -> Example:
+    return conversation("state", *state_questions(rng, turns))
+
+
+def conversation(task: str, context: str, qa: list[tuple[str, str, str]]) -> Example:
+    """The context and the first question in one user turn; later questions after the earlier answers
+    (assistant turns holding the correct answers). The example asks the last question."""
     messages: list[dict[str, Any]] = []
     for i, (question, answer, _) in enumerate(qa):
         messages.append({"role": "user", "content": f"{context}\n{question}" if i == 0 else question})

@@ -53,7 +53,9 @@ def run(out: str, cfg: TrainConfig, device: str, data_workers: int, threads: int
     train_s = time.monotonic() - start
     accuracy = heldout_accuracy(result.model, tokenizer, cfg.eval_num, device)
     rerun = f"hybrid-serve train-tiny-model OUT --seed {cfg.seed} --steps {cfg.steps} --batch-size {cfg.batch_size} " \
-            f"--lr {cfg.lr}" + (f" --stop-at {result.steps_done}" if result.steps_done < cfg.steps else "")
+            f"--lr {cfg.lr} --mix " + ",".join(f"{k}={v}" for k, v in cfg.mix.items()) \
+        + (f" --init-from {cfg.init_from}" if cfg.init_from else "") \
+        + (f" --stop-at {result.steps_done}" if result.steps_done < cfg.steps else "")
     manifest = {
         "train_config": dataclasses.asdict(cfg), "steps_done": result.steps_done, "reproduce": rerun,
         "model_overrides": MODEL_OVERRIDES,
@@ -64,12 +66,19 @@ def run(out: str, cfg: TrainConfig, device: str, data_workers: int, threads: int
         "train_wall_s": round(train_s, 1), "device": device if device == "cpu" else torch.cuda.get_device_name(),
         "threads": threads, "torch": torch.__version__, "python": platform.python_version(),
     }
+    previous = os.path.join(cfg.init_from or "", "manifest.json")
+    if cfg.init_from and os.path.isfile(previous):
+        with open(previous, encoding="utf-8") as f:
+            manifest["init_manifest"] = json.load(f)
     write_folder(out, result.model, hf_tokenizer, manifest)
     return manifest
 
 
 def _run_cli(args: argparse.Namespace) -> int:
-    cfg = TrainConfig(seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr, stop_at=args.stop_at)
+    mix = TrainConfig().mix if args.mix is None else {
+        task: float(share) for task, share in (item.split("=") for item in args.mix.split(","))}
+    cfg = TrainConfig(seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr, stop_at=args.stop_at,
+                      init_from=args.init_from, mix=mix, warmup_steps=min(TrainConfig().warmup_steps, args.steps // 10))
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     manifest = run(args.out, cfg, device, args.data_workers, args.threads)
     print(json.dumps({"out": args.out, "final_loss": manifest["final_loss"],
@@ -94,6 +103,9 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (one task's batch each)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step")
     p.add_argument("--lr", type=float, default=d.lr, help="peak AdamW learning rate")
+    p.add_argument("--init-from", default=None, help="continue from this checkpoint folder (same architecture)")
+    p.add_argument("--mix", default=None, help="task shares, e.g. state=0.7,recall=0.1,addition=0.1,comparison=0.05,"
+                   "tool=0.05 (default: the built-in mix)")
     p.add_argument("--stop-at", type=int, default=None, help="stop after N steps (the schedule spans --steps)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the initial weights and the data")
     p.add_argument("--device", default="auto", help="torch device: auto (cuda if available), cpu, cuda")

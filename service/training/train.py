@@ -47,6 +47,7 @@ class TrainConfig:
     multi_turn_share: float = 0.2
     eval_num: int = 200                        # held-out questions per task for the manifest's accuracy
     stop_at: int | None = None                 # stop after this many steps (the schedule still spans `steps`)
+    init_from: str | None = None               # start from this checkpoint folder's weights instead of random
 
 
 def build_model(tokenizer: Tokenizer, seed: int) -> Any:
@@ -112,8 +113,12 @@ class TrainResult:
 def train(cfg: TrainConfig, tokenizer: Tokenizer, device: str = "cpu", data_workers: int = 0,
           should_stop: Callable[[], bool] = lambda: False, log: Callable[[str], None] = print) -> TrainResult:
     """Train from scratch; stops early at `cfg.stop_at` steps or once `should_stop()` (checked every step)."""
-    model = build_model(tokenizer, cfg.seed).to(device)
-    model.train()
+    if cfg.init_from is not None:
+        from transformers import NemotronHForCausalLM
+        model = NemotronHForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32)
+    else:
+        model = build_model(tokenizer, cfg.seed)
+    model.to(device).train()
     is_decayed = {n: p.dim() >= 2 and "embeddings" not in n for n, p in model.named_parameters()}
     opt = torch.optim.AdamW([
         {"params": [p for n, p in model.named_parameters() if is_decayed[n]], "weight_decay": cfg.weight_decay},

@@ -23,7 +23,7 @@ from tests.helm.promql_names import RAY_SERVE_METRICS, check, grafana_query_name
 
 from service.deployments.metric_defs import ALL_METRICS, metric_names
 
-REQUIRED_ALERTS = {"HybridServeCanaryMismatch", "HybridServePrefixHitsFlat", "HybridServeTTFTHigh",
+REQUIRED_ALERTS = {"HybridServeCanaryMismatch", "HybridServeCanaryAnswerAccuracyDrop", "HybridServePrefixHitsFlat", "HybridServeTTFTHigh",
                    "HybridServeKVCacheFull", "HybridServeMambaCacheFull", "HybridServeReplicaUnhealthy",
                    "HybridServeRayServiceNotReady"}
 
@@ -69,7 +69,7 @@ def test_alert_expressions_reference_exported_metrics(manifests, config):
     if values["engine"]["mambaCacheStrategy"] == "off":
         expected.discard("HybridServePrefixHitsFlat")
     if not values["canary"]["enabled"]:
-        expected.discard("HybridServeCanaryMismatch")
+        expected -= {"HybridServeCanaryMismatch", "HybridServeCanaryAnswerAccuracyDrop"}
     assert expected <= names, f"missing alerts {expected - names}"
     for rule in rules:
         result = check(rule["expr"])
@@ -84,7 +84,7 @@ def test_alert_expressions_reference_exported_metrics(manifests, config):
 def test_alerts_follow_cache_and_canary_settings(manifests):
     names = {r["alert"] for r in alert_rules(manifests("default", "--set", "engine.mambaCacheStrategy=off",
                                                        "--set", "canary.enabled=false"))}
-    assert "HybridServePrefixHitsFlat" not in names and "HybridServeCanaryMismatch" not in names
+    assert not {"HybridServePrefixHitsFlat", "HybridServeCanaryMismatch", "HybridServeCanaryAnswerAccuracyDrop"} & names
     assert "HybridServeTTFTHigh" in names
 
 
