@@ -2,10 +2,12 @@
 
 The workload (`ab_rounds`) is three rounds; each round's requests are sent together, so an engine packs them
 into shared batches of unaligned lengths (long contexts next to short additions):
-1. first questions about `num_contexts` recall and `num_contexts` state contexts (>= 256 tokens each), and
-   `num_contexts` additions between them;
+1. first questions about `num_contexts` recall and `num_contexts` state contexts (>= 256 tokens each), after
+   `2 * num_contexts` short additions (each one's length is no multiple of the chunk size, so the contexts'
+   chunks start at offsets a `cumsum(len // chunk)` indexing gets wrong);
 2. a second question about each context (its prefix is cached: the state must resume from a snapshot);
-3. multi-turn: the first question, its answer, then a third question (the conversation prefix is cached).
+3. multi-turn: the first question, its reasoning and answer (what the model wrote in round 1, when it was
+   right), then a third question (the whole first exchange is cached, also for `no_buffer`).
 Greedy decoding, so every strategy must give identical answers; the accuracy per strategy and task and each
 strategy's hit ratio (cached prompt tokens / prompt tokens) are reported.
 """
@@ -28,14 +30,11 @@ def ab_rounds(num_contexts: int, seed: int = 0) -> list[list[Example]]:
     for _ in range(num_contexts):
         families.append(("recall", *recall_questions(rng, 3)))
         families.append(("state", *state_questions(rng, 3)))
-    rounds: list[list[Example]] = [[], [], []]
-    for i, (task, context, qa) in enumerate(families):
+    rounds: list[list[Example]] = [[addition(rng, "eval") for _ in range(2 * num_contexts)] for _ in range(3)]
+    for task, context, qa in families:
         rounds[0].append(conversation(task, context, qa[:1]))
         rounds[1].append(conversation(task, context, qa[1:2]))
-        rounds[2].append(conversation(task, context, [qa[0], qa[2]]))
-        if i % 2:
-            for r in rounds:
-                r.append(addition(rng, "eval"))
+        rounds[2].append(conversation(task, context, [qa[0], qa[2]], history_reasoning=True))
     return rounds
 
 

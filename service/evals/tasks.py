@@ -116,14 +116,17 @@ def state(rng: random.Random, split: str = "train", turns: int = 1) -> Example:
     return conversation("state", *state_questions(rng, turns))
 
 
-def conversation(task: str, context: str, qa: list[tuple[str, str, str]]) -> Example:
+def conversation(task: str, context: str, qa: list[tuple[str, str, str]], history_reasoning: bool = False
+                 ) -> Example:
     """The context and the first question in one user turn; later questions after the earlier answers
-    (assistant turns holding the correct answers). The example asks the last question."""
+    (assistant turns holding the correct answers, and their reasoning if `history_reasoning`: then the history
+    is token for token what the model wrote). The example asks the last question."""
     messages: list[dict[str, Any]] = []
-    for i, (question, answer, _) in enumerate(qa):
+    for i, (question, answer, reasoning) in enumerate(qa):
         messages.append({"role": "user", "content": f"{context}\n{question}" if i == 0 else question})
         if i + 1 < len(qa):
-            messages.append({"role": "assistant", "content": answer})
+            turn = {"role": "assistant", "content": answer}
+            messages.append({**turn, "reasoning_content": reasoning} if history_reasoning else turn)
     return Example(task, tuple(messages), qa[-1][1], qa[-1][2])
 
 

@@ -18,7 +18,6 @@ TARGETS = {"addition": 0.95, "recall": 0.90, "state": 0.90}
 
 
 def _engine(path: str, strategy: str) -> Engine:
-    torch.set_num_threads(2)
     return Engine(EngineConfig(model_path=path, kernel_backend="torch", mamba_cache_strategy=strategy,
                                page_size=1 if strategy == "no_buffer" else 16, max_num_seqs=256,
                                max_num_batched_tokens=8192))
