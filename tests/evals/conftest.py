@@ -1,11 +1,8 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "engine"))   # cache_helpers (the seed bug)
 
 TRAINED = os.path.join(os.path.dirname(__file__), "..", "..", "service", "assets", "tiny-trained")
 

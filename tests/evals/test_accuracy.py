@@ -6,7 +6,6 @@ import json
 import os
 
 import pytest
-import torch
 
 from service.engine import Engine, EngineConfig
 from service.evals.harness import EngineBackend, Sampling, score

@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 import service.engine.runner.batch as batch_mod
-from cache_helpers import buggy_snapshot_chunk_indices
 from service.engine import Engine, EngineConfig
 from service.evals.ab import ab_rounds, run_ab
 from service.evals.harness import EngineBackend
+from tests.engine.cache_helpers import buggy_snapshot_chunk_indices
 
 NUM_CONTEXTS = 4
 

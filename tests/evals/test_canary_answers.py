@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-import torch
 
 from service.engine import AsyncEngine, EngineConfig
 from service.engine.canary import pinned_canary
