@@ -271,6 +271,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--decode-steps", type=int, default=12)
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
     ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.90,
+                    help="the engine's memory plan sizes KV pages and Mamba slots from this fraction of the GPU")
     ap.add_argument("--out", default="")
     ap.add_argument("--trace-dir", default="", help="write CPU+CUDA chrome traces of 4 decode steps per batch here")
     ap.add_argument("--profile-out", default="", help="write a kernel profile of a batch-1 decode forward here")
@@ -292,6 +294,7 @@ def main() -> None:
                     mamba_cache_strategy="off",
                     max_num_seqs=max(args.decode_batches + [args.tp_concurrency]),
                     max_num_batched_tokens=args.max_batched_tokens, load_format="dummy",
+                    gpu_memory_utilization=args.gpu_memory_utilization,
                     max_model_len=max(args.isl + [args.prompt_len + args.decode_steps, args.tp_isl + args.tp_osl]) + 64)
         model_cfg = ModelConfig.from_model_path(model_dir)
         t0 = time.perf_counter()
@@ -307,6 +310,8 @@ def main() -> None:
             engine = Engine(EngineConfig(**base, kernel_backend=backend, cuda_graphs=extra.startswith("graphs"),
                                          async_scheduling="sync" not in extra.split("+")), model=model)
             engine.runner.split_steps = engine.runner.graphs is not None and "nosplit" not in extra
+            if engine.runner.memory_plan is not None:
+                print(f"{fmt} {variant}: {engine.runner.memory_plan.log_line()}", flush=True)
             print(f"{fmt} {variant}: engine ready in {time.perf_counter() - t0:.1f} s "
                   f"(graphs: {engine.runner.graphs.buckets if engine.runner.graphs else None})", flush=True)
             results[f"{fmt} {variant}"] = bench_variant(engine, args, variant in tp_variants)

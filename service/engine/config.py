@@ -364,7 +364,7 @@ class EngineConfig:
                                   "implemented yet and is refused", choices=KV_CACHE_DTYPES)
     gpu_memory_utilization: float = setting(0.90, "fraction of the GPU's memory the engine may use: on CUDA the KV "
                                             "pages and Mamba slots fill what the weights and a profiling forward "
-                                            "leave (within max_num_seqs); ignored on CPU", min=0.05)
+                                            "leave (within max_num_seqs); ignored on CPU", min=0.01)
 
     def resolved(self) -> "EngineConfig":
         """This config with device "auto" and an unset kernel_backend replaced by what this machine runs."""

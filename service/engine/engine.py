@@ -248,6 +248,7 @@ class Engine:
             "snapshot_grid_tokens": self.cache.grid, "max_model_len": self.max_model_len,
             "num_kv_pages_free": pools.pages.num_free, "num_live_slots_free": pools.live.num_free,
             "num_snapshot_slots_free": pools.snapshots.num_free,
+            **(self.runner.memory_plan.stats() if self.runner.memory_plan is not None else {}),
         }
 
     def cached_prefix_hashes(self, max_blocks: int = 100_000) -> list[int]:

@@ -12,6 +12,7 @@ from service.engine.config import EngineConfig, ModelConfig
 from service.engine.kernels import get_kernels
 from service.engine.model.nemotron_h import NemotronHForCausalLM
 from service.engine.model import loader
+from service.engine.runner import memory_plan
 from service.engine.runner.batch import build_forward_batch, to_device_async
 from service.engine.runner.cuda_graph import DecodeGraphs, is_graphable
 from service.engine.runner.sampler import DeviceSample, HostSample, Sampler, SamplerOutput
@@ -70,18 +71,27 @@ class ModelRunner:
                 model.kernels = get_kernels(cfg.kernel_backend)
             log.info("kernel backend: %s", model.kernels.name)
         self.model = model if model is not None else build_model(cfg, model_cfg, self.dtype, self.device)
-        m = model_cfg
-        self.pool_sizes = default_pool_sizes(cfg, max_model_len)
-        self.pools = StatePools(
-            self.pool_sizes, cfg.page_size, len(m.attention_layer_ids), m.num_key_value_heads, m.head_dim,
-            len(m.mamba_layer_ids), m.conv_dim, m.conv_kernel, m.mamba_num_heads, m.mamba_head_dim,
-            m.ssm_state_size, self.dtype, self.device)
+        # on CUDA without an explicit num_kv_pages the pools fill the memory left (memory_plan.py); else max_num_seqs
+        self.memory_plan = None
+        if self.device.type == "cuda" and cfg.num_kv_pages is None:
+            self.memory_plan = memory_plan.plan_for(cfg, model_cfg, self.model, max_model_len, self.dtype,
+                                                    self._new_pools)
+            log.info(self.memory_plan.log_line())
+        self.pool_sizes = (default_pool_sizes(cfg, max_model_len) if self.memory_plan is None else PoolSizes(
+            self.memory_plan.num_kv_pages + 1, self.memory_plan.num_live_slots, self.memory_plan.num_snapshot_slots))
+        self.pools = self._new_pools(self.pool_sizes)
         self.sampler = Sampler(self.device, cfg.seed)
         self.generators: dict[str, torch.Generator] = {}   # request_id -> seeded generator
         self.graphs = self._capture_graphs(max_model_len)
         # split mixed steps: plain decode rows replayed from a graph, the rest eager (tests may set it on CPU)
         self.split_steps = self.graphs is not None
         self.num_split_steps = 0     # steps run as a graph part plus an eager part
+
+    def _new_pools(self, sizes: PoolSizes) -> StatePools:
+        m = self.model_cfg
+        return StatePools(sizes, self.cfg.page_size, len(m.attention_layer_ids), m.num_key_value_heads, m.head_dim,
+                          len(m.mamba_layer_ids), m.conv_dim, m.conv_kernel, m.mamba_num_heads, m.mamba_head_dim,
+                          m.ssm_state_size, self.dtype, self.device)
 
     def _capture_graphs(self, max_model_len: int) -> DecodeGraphs | None:
         """Decode graphs only on CUDA with the triton kernels (the torch reference path reads the device)."""
