@@ -40,3 +40,13 @@ def test_lm_eval_local_chat_completions(endpoint):
         tasks=["hybrid_addition"], apply_chat_template=True, limit=20,
         task_manager=TaskManager(include_path=os.path.abspath(TASKS_DIR)))
     assert out["results"]["hybrid_addition"]["exact_match,last_number"] >= 0.9, out["results"]
+
+
+@pytest.mark.slow
+def test_eval_ab_cli_against_a_running_endpoint(endpoint, capsys):
+    assert cli_main(["eval", "--ab", "extra_buffer", "--ab-url", f"extra_buffer={endpoint}", "--ab-contexts", "2"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(lines[-1])
+    assert [line.split()[1] for line in lines[:3]] == ["addition", "recall", "state"]
+    assert result["ab"]["extra_buffer"]["hit_ratio"] > 0.2 and result["identical_answers"] is True
+    assert result["ab"]["extra_buffer"]["accuracy"]["addition"] >= 0.9
