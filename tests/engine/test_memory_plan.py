@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from service.engine.runner.memory_plan import GiB, plan_memory, state_bytes
+from service.engine.runner.memory_plan import GiB, plan_memory, state_bytes, useful_pages
 
 
 def nano_state_bytes(page_size: int = 64):
@@ -24,7 +24,7 @@ def test_plan_by_hand():
     s = nano_state_bytes()
     plan = plan_memory(total_bytes=140 * GiB, utilization=0.9, weights_bytes=32 * GiB, activation_bytes=3 * GiB,
                        graph_bytes=1 * GiB, sizes=s, max_num_seqs=256, max_model_len=4096, page_size=64,
-                       max_snapshots=512)
+                       max_snapshots=512, max_pages=10**9)
     # by hand: budget 0.9 * 140 GiB = 135,291,469,824; minus 36 GiB -> 96,636,764,160 left; 256 live slots take
     # 12,565,086,208 -> 84,071,677,952; a quarter of that is 21,017,919,488 = 428.2 slots (< 2 x 256 asked);
     # the rest, 84,071,677,952 - 428 * 49,082,368 = 63,064,424,448, is 160,381.3 pages
@@ -40,21 +40,30 @@ def test_two_snapshots_per_request_when_they_fit():
     s = nano_state_bytes()
     # 80 GiB, all usable, 60 + 1 GiB used: 19 GiB = 20,401,094,656 left; 64 live slots 3,141,271,552 -> 17,259,823,104;
     # a quarter (4,314,955,776) holds 87 slots, fewer than the 2 x 64 asked
-    plan = plan_memory(80 * GiB, 1.0, 60 * GiB, 1 * GiB, 0, s, 64, 2048, 64, max_snapshots=128)
+    plan = plan_memory(80 * GiB, 1.0, 60 * GiB, 1 * GiB, 0, s, 64, 2048, 64, max_snapshots=128, max_pages=10**9)
     assert plan.num_snapshot_slots == 87
-    plan = plan_memory(80 * GiB, 1.0, 60 * GiB, 1 * GiB, 0, s, 16, 2048, 64, max_snapshots=32)
+    plan = plan_memory(80 * GiB, 1.0, 60 * GiB, 1 * GiB, 0, s, 16, 2048, 64, max_snapshots=32, max_pages=10**9)
     assert plan.num_snapshot_slots == 32                      # 2 x 16 fit within the share
 
 
+def test_kv_pages_stop_at_what_the_requests_can_use():
+    s = nano_state_bytes()
+    cap = useful_pages(8, 4096, 64)
+    assert cap == 2 * 8 * 64 == 1024
+    plan = plan_memory(140 * GiB, 0.9, 32 * GiB, 3 * GiB, GiB, s, 8, 4096, 64, max_snapshots=0, max_pages=cap)
+    assert plan.num_kv_pages == 1024 and plan.kv_bytes == 1024 * 393_216
+    assert plan.free_bytes == int(140 * GiB * 0.9) - 36 * GiB - 8 * s.mamba_slot - 1024 * 393_216
+
+
 def test_no_prefix_cache_gives_no_snapshot_slots():
-    plan = plan_memory(80 * GiB, 0.9, 20 * GiB, GiB, GiB, nano_state_bytes(), 64, 2048, 64, max_snapshots=0)
+    plan = plan_memory(80 * GiB, 0.9, 20 * GiB, GiB, GiB, nano_state_bytes(), 64, 2048, 64, max_snapshots=0, max_pages=10**9)
     assert plan.num_snapshot_slots == 0 and plan.mamba_snapshot_bytes == 0
 
 
 def test_a_model_that_does_not_fit_names_the_numbers():
     with pytest.raises(ValueError, match=r"does not fit: budget 126\.00 GiB .* weights 121\.00 GiB .*"
                                          r"raise gpu_memory_utilization"):
-        plan_memory(140 * GiB, 0.9, 121 * GiB, 4 * GiB, GiB, nano_state_bytes(), 256, 262144, 64, 512)
+        plan_memory(140 * GiB, 0.9, 121 * GiB, 4 * GiB, GiB, nano_state_bytes(), 256, 262144, 64, 512, 10**9)
 
 
 @pytest.mark.gpu
@@ -72,6 +81,7 @@ def test_engine_on_cuda_sizes_its_pools_from_the_plan(tmp_path):
     engine = Engine(EngineConfig(**base, gpu_memory_utilization=0.5))
     plan = engine.runner.memory_plan
     assert plan is not None and engine.runner.pools.pages.num_usable == plan.num_kv_pages
+    assert plan.num_kv_pages == useful_pages(8, 4096, 16)             # 0.5 of the GPU holds more than that
     assert plan.budget_bytes == int(torch.cuda.mem_get_info()[1] * 0.5) and plan.activation_bytes > 0
     assert engine.stats()["memory_plan_num_kv_pages"] == plan.num_kv_pages
     assert plan.num_live_slots == 8 and plan.weights_bytes > 2 * 128 * 2688 * 1856 * 2

@@ -4,7 +4,8 @@ The arithmetic (`plan_memory`) is pure and unit-tested: budget = total * gpu_mem
 the weights, the activation peak of a profiling forward at the token budget and the CUDA-graph reserve goes, in
 order, to max_num_seqs live Mamba slots (each running request holds one), to the prefix cache's snapshot slots
 (at most the max_snapshots asked for, and at most SNAPSHOT_SHARE of what the live slots leave), and to KV pages
-(the rest). Too little memory for one request of max_model_len tokens -> ValueError with the numbers.
+(the rest, up to `useful_pages`: twice what max_num_seqs requests of max_model_len tokens hold, the second half for
+cached prefixes; memory beyond that stays free, so small engines sharing a GPU, as the tests do, stay small). Too little memory for one request of max_model_len tokens -> ValueError with the numbers.
 `profile_activation_bytes` measures the activation peak on CUDA with one forward of max_num_batched_tokens.
 """
 from __future__ import annotations
@@ -65,8 +66,9 @@ class MemoryPlan:
 
 def plan_memory(total_bytes: int, utilization: float, weights_bytes: int, activation_bytes: int, graph_bytes: int,
                 sizes: StateBytes, max_num_seqs: int, max_model_len: int, page_size: int,
-                max_snapshots: int) -> MemoryPlan:
-    """The plan (see the module docstring). max_snapshots: snapshot slots wanted at most (0: no prefix cache)."""
+                max_snapshots: int, max_pages: int) -> MemoryPlan:
+    """The plan (see the module docstring). max_snapshots: snapshot slots wanted at most (0: no prefix cache);
+    max_pages: KV pages that can be of use at most (`useful_pages`)."""
     budget = int(total_bytes * utilization)
     left = budget - weights_bytes - activation_bytes - graph_bytes
     live = max_num_seqs
@@ -86,9 +88,15 @@ def plan_memory(total_bytes: int, utilization: float, weights_bytes: int, activa
         snaps = max_snapshots
     snap_bytes = snaps * sizes.mamba_slot
     pages = (after_live - snap_bytes) // sizes.kv_page if sizes.kv_page else min_pages
+    pages = min(pages, max(min_pages, max_pages))
     kv_bytes = pages * sizes.kv_page
     return MemoryPlan(total_bytes, budget, weights_bytes, activation_bytes, graph_bytes, pages, live, snaps, kv_bytes,
                       live_bytes, snap_bytes, after_live - snap_bytes - kv_bytes)
+
+
+def useful_pages(max_num_seqs: int, max_model_len: int, page_size: int) -> int:
+    """KV pages an engine can use: every running request at max_model_len, twice over (cached prefixes)."""
+    return 2 * max_num_seqs * math.ceil(max_model_len / page_size)
 
 
 def weights_bytes(model: torch.nn.Module) -> int:
@@ -135,4 +143,5 @@ def plan_for(cfg, model_cfg, model, max_model_len: int, dtype: torch.dtype, new_
         cfg.max_mamba_snapshots if cfg.max_mamba_snapshots is not None else 2 * cfg.max_num_seqs)
     return plan_memory(total, cfg.gpu_memory_utilization, weights_bytes(model), activations,
                        GRAPH_RESERVE_BYTES if cfg.cuda_graphs else 0, sizes, cfg.num_mamba_slots or cfg.max_num_seqs,
-                       max_model_len, cfg.page_size, snapshots)
+                       max_model_len, cfg.page_size, snapshots,
+                       useful_pages(cfg.max_num_seqs, max_model_len, cfg.page_size))
