@@ -209,7 +209,7 @@ def compare(parallel: ParallelContext, path: str, eps: tuple[int, ...], kernel_b
         k = f"ep{ep}/"
         fresh = make_pools(cfg, model.shapes, dtype, device)
         batch = step_batches(cfg, device)[0]
-        calls = count_collectives(lambda: run_steps(model, fresh, [batch]))
+        calls = count_collectives(lambda m=model, f=fresh, b=batch: run_steps(m, f, [b]))
         out[k + "collectives"] = float(calls != expected_collectives(model, device))
         out[k + "logits"] = max(_max_err(a, b) for a, b in zip(ref_logits, logits))
         out[k + "logprobs"] = max(_max_err(a.log_softmax(-1), b.log_softmax(-1)) for a, b in zip(ref_logits, logits))
