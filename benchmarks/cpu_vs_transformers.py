@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from service.engine import Engine, EngineConfig, SamplingParams
-from service.engine.kernels import Kernels
+from service.engine.kernels import Kernels, torch_reference_kernels
 
 CONFIG = dict(
     vocab_size=2048, hidden_size=256, hybrid_override_pattern="M*EM-ME*MEM*E",
@@ -98,18 +98,22 @@ def run_engine(engine: Engine, prompts: torch.Tensor, new: int) -> tuple[float, 
     return time.perf_counter() - t0, [list(o.token_ids) for o in outs]
 
 
-def make_engine(path: str, shape: Shape) -> Engine:
+def make_engine(path: str, shape: Shape, reference: bool = False) -> Engine:
+    """reference: the engine runs the all-reference bundle (`torch_reference_kernels`) instead of the torch bundle."""
     cfg = EngineConfig(model_path=path, device="cpu", dtype="float32", kernel_backend="torch",
                        max_num_seqs=max(shape.batch, 1), max_num_batched_tokens=max(2048, shape.batch * shape.prompt),
                        max_model_len=shape.prompt + shape.new + 16)
-    return Engine(cfg)
+    engine = Engine(cfg)
+    if reference:
+        engine.runner.model.kernels = torch_reference_kernels()
+    return engine
 
 
-def compare(path: str, shape: Shape, repeats: int, seed: int) -> dict:
+def compare(path: str, shape: Shape, repeats: int, seed: int, reference: bool) -> dict:
     """Best-of-`repeats` seconds of each side on the same prompts; raises if the greedy tokens differ."""
     from transformers import NemotronHForCausalLM
     hf = NemotronHForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    engine = make_engine(path, shape)
+    engine = make_engine(path, shape, reference)
     prompts = prompts_for(shape, CONFIG["vocab_size"], seed)
     warm = Shape(shape.batch, min(shape.prompt, 8), 2)        # first-call costs (allocator, lazy init) off the clock
     run_transformers(hf, prompts[:, :warm.prompt], warm.new)
@@ -164,6 +168,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="prompt seed")
     ap.add_argument("--checkpoint", default=None, help="folder for the checkpoint (default: a temporary folder)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
+    ap.add_argument("--reference-kernels", action="store_true",
+                    help="the engine runs the all-reference bundle (the *_ref kernels), for an A/B")
     ap.add_argument("--profile", default=None, metavar="SHAPE", help="profile the engine on one shape instead")
     ap.add_argument("--profile-rows", type=int, default=30)
     args = ap.parse_args()
@@ -177,8 +183,10 @@ def main() -> None:
     if args.profile:
         profile_engine(path, Shape.parse(args.profile), args.seed, args.profile_rows)
         return
-    results = [compare(path, Shape.parse(s), args.repeats, args.seed) for s in args.shapes.split(",")]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, best of {args.repeats}, "
+    results = [compare(path, Shape.parse(s), args.repeats, args.seed, args.reference_kernels)
+               for s in args.shapes.split(",")]
+    bundle = "all-reference" if args.reference_kernels else "torch"
+    print(f"engine kernels: {bundle}; torch {torch.__version__}, {torch.get_num_threads()} threads, best of {args.repeats}, "
           f"transformers experts={results[0]['experts_impl']} attention={results[0]['attn_impl']}")
     print("| batch x prompt / new | transformers generate (s) | engine (s) | engine speed-up | greedy tokens |")
     print("|---|---:|---:|---:|---|")

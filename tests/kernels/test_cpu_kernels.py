@@ -105,8 +105,8 @@ def test_conv_update_slots(slots, kernel, dtype):
 
 
 # ---------------------------------------------------------------- attention
-ATTN_BATCHES = [  # (query_lens, prefix_lens): decode only, prefill only (equal groups), mixed with cached prefixes
-    ([1, 1, 1], [12, 0, 30]), ([9, 9, 4], [0, 0, 0]), ([1, 5, 9, 3, 5], [12, 3, 0, 30, 3]),
+ATTN_BATCHES = [  # (query_lens, prefix_lens): decode only (unequal / equal contexts), prefill only (equal groups), mixed
+    ([1, 1, 1], [12, 0, 30]), ([1, 1], [17, 17]), ([9, 9, 4], [0, 0, 0]), ([1, 5, 9, 3, 5], [12, 3, 0, 30, 3]),
 ]
 
 
@@ -138,9 +138,8 @@ def test_paged_attention_checks_bounds():
 
 
 # ---------------------------------------------------------------- MoE
-@pytest.mark.parametrize("tokens", [1, 5, 64, 300])   # 300 x top-4 crosses ROWS_LAYOUT_MIN_PAIRS
-@pytest.mark.parametrize("k", [2, 4])                 # odd pair counts: the padded columns layout
-@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("tokens, k, shared", [(1, 4, True), (5, 2, True), (5, 4, False), (64, 2, False),
+                                               (300, 4, True), (300, 4, False)])   # 1200 pairs: the rows layout
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_moe_experts(tokens, k, shared, dtype):
     torch.manual_seed(6)

@@ -37,9 +37,11 @@ def _decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     kmax = max(ctx)
     keys = _pages(k_cache, page_table, rows, kmax, page_size)
     vals = _pages(v_cache, page_table, rows, kmax, page_size)
-    mask = torch.arange(kmax, device=dev)[None, :] < torch.tensor(ctx, device=dev)[:, None]
+    mask = None                         # every row sees all kmax keys: no mask (the kernel's unmasked path)
+    if min(ctx) < kmax:
+        mask = (torch.arange(kmax, device=dev)[None, :] < torch.tensor(ctx, device=dev)[:, None])[:, None, None, :]
     qt = q[torch.tensor(tokens, device=dev)].to(keys.dtype)[:, :, None, :]                   # [b, Hq, 1, Dh]
-    o = F.scaled_dot_product_attention(qt, keys, vals, attn_mask=mask[:, None, None, :], scale=scale,
+    o = F.scaled_dot_product_attention(qt, keys, vals, attn_mask=mask, scale=scale,
                                        enable_gqa=q.shape[1] != keys.shape[1])
     out[tokens] = o[:, :, 0, :].to(out.dtype)
 

@@ -52,11 +52,8 @@ def causal_conv1d_update_slots(x: torch.Tensor, weight: torch.Tensor, bias: torc
     first = ascending_run(slot_ids)
     state = conv_pool[first:first + Bt] if first is not None else conv_pool.index_select(0, slot_ids)
     w = weight.float()
-    out = x.float() * w[:, K - 1]
-    for k in range(K - 1):
-        out.addcmul_(state[:, :, k].float(), w[:, k])
-    if bias is not None:
-        out += bias.float()
+    out = torch.addcmul(bias.float() if bias is not None else torch.zeros((), device=x.device), x.float(), w[:, K - 1])
+    out += (state.float() * w[:, :K - 1]).sum(-1)
     if K > 2:
         state[:, :, :K - 2] = state[:, :, 1:].clone()
     state[:, :, K - 2] = x.to(state.dtype)
