@@ -40,8 +40,12 @@ generate: install
 lint: install
 	$(BIN)/ruff check .
 
+# The default run leaves out tests marked slow (each has a bounded version in the default run); test-slow runs them.
 test: install lint
-	$(BIN)/python -m pytest -q -x --durations=15 tests
+	$(BIN)/python -m pytest -q -x --durations=15 -m "not slow" tests
+
+test-slow: install
+	$(BIN)/python -m pytest -q -m "slow and not gpu" tests
 
 test-gpu: install
 	$(BIN)/python -m pytest -q -m gpu tests
