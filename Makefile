@@ -10,7 +10,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 REPLICAS ?= 2
 
-.PHONY: install serve lint test test-gpu tiny-model generate clean
+.PHONY: install serve lint test test-slow test-gpu tiny-model generate clean
 
 $(STAMP): pyproject.toml Makefile scripts/install_tools.sh
 	test -d $(VENV) || $(PY) -m venv $(VENV)
