@@ -21,6 +21,7 @@ ROUTING_STATS_PERIOD_S = 2.0          # how often replicas report their cached p
 ROUTING_REPORT_GRACE_S = 3 * ROUTING_STATS_PERIOD_S + 5.0  # dispatches younger than this outlive a report
 ENGINE_GRACEFUL_SHUTDOWN_S = 60.0     # drain: how long Serve waits for in-flight requests on shutdown
 QUEUED_REQUESTS_PER_REPLICA = 4       # handle-side queue bound (x max_ongoing_requests x replicas) -> 503
+RANK_BUNDLE_CPUS = 0.01               # CPU share of a rank bundle on CPU-only clusters (accounting only)
 
 
 def request_router_config(args: AppArgs) -> RequestRouterConfig:
@@ -38,7 +39,6 @@ def request_router_config(args: AppArgs) -> RequestRouterConfig:
 
 def engine_deployment_options(args: AppArgs) -> dict[str, Any]:
     """`serve.deployment` options: replicas or autoscaling, resources, routing, drain."""
-    gpus = args.gpus_per_replica
     options: dict[str, Any] = {
         "name": "engine",
         "max_ongoing_requests": args.max_ongoing_requests,
@@ -57,13 +57,7 @@ def engine_deployment_options(args: AppArgs) -> dict[str, Any]:
                                          "target_ongoing_requests": args.target_ongoing_requests}
     else:
         options["num_replicas"] = args.replicas
-    if gpus > 1:   # TP x EP workers: one bundle per GPU; the replica actor takes the first
-        options["placement_group_bundles"] = [{"CPU": args.cpus_per_replica, "GPU": 1}] + [{"GPU": 1}] * (gpus - 1)
-        # PACK: on one node when it fits, across nodes (e.g. 16 GPUs over two 8-GPU pods) when it does not
-        options["placement_group_strategy"] = "PACK"
-        options["ray_actor_options"] = {"num_cpus": args.cpus_per_replica, "num_gpus": 1}
-    else:
-        options["ray_actor_options"] = {"num_cpus": args.cpus_per_replica, "num_gpus": gpus}
+    options.update(replica_placement(args))
     return options
 
 
@@ -76,6 +70,21 @@ def ingress_deployment_options(args: AppArgs) -> dict[str, Any]:
             "max_ongoing_requests": -(-admitted // args.ingress_replicas),
             "ray_actor_options": {"num_cpus": 0.1}, "graceful_shutdown_timeout_s": ENGINE_GRACEFUL_SHUTDOWN_S,
             "graceful_shutdown_wait_loop_s": 1.0}
+
+
+def replica_placement(args: AppArgs) -> dict[str, Any]:
+    """Resources of one engine replica. tp > 1: one placement-group bundle per rank, all on one node
+    (STRICT_PACK); the replica actor (rank 0's process is its child) takes bundle 0, the other ranks' processes
+    use the GPUs of bundles 1..tp-1. On CPU the rank bundles hold a token CPU share (Ray refuses empty bundles):
+    the rank processes are the replica's children, not Ray tasks."""
+    gpu = args.gpus_per_replica > 0
+    actor = {"num_cpus": args.cpus_per_replica, "num_gpus": 1 if gpu else 0}
+    if args.tp == 1:
+        return {"ray_actor_options": actor}
+    first = {"CPU": args.cpus_per_replica, "GPU": 1} if gpu else {"CPU": args.cpus_per_replica}
+    rank = {"GPU": 1} if gpu else {"CPU": RANK_BUNDLE_CPUS}
+    return {"ray_actor_options": actor, "placement_group_bundles": [first] + [dict(rank) for _ in range(args.tp - 1)],
+            "placement_group_strategy": "STRICT_PACK"}
 
 
 def resolve_device(args: AppArgs) -> AppArgs:

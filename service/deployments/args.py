@@ -68,7 +68,8 @@ class DeploymentArgs(BaseModel):
 
     @property
     def gpus_per_replica(self) -> int:
-        return self.tp * self.ep if self.device != "cpu" else 0
+        """One GPU per tensor-parallel rank (ep reuses the same ranks); 0 on CPU."""
+        return self.tp if self.device != "cpu" else 0
 
 
 def _engine_fields() -> dict[str, Any]:

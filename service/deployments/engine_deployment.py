@@ -8,7 +8,7 @@ failure). Cancelling the call (client disconnect) aborts the request in the engi
 
 Serve hooks: `record_replica_metadata` publishes the snapshot grid (the router's block size),
 `record_routing_stats` the prefix hashes the cache can resume from (the router's index
-correction), `check_health` fails when the engine cannot report, `__del__` drains and shuts the
+correction), `check_health` fails when the engine cannot report or lost a rank process, `__del__` drains and shuts the
 engine down after Serve has waited for in-flight requests.
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ from ray import serve
 
 from service.deployments.args import AppArgs
 from service.deployments.metrics import CanaryMetrics, EngineMetrics
+from service.deployments.placement import expose_rank_gpus
 from service.deployments.pool_audit import audit_pools, resident_memory_bytes
 from service.engine import AsyncEngine, SamplingParams
 from service.engine.canary import CanaryCheck, audit_hit, pinned_canary, pinned_prompts
@@ -72,7 +73,10 @@ class EngineDeployment:
 
     def __init__(self, app_args: dict[str, Any]):
         self._args = AppArgs.model_validate(app_args)
-        self._engine = AsyncEngine(self._args.engine_config())
+        config = self._args.engine_config()
+        if config.tp > 1 and config.resolved().device.startswith("cuda"):   # before a rank process starts
+            logger.info("tp=%d: rank GPUs %s", config.tp, expose_rank_gpus(config.tp))
+        self._engine = AsyncEngine(config)
         self._metrics = EngineMetrics()
         self._canary_metrics = CanaryMetrics()
         self._report_seq = 0
@@ -157,9 +161,10 @@ class EngineDeployment:
                 "kv_cache_usage_ratio": stats["kv_cache_usage_ratio"]}
 
     async def check_health(self) -> None:
-        """A round trip through the engine thread's command queue: fails (or times out) if it is stuck or dead."""
+        """A round trip through the engine thread's command queue: fails (or times out) if it is stuck or dead,
+        or if a tensor-parallel rank process has died (Serve then replaces the replica)."""
         self._ensure_stats_loop()
-        await asyncio.wait_for(self._engine.cached_prefix_hashes(1), timeout=HEALTH_TIMEOUT_S)
+        await asyncio.wait_for(self._engine.check_alive(), timeout=HEALTH_TIMEOUT_S)
 
     async def __del__(self) -> None:
         for task in (self._stats_task, self._canary_task, *self._audits):

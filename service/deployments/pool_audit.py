@@ -39,7 +39,7 @@ class PoolAudit:
 
 def audit_pools(engine: Engine) -> dict[str, Any]:
     """`PoolAudit` of `engine` as a dict. Call on the engine thread only."""
-    pools, tree = engine.runner.pools, engine.cache.tree
+    pools, tree = engine.cache.pools, engine.cache.tree
     try:
         engine.check_integrity()
         integrity_error = None

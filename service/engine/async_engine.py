@@ -103,6 +103,10 @@ class AsyncEngine:
         """`fn(engine)` on the engine thread between steps (introspection; `fn` must not change state)."""
         return await self._call(lambda: fn(self.engine))
 
+    async def check_alive(self) -> None:
+        """A round trip through the engine thread; raises if a rank process of the engine has died."""
+        await self._call(self.engine.check_alive)
+
     async def shutdown(self, drain_timeout_s: float = 30.0) -> None:
         """Stops accepting requests, lets running ones finish (up to drain_timeout_s), stops the loop."""
         self._stopping = True
@@ -112,6 +116,7 @@ class AsyncEngine:
         self._submit(self._abort_all)
         self._submit(lambda: setattr(self, "_running", False))
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
+        self.engine.shutdown()
 
     # ---------- engine thread ----------
     def _submit(self, fn: Callable[[], None], fut: Future | None = None) -> None:

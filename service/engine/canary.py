@@ -74,7 +74,7 @@ async def cold_prefix_state(engine: AsyncEngine, prefix: Sequence[int]) -> Captu
 async def pinned_canary(engine: AsyncEngine, prompt: Sequence[int], max_tokens: int = 8,
                         tolerances: tuple[float, float] | None = None, ignore_eos: bool = True) -> CanaryCheck:
     """`ignore_eos=False` for questions: the reply ends at EOS (cached and cold must end at the same token)."""
-    state_tol, lp_tol = tolerances or default_tolerances(engine.engine.runner.dtype)
+    state_tol, lp_tol = tolerances or default_tolerances(engine.engine.dtype)
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos, logprobs=True)
     decoy = list(prompt[: len(prompt) // 2 + 3])[::-1]
     await asyncio.gather(_run(engine, decoy, greedy, bypass_cache=True), _run(engine, prompt, greedy))
@@ -96,6 +96,6 @@ async def pinned_canary(engine: AsyncEngine, prompt: Sequence[int], max_tokens: 
 async def audit_hit(engine: AsyncEngine, prompt: Sequence[int], captured: CapturedState,
                     tolerances: tuple[float, float] | None = None) -> CanaryCheck:
     """Recompute the prefix of a real request's hit cold and compare the state it resumed from."""
-    state_tol, _ = tolerances or default_tolerances(engine.engine.runner.dtype)
+    state_tol, _ = tolerances or default_tolerances(engine.engine.dtype)
     err = state_rel_error(captured, await cold_prefix_state(engine, prompt[:captured.num_tokens]))
     return CanaryCheck("audit", err > state_tol, err, 1.0, 0.0, captured.num_tokens)

@@ -355,8 +355,9 @@ class EngineConfig:
     cuda_graphs: bool = setting(True, "replay captured decode-only steps (CUDA with triton kernels; "
                                 "ignored otherwise)")
     async_scheduling: bool = setting(True, "launch the next plain decode step before reading this one's tokens")
-    tp: int = setting(1, "tensor-parallel GPUs per replica", min=1)
-    ep: int = setting(1, "expert-parallel GPUs per replica", min=1)
+    tp: int = setting(1, "tensor-parallel ranks, one GPU each: GPUs per engine replica", min=1)
+    ep: int = setting(1, "1 (each expert split over the tp ranks) or tp (whole experts spread over the same tp "
+                      "ranks; no extra GPUs)", min=1)
     load_format: str = setting("auto", "where the weights come from: auto reads the checkpoint's safetensors; dummy "
                                "draws random weights on the device from config.json alone (at the checkpoint's "
                                "dtype and quantization, deterministic by seed), for benchmarks", choices=LOAD_FORMATS)
@@ -388,3 +389,6 @@ class EngineConfig:
         if self.kv_cache_dtype == "fp8":
             raise ValueError("kv_cache_dtype='fp8': an FP8 KV cache is not implemented yet; use 'auto' or 'bf16' "
                              "(the checkpoint's k_scale / v_scale are loaded and kept)")
+        if self.ep not in (1, self.tp):
+            raise ValueError(f"ep must be 1 (experts split by tp) or equal to tp={self.tp} (whole experts spread "
+                             f"over the tp ranks), got ep={self.ep}")

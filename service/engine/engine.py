@@ -7,46 +7,70 @@ import time
 import uuid
 from typing import Sequence
 
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
 from service.engine.cache.block_hash import chained_block_hashes
 from service.engine.cache.manager import CacheManager
+from service.engine.cache.pools import SlotPools
 from service.engine.config import EngineConfig, ModelConfig
+from service.engine.distributed.parallel import check_shardable
+from service.engine.distributed.step import SlotOps
+from service.engine.distributed.worker_group import start_workers
 from service.engine.output import OutputProcessor
 from service.engine.request import CapturedState, FinishReason, Request, RequestOutput, SamplingParams
-from service.engine.runner.model_runner import InFlightStep, ModelRunner
+from service.engine.runner.model_runner import ModelRunner, resolve_dtype
 from service.engine.runner.sampler import SamplerOutput
-from service.engine.scheduler.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from service.engine.scheduler.scheduler import Scheduler, SchedulerOutput
 from service.engine.tokenizer import Tokenizer
 
 
 MAX_CAPTURED_REQUESTS = 64   # state copies kept for capture_states requests until popped
 
 
+@dataclass(frozen=True)
+class InFlight:
+    """A launched step whose results are not read yet (async scheduling)."""
+    sched: SchedulerOutput        # what was launched (its plan went to every rank)
+    pending: Any                  # the ranks' handle: `result()` -> SamplerOutput, waits for this step only
+
+
 class Engine:
+    """Scheduler, cache manager and requests (ids only cross to the ranks); `workers` run each step's plan:
+    in this process for tp == 1, one process per rank otherwise (`shutdown()` ends them)."""
+
     def __init__(self, config: EngineConfig, model=None):
         config = config.resolved()
         config.validate()
-        if config.tp != 1 or config.ep != 1:
-            raise ValueError(f"tp={config.tp}, ep={config.ep}: tensor/expert parallelism inside one engine is not "
-                             "implemented yet; use tp=1, ep=1 and scale out with replicas")
         self.config = config
         self.model_config = ModelConfig.from_model_path(config.model_path)
+        check_shardable(self.model_config, config.tp, config.ep)    # before any rank process starts
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         has_tok = os.path.exists(os.path.join(config.model_path, "tokenizer.json"))
         self.tokenizer = Tokenizer.from_model_path(config.model_path) if has_tok else None
-        self.runner = ModelRunner(config, self.model_config, self.max_model_len, model)
-        self.cache = CacheManager(self.runner.pools, config.mamba_cache_strategy, config.page_size,
+        self.workers = start_workers(config, self.model_config, self.max_model_len, model)
+        # the rank-0 worker when it runs in this process (tp == 1), else None
+        self.runner: ModelRunner | None = self.workers.runner
+        self.dtype = resolve_dtype(config, self.model_config)   # weights and KV/conv state (ssm state is fp32)
+        pools = SlotPools(self.workers.pool_sizes, config.page_size)
+        self.cache = CacheManager(pools, config.mamba_cache_strategy, config.page_size,
                                   self.model_config.chunk_size, config.mamba_track_interval)
-        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.workers.limits if config.async_scheduling else None)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else self.model_config.eos_token_id
         self.output = OutputProcessor(self.tokenizer, tuple(eos), self.max_model_len)
         self.requests: dict[str, Request] = {}   # request_id -> unfinished request
         self.captured: dict[str, dict[str, CapturedState]] = {}  # request_id -> "hit"|"prompt" -> state copy
         self._order = itertools.count()
-        self._inflight: InFlightStep | None = None   # launched step whose results are not read yet (async)
+        self._inflight: InFlight | None = None   # launched step whose results are not read yet (async)
+        self._released: list[str] = []           # retired request ids the ranks have not been told of
         self.num_prompt_tokens = 0               # prompt tokens of admitted requests
         self.num_generation_tokens = 0           # tokens sampled
         self.num_steps = 0                       # steps that ran a forward
         self.num_steps_ahead = 0                 # steps launched before the previous step's tokens were read
+        self.num_preemptions = 0                 # requests preempted (recomputed later) by the scheduler
         # phase -> host seconds spent in it over all steps ("execute" includes waiting for the device)
         self.step_seconds = {"schedule": 0.0, "execute": 0.0, "update": 0.0}
 
@@ -77,7 +101,7 @@ class Engine:
             ids = [int(t) for t in prompt]
         if not ids:
             raise ValueError("prompt is empty: give at least one token")
-        capacity = self.runner.pools.pages.num_usable * self.config.page_size
+        capacity = self.cache.pools.pages.num_usable * self.config.page_size
         if len(ids) >= capacity:
             raise ValueError(f"prompt has {len(ids)} tokens; the KV pool holds {capacity} tokens "
                              f"(num_kv_pages x page_size): raise num_kv_pages or shorten the prompt")
@@ -96,13 +120,15 @@ class Engine:
             return None
         req.finish_reason = FinishReason.ABORT
         self._finish(req)
-        return self._retire(req)
+        out = self._retire(req)
+        self._flush()
+        return out
 
     def _finish(self, req: Request) -> None:
         """Ends req in the scheduler (its pages and slot are freed). If the in-flight step holds req, that step
         computes req's last known token: count it first, so a state published at release (no_buffer) covers
         exactly the tokens it is keyed by (the publishing copy is enqueued after that step)."""
-        if self._inflight is not None and self._inflight.holds(req):
+        if self._inflight is not None and self._inflight.sched.holds(req):
             req.num_computed_tokens += 1
         self.scheduler.finish(req)
 
@@ -115,52 +141,39 @@ class Engine:
         if self._inflight is None:
             sched = self.scheduler.schedule()
             if not sched.scheduled:
-                return [self._retire(r) for r in sched.finished]
+                outputs = [self._retire(r) for r in sched.finished]
+                self._flush(sched.plan.publish_copies)
+                return outputs
             self._capture_hits(sched)
-            if not self._may_launch_ahead(sched):
+            if not self.scheduler.may_launch(sched):
                 t1 = time.perf_counter()
-                return self._finish_step(sched, self.runner.execute(sched), t0, t1, time.perf_counter())
-            self._inflight = self.runner.launch(sched)
+                return self._finish_step(sched, self.workers.execute(sched.plan), t0, t1, time.perf_counter())
+            self._inflight = InFlight(sched, self.workers.launch(sched.plan))
         cur = self._inflight                 # async scheduling: launch the next step before reading this one
-        nxt = self._lookahead(cur)
-        self._inflight = self.runner.launch(nxt, prev=cur) if nxt is not None else None
+        nxt = self.scheduler.lookahead(cur.sched, lambda req: self.output.reaches_length(req, 1))
+        self._inflight = InFlight(nxt, self.workers.launch(nxt.plan)) if nxt is not None else None
         self.num_steps_ahead += nxt is not None
         t1 = time.perf_counter()
-        sampled = cur.host.result()          # waits for cur's tokens only; the device goes on with nxt
+        sampled = cur.pending.result()       # waits for cur's tokens only; the device goes on with nxt
         return self._finish_step(cur.sched, sampled, t0, t1, time.perf_counter())
 
     def _finish_step(self, sched: SchedulerOutput, sampled: SamplerOutput, t0: float, t1: float,
                      t2: float) -> list[RequestOutput]:
         outputs = self._update(sched, sampled)
+        self.num_preemptions += len(sched.preempted)
+        self._flush()
         if self.config.debug_integrity:
             self.check_integrity()
         self._time_step(t0, t1, t2, time.perf_counter())
         return outputs
 
-    def _may_launch_ahead(self, sched: SchedulerOutput) -> bool:
-        return (self.config.async_scheduling and self.runner.can_launch(sched)
-                and not any(s.request.capture_states for s in sched.scheduled))
-
-    def _lookahead(self, cur: InFlightStep) -> SchedulerOutput | None:
-        """The step after the in-flight `cur`, when it is certain without cur's tokens: nobody waits for a free
-        seat, and each of cur's requests that can go on decodes one more token, no snapshot due (a request that
-        stops on cur's token costs one wasted row; the token it feeds is real, so its KV and state stay right).
-        None: the scheduler decides after cur's results. Allocates the rows' pages."""
-        sch = self.scheduler
-        if sch.waiting and len(sch.running) < sch.max_num_seqs:
-            return None
-        rows = []
-        for s in cur.sched.scheduled:
-            req = s.request
-            if req.finish_reason is not None or self.output.reaches_length(req, 1):   # ends on cur's token
-                continue
-            p = s.prefix_len + 1           # cur feeds position s.prefix_len; the next step feeds the token after
-            if self.cache.decode_snapshot_due(req, p) or not self.cache.grow(req, p + 1):
-                return None
-            rows.append(ScheduledRequest(req, p, 1, True, ()))
-        nxt = SchedulerOutput(tuple(rows), (), (), ())
-        ok = 0 < len(rows) <= sch.token_budget and self.runner.can_launch(nxt)
-        return nxt if ok else None
+    def _flush(self, publish: tuple[tuple[int, int], ...] = ()) -> None:
+        """Tells the ranks what happened since the last plan: states published (copied before a later step may
+        reuse their live slots) and requests retired."""
+        ops = SlotOps(publish + self.cache.take_publish_copies(), tuple(self._released))
+        self._released.clear()
+        if ops:
+            self.workers.apply(ops)
 
     def _time_step(self, t0: float, t1: float, t2: float, t3: float) -> None:
         s = self.step_seconds
@@ -199,7 +212,7 @@ class Engine:
         self.requests.pop(req.request_id, None)
         out = self.output.make_output(req)
         self.output.release(req.request_id)
-        self.runner.release(req.request_id)
+        self._released.append(req.request_id)
         return out
 
     # ---------- state capture (canary and audits) ----------
@@ -210,11 +223,14 @@ class Engine:
                 self._capture(req.request_id, "hit", req.cache_node.depth, req.cache_node.snapshot_slot)
 
     def _capture(self, request_id: str, kind: str, num_tokens: int, slot: int) -> None:
-        pools = self.runner.pools
+        """A copy of one slot's state; under tp the ranks' parts are concatenated (conv channels and ssm heads in
+        rank order: comparable with another capture of the same engine, not with a tp=1 layout)."""
         while len(self.captured) >= MAX_CAPTURED_REQUESTS and request_id not in self.captured:
             self.captured.pop(next(iter(self.captured)))       # nobody popped it: drop the oldest
-        self.captured.setdefault(request_id, {})[kind] = CapturedState(
-            num_tokens, pools.conv[:, slot].clone(), pools.ssm[:, slot].clone())
+        parts = self.workers.read_slot(slot)
+        conv, ssm = (parts[0] if len(parts) == 1 else
+                     (torch.cat([c for c, _ in parts], dim=1), torch.cat([s for _, s in parts], dim=1)))
+        self.captured.setdefault(request_id, {})[kind] = CapturedState(num_tokens, conv, ssm)
 
     def pop_captured_states(self, request_id: str) -> dict[str, "CapturedState"]:
         """"hit": the snapshot a capture_states request resumed from; "prompt": its state after the prompt."""
@@ -235,7 +251,7 @@ class Engine:
         return [final[i] for i in ids]
 
     def stats(self) -> dict[str, float]:
-        c, pools = self.cache.counters, self.runner.pools
+        c, pools = self.cache.counters, self.cache.pools
         tree = self.cache.tree
         return {
             "prefix_cache_queried_tokens": c.queried_tokens, "prefix_cache_hit_tokens": c.hit_tokens,
@@ -248,7 +264,7 @@ class Engine:
             "snapshot_grid_tokens": self.cache.grid, "max_model_len": self.max_model_len,
             "num_kv_pages_free": pools.pages.num_free, "num_live_slots_free": pools.live.num_free,
             "num_snapshot_slots_free": pools.snapshots.num_free,
-            **(self.runner.memory_plan.stats() if self.runner.memory_plan is not None else {}),
+            **self.workers.memory_stats,
         }
 
     def cached_prefix_hashes(self, max_blocks: int = 100_000) -> list[int]:
@@ -266,5 +282,13 @@ class Engine:
     def check_integrity(self) -> None:
         self.cache.check_integrity()
         for req in self.scheduler.running:
-            assert req.live_slot is not None and req.live_slot in self.runner.pools.live.in_use
+            assert req.live_slot is not None and req.live_slot in self.cache.pools.live.in_use
             assert len(req.page_ids) * self.config.page_size >= req.num_computed_tokens
+
+    def check_alive(self) -> None:
+        """Raises if a rank process has died (the engine cannot step again)."""
+        self.workers.check_alive()
+
+    def shutdown(self) -> None:
+        """Ends the rank processes (tp > 1); the engine cannot step afterwards."""
+        self.workers.shutdown()

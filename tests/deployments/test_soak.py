@@ -27,7 +27,7 @@ def test_pool_audit_sees_what_requests_leave_behind(tiny_model_path):
     engine.generate([prompt, prompt[:100] + [7, 8]], SamplingParams(max_tokens=5, temperature=0))
     clean = PoolAudit(**audit_pools(engine))
     assert clean.leaks() == [] and clean.kv_pages_in_use > 0 and clean.snapshot_slots_in_use > 0, clean
-    pages = engine.runner.pools.pages
+    pages = engine.cache.pools.pages
     page = next(i for i, r in enumerate(pages.refcount) if r > 0)
     pages.incref([page])                       # a reference nobody will drop
     assert PoolAudit(**audit_pools(engine)).leaks() == ["1 kv page references outside the cache"]

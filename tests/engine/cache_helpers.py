@@ -7,27 +7,28 @@ from service.engine.canary import max_rel_error
 from tests.engine.helpers import greedy
 
 
-def cold_state(engine_off, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """conv [L_m, D, K-1] and ssm [L_m, H, P, N] after one cold prefill of exactly `tokens`."""
+def cold_state(engine_off, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per rank: conv [L_m, D, K-1] and ssm [L_m, H, P, N] after one cold prefill of exactly `tokens`."""
     assert engine_off.config.mamba_cache_strategy == "off"
     assert engine_off.config.max_num_batched_tokens >= len(tokens)
     rid = engine_off.add_request(tokens, greedy(2))
     engine_off.step()
-    slot = engine_off.requests[rid].live_slot
-    pools = engine_off.runner.pools
-    state = pools.conv[:, slot].clone(), pools.ssm[:, slot].clone()
+    state = engine_off.workers.read_slot(engine_off.requests[rid].live_slot)
     engine_off.abort(rid)
     return state
 
 
 def snapshot_errors(engine, engine_off) -> dict[int, float]:
-    """For every snapshot in engine's tree: prefix length -> max relative error vs the cold state."""
-    tree, pools = engine.cache.tree, engine.runner.pools
+    """For every snapshot in engine's tree: prefix length -> max relative error vs the cold state, over every
+    rank (each rank's part against the same rank of engine_off, which must have the same tp)."""
+    tree = engine.cache.tree
     errors = {}
     for node, depth in tree.snapshot_prefix_lengths():
-        conv, ssm = cold_state(engine_off, tree.path_tokens(node))
-        slot = node.snapshot_slot
-        errors[depth] = max(max_rel_error(pools.conv[:, slot], conv), max_rel_error(pools.ssm[:, slot], ssm))
+        cold = cold_state(engine_off, tree.path_tokens(node))
+        snap = engine.workers.read_slot(node.snapshot_slot)
+        assert len(snap) == len(cold) == engine.config.tp
+        errors[depth] = max(max(max_rel_error(a[0], b[0]), max_rel_error(a[1], b[1]))
+                            for a, b in zip(snap, cold))
     return errors
 
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 import torch
 
 from service.engine import Engine, EngineConfig, SamplingParams
-from service.engine.request import Request
+from service.engine.distributed.step import StepPlan, StepRow
 from service.engine.runner.batch import build_forward_batch
-from service.engine.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
 
 def make_engine(path: str, **kw) -> Engine:
@@ -18,20 +17,20 @@ def make_engine(path: str, **kw) -> Engine:
 
 def full_prefill_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     """Logits at every prompt position from one cold prefill through the engine's batch builder and pools."""
-    pools = engine.runner.pools
-    req = Request("probe", list(ids), SamplingParams(max_tokens=1), 0)
-    req.page_ids = pools.pages.alloc(-(-len(ids) // engine.config.page_size))
-    req.live_slot = pools.live.alloc()
+    pools, state = engine.cache.pools, engine.runner.pools
+    page_ids = pools.pages.alloc(-(-len(ids) // engine.config.page_size))
+    slot = pools.live.alloc()
     try:
-        sched = SchedulerOutput((ScheduledRequest(req, 0, len(ids), True, ()),), (), (req.live_slot,), ())
-        pools.zero_slots([req.live_slot])
-        batch = build_forward_batch(sched, engine.config.page_size, engine.model_config.chunk_size,
+        plan = StepPlan((StepRow("probe", 0, len(ids), slot, tuple(page_ids), tuple(ids), (),
+                                 SamplingParams(max_tokens=1)),))
+        state.zero_slots([slot])
+        batch = build_forward_batch(plan, engine.config.page_size, engine.model_config.chunk_size,
                                     engine.runner.device)
         logits = engine.runner.model(batch.input_ids, batch.attn, batch.mamba,
-                                     torch.arange(len(ids)), pools.kv, pools.conv, pools.ssm)
+                                     torch.arange(len(ids)), state.kv, state.conv, state.ssm)
     finally:
-        pools.pages.decref(req.page_ids)
-        pools.live.free(req.live_slot)
+        pools.pages.decref(page_ids)
+        pools.live.free(slot)
     return logits
 
 

@@ -51,7 +51,7 @@ def test_abort_and_early_exit_free_the_pools(async_engine):
     assert first.finish_reason is None and outs[-1].finish_reason == "abort"
     stats = async_engine.stats()
     assert stats["num_requests_running"] == 0 and stats["num_requests_waiting"] == 0
-    assert stats["num_live_slots_free"] == async_engine.engine.runner.pools.live.count
+    assert stats["num_live_slots_free"] == async_engine.engine.cache.pools.live.count
 
 
 def test_bad_prompt_raises_before_streaming(async_engine):

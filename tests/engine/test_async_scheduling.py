@@ -82,14 +82,14 @@ def test_abort_with_a_step_in_flight(mixed_ckpt, strategy):
     rid_b = eng.add_request(b, greedy(12))
     for _ in range(5):
         eng.step()
-    assert eng._inflight is not None and eng._inflight.holds(eng.requests[rid_a])
+    assert eng._inflight is not None and eng._inflight.sched.holds(eng.requests[rid_a])
     aborted = eng.abort(rid_a)
     assert aborted.finish_reason == "abort"
     final = {}
     while eng.has_unfinished():
         final.update({o.request_id: o for o in eng.step() if o.finished})
     assert final[rid_b].token_ids == off.generate([b], greedy(12))[0].token_ids
-    pools = eng.runner.pools
+    pools = eng.cache.pools
     assert pools.live.num_free == pools.live.count
     if strategy == "off":
         assert pools.pages.num_free == pools.pages.num_usable

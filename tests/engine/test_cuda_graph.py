@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import json
 import os
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from service.engine import Engine, EngineConfig, SamplingParams
+from service.engine.distributed.step import StepPlan, StepRow
 from service.engine.runner.batch import build_forward_batch
 from service.engine.runner.cuda_graph import BATCH_BUCKETS, graph_buckets, is_graphable, layer_segments
 from tests.outputs import assert_same_outputs
@@ -18,10 +17,9 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def _sched(*rows):
-    """rows: (num_new_tokens, sample, snapshots, num_pages)."""
-    return SimpleNamespace(scheduled=[SimpleNamespace(num_new_tokens=n, sample=s, snapshots=snaps,
-                                                      request=SimpleNamespace(page_ids=[1] * pages))
-                                      for n, s, snaps, pages in rows])
+    """rows: (num_new_tokens, sample, snapshots, num_pages) -> a StepPlan of such rows."""
+    return StepPlan(tuple(StepRow(f"r{i}", 0, n, 1, (1,) * pages, (0,) * n, snaps, SamplingParams() if s else None)
+                          for i, (n, s, snaps, pages) in enumerate(rows)))
 
 
 def test_buckets_cover_max_num_seqs():
@@ -50,7 +48,7 @@ def test_segmented_forward_equals_forward(tiny_model_dir):
     for _ in range(3):
         eng.step()
     sched = eng.scheduler.schedule()
-    batch = build_forward_batch(sched, 4, eng.model_config.chunk_size, eng.runner.device)
+    batch = build_forward_batch(sched.plan, 4, eng.model_config.chunk_size, eng.runner.device)
     assert batch.mamba.decode_only
     m, p = eng.runner.model, eng.runner.pools
     saved = [t.clone() for t in (p.kv, p.conv, p.ssm)]

@@ -21,13 +21,14 @@ def test_pack_decode_inputs_equals_batch_builder(tiny_model_dir):
     checked = 0
     while eng.has_unfinished():
         sched = eng.scheduler.schedule()
-        if is_graphable(sched, 8, 1 << 20):
+        plan = sched.plan
+        if is_graphable(plan, 8, 1 << 20):
             B, bucket = len(sched.scheduled), 8
             w = max(len(s.request.page_ids) for s in sched.scheduled)
             small = np.full((4, bucket), -7, dtype=np.int64)
             table = np.full((bucket, w), -7, dtype=np.int64)
-            pack_decode_inputs(sched, 4, small, table)
-            ref = build_forward_batch(sched, 4, eng.model_config.chunk_size, eng.runner.device)
+            pack_decode_inputs(plan, 4, small, table)
+            ref = build_forward_batch(plan, 4, eng.model_config.chunk_size, eng.runner.device)
             assert small[0, :B].tolist() == ref.input_ids.tolist()
             assert small[1, :B].tolist() == ref.mamba.slot_ids.tolist()
             assert small[2, :B].tolist() == ref.attn.kv_slot_mapping.tolist()
@@ -38,5 +39,5 @@ def test_pack_decode_inputs_equals_batch_builder(tiny_model_dir):
                 assert table[i, :n].tolist() == ref_table[i, :n].tolist() == s.request.page_ids
             assert not small[:, B:].any() and not table[B:].any()
             checked += 1
-        eng._update(sched, eng.runner.execute(sched))
+        eng._update(sched, eng.runner.execute(plan))
     assert checked >= 20

@@ -37,7 +37,7 @@ def test_preemption_gives_same_results(mixed_ckpt, alone):
     outs = engine.generate(_prompts(), greedy(20))
     assert preempted, "the pool was meant to be too small for all requests"
     assert [o.token_ids for o in outs] == alone
-    assert engine.runner.pools.pages.num_free == engine.runner.pools.pages.num_usable
+    assert engine.cache.pools.pages.num_free == engine.cache.pools.pages.num_usable
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(mixed_ckpt):
@@ -109,11 +109,11 @@ def test_abort_frees_everything(mixed_ckpt):
     rid = engine.add_request(random_ids(40, 6), greedy(50))
     for _ in range(3):
         engine.step()
-    assert engine.runner.pools.pages.num_free < engine.runner.pools.pages.num_usable
+    assert engine.cache.pools.pages.num_free < engine.cache.pools.pages.num_usable
     out = engine.abort(rid)
     assert out.finish_reason == "abort"
-    assert engine.runner.pools.pages.num_free == engine.runner.pools.pages.num_usable
-    assert engine.runner.pools.live.num_free == engine.runner.pools.live.count
+    assert engine.cache.pools.pages.num_free == engine.cache.pools.pages.num_usable
+    assert engine.cache.pools.live.num_free == engine.cache.pools.live.count
     assert not engine.has_unfinished()
 
 
@@ -139,4 +139,4 @@ def test_kv_pool_too_small_for_one_request(mixed_ckpt):
     out = engine.generate([random_ids(10, 2)], greedy(50))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 24 - 10 + 1
     assert engine.generate([random_ids(5, 3)], greedy(3))[0].finish_reason == "length"
-    assert engine.runner.pools.pages.num_free == engine.runner.pools.pages.num_usable
+    assert engine.cache.pools.pages.num_free == engine.cache.pools.pages.num_usable

@@ -110,7 +110,7 @@ def test_decode_after_hit_matches_cold_and_source_unchanged(mixed_ckpt):
     cached, off = _engines(mixed_ckpt, 4)
     prefix = random_ids(3 * C + 2, 21)
     cached.generate([prefix], greedy(2))
-    tree, pools = cached.cache.tree, cached.runner.pools
+    tree, pools = cached.cache.tree, cached.runner.pools     # the rank-0 state tensors (tp 1)
     (node, depth), = [(n, d) for n, d in tree.snapshot_prefix_lengths() if d == 3 * C]
     before = pools.conv[:, node.snapshot_slot].clone(), pools.ssm[:, node.snapshot_slot].clone()
     prompt = prefix + random_ids(5, 22)
@@ -126,8 +126,8 @@ def test_decode_after_hit_matches_cold_and_source_unchanged(mixed_ckpt):
 def test_cold_state_oracle_detects_a_wrong_prefix(mixed_ckpt):
     """Sanity check of the oracle itself: states of different prefixes differ clearly."""
     off = make_engine(mixed_ckpt, mamba_cache_strategy="off", max_num_batched_tokens=1024)
-    a = cold_state(off, random_ids(2 * C, 31))
-    b = cold_state(off, random_ids(2 * C, 32))
+    (a,) = cold_state(off, random_ids(2 * C, 31))      # tp 1: one rank's state
+    (b,) = cold_state(off, random_ids(2 * C, 32))
     assert max_rel_error(a[1], b[1]) > 1e-2 and max_rel_error(a[0], b[0]) > 1e-2
 
 

@@ -5,21 +5,19 @@ the sampled rows and the independence of the two parts are what is tested here. 
 single mixed forward on the same state (itself tested against transformers in test_parity.py)."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
 from service.engine import Engine, EngineConfig, SamplingParams
+from service.engine.distributed.step import StepPlan, StepRow, sub_plan
 from service.engine.runner.sampler import SamplerOutput
-from service.engine.runner.split import restore_batch_order, split_step, sub_schedule
+from service.engine.runner.split import restore_batch_order, split_step
 from tests.outputs import assert_same_outputs
 
 
 def _sched(*rows):
-    """rows: (num_new_tokens, sample, snapshots, num_pages)."""
-    return SimpleNamespace(scheduled=tuple(
-        SimpleNamespace(num_new_tokens=n, sample=s, snapshots=snaps, request=SimpleNamespace(page_ids=[1] * pages))
-        for n, s, snaps, pages in rows))
+    """rows: (num_new_tokens, sample, snapshots, num_pages) -> a StepPlan of such rows."""
+    return StepPlan(tuple(StepRow(f"r{i}", 0, n, 1, (1,) * pages, (0,) * n, snaps, SamplingParams() if s else None)
+                          for i, (n, s, snaps, pages) in enumerate(rows)))
 
 
 def test_split_partitions_in_batch_order():
@@ -50,15 +48,14 @@ def _set_pool_state(runner, state: list[torch.Tensor]) -> None:
 def _checking_execute(runner, stats: dict):
     """An execute that runs each step twice from the same state, one forward vs split, compares logits and the
     state pools after the step, then keeps the split result (greedy)."""
-    def execute(sched):
-        runner.pools.copy_slots([s for s, _ in sched.slot_copies], [d for _, d in sched.slot_copies])
-        runner.pools.zero_slots(list(sched.slot_zeros))
+    def execute(plan):
+        runner._apply_slot_ops(plan)
         before = _pool_state(runner)
-        one_logits, one_rows = runner.forward(sched, None)
+        one_logits, one_rows = runner.forward(plan, None)
         after_one = _pool_state(runner)
         _set_pool_state(runner, before)
-        split = runner._split(sched)
-        split_logits, split_rows = runner.forward(sched, split)
+        split = runner._split(plan)
+        split_logits, split_rows = runner.forward(plan, split)
         if split is not None and split.eager_rows:
             stats["mixed"] += 1
         assert sorted(split_rows) == one_rows
@@ -117,6 +114,7 @@ def test_split_generate_matches_unsplit(tiny_model_dir):
     assert_same_outputs(outs[0], outs[1], 1e-4)
 
 
-def test_sub_schedule_keeps_the_whole_step():
-    sched = _sched((1, True, (), 1), (4, True, (), 1))
-    assert sub_schedule(sched, (0, 1)) is sched
+def test_sub_plan_keeps_the_whole_step():
+    plan = _sched((1, True, (), 1), (4, True, (), 1))
+    assert sub_plan(plan, (0, 1)) is plan
+    assert sub_plan(plan, (1,)).rows == plan.rows[1:]

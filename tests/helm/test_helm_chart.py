@@ -105,10 +105,32 @@ def test_gpu_sizing_matches_app_args(manifests, config):
         assert gpus_per_pod == 0 and not any(e["name"].startswith("NCCL_") for e in worker.get("env", []))
 
 
-def test_super_tp4_ep4_spans_two_eight_gpu_pods(manifests):
-    group = only(manifests("super-tp4-ep4"), "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
-    assert container(group["template"])["resources"]["limits"]["nvidia.com/gpu"] == "8"
-    assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (2, 2, 2)
+def test_super_tp4_ep4_is_one_four_gpu_pod_per_replica(manifests):
+    """--tp 4 --ep 4 means 4 GPUs (the experts are spread over the same ranks), as in SGLang and vLLM."""
+    rayservice = only(manifests("super-tp4-ep4"), "RayService")
+    group = rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    args = AppArgs.model_validate(yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"][0]["args"])
+    assert (args.tp, args.ep, args.gpus_per_replica) == (4, 4, 4)
+    assert container(group["template"])["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (1, 1, 1)
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 1), (2, 2), (4, 4), (8, 1)])
+def test_gpus_per_replica_is_tp(template, tp, ep):
+    """engine.tp GPUs per replica whatever ep is; the Serve options ask for the same: one bundle per GPU."""
+    from service.deployments.app import engine_deployment_options
+
+    result = template("--set", f"engine.tp={tp}", "--set", f"engine.ep={ep}", "--set", "engine.replicas=3")
+    assert result.returncode == 0, result.stderr
+    rayservice = only(list(yaml.safe_load_all(result.stdout)), "RayService")
+    group = rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    assert container(group["template"])["resources"]["limits"]["nvidia.com/gpu"] == str(tp)
+    assert group["replicas"] == 3
+    args = AppArgs.model_validate(yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"][0]["args"])
+    options = engine_deployment_options(args)
+    bundles = options.get("placement_group_bundles", [{"GPU": options["ray_actor_options"]["num_gpus"]}])
+    assert sum(b.get("GPU", 0) for b in bundles) == tp and all(b.get("GPU") == 1 for b in bundles)
+    assert tp == 1 or options["placement_group_strategy"] == "STRICT_PACK"
 
 
 @pytest.mark.parametrize("config", CONFIGS)

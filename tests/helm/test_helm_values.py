@@ -23,7 +23,8 @@ BAD_VALUES: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
     (("canary.auditSampleRate=2",), ("/canary/auditSampleRate", "got 2")),
     (("engine.autoscaling.enabled=true", "engine.autoscaling.minReplicas=5", "engine.autoscaling.maxReplicas=2"),
      ("minReplicas=5", "maxReplicas=2")),
-    (("model.mambaGroups=null", "engine.tp=3", "engine.ep=4"), ("= 12 GPUs", "workers.maxGpusPerPod=8")),
+    (("engine.tp=2", "engine.ep=4"), ("engine.ep=4", "engine.tp=2")),
+    (("model.mambaGroups=null", "engine.tp=16"), ("engine.tp=16", "workers.maxGpusPerPod=8")),
     (("model.path=models/nano",), ("/model/path", "'models/nano'")),
     (("model.path=/data/nano",), ('model.path="/data/nano"', 'weights.mountPath="/models"')),
     (("upgradeStrategy.type=NewClusterWithIncrementalUpgrade",), ("/upgradeStrategy/type", "'NewClusterWithIncrementalUpgrade'")),
@@ -46,7 +47,8 @@ def test_bad_values_fail_with_a_message_naming_the_value(template, assignments, 
 
 @pytest.mark.parametrize("assignments", [
     ("engine.tp=8",),                                          # divides 8 mamba groups
-    ("engine.tp=2", "engine.ep=4"),                            # 8 GPUs: one pod
+    ("engine.tp=4", "engine.ep=4"),                            # 4 GPUs: one pod
+    ("engine.tp=8", "engine.ep=8"),                            # 8 GPUs: a whole pod
     ("model.mambaGroups=null", "engine.tp=3"),                 # unchecked when the groups are not given
     ("engine.mambaCacheStrategy=no_buffer", "engine.pageSize=1"),
     ("engine.mambaCacheStrategy=off",),

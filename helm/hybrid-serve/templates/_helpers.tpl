@@ -42,9 +42,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
-{{/* GPUs per engine replica: tp x ep, or 0 on CPU (mirrors AppArgs.gpus_per_replica). */}}
+{{/* GPUs per engine replica: one per tensor-parallel rank (ep reuses the tp ranks), or 0 on CPU
+(mirrors AppArgs.gpus_per_replica). */}}
 {{- define "hybrid-serve.gpusPerReplica" -}}
-{{- if eq .Values.engine.device "cpu" -}}0{{- else -}}{{ mul (int .Values.engine.tp) (int .Values.engine.ep) }}{{- end -}}
+{{- if eq .Values.engine.device "cpu" -}}0{{- else -}}{{ int .Values.engine.tp }}{{- end -}}
 {{- end -}}
 
 {{/* GPUs per worker pod: a replica fits one pod unless it needs more than workers.maxGpusPerPod. */}}
@@ -74,10 +75,13 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if and $e.autoscaling.enabled (gt (int $e.autoscaling.minReplicas) (int $e.autoscaling.maxReplicas)) -}}
 {{- fail (printf "engine.autoscaling.minReplicas=%d is greater than engine.autoscaling.maxReplicas=%d" (int $e.autoscaling.minReplicas) (int $e.autoscaling.maxReplicas)) -}}
 {{- end -}}
+{{- if and (ne (int $e.ep) 1) (ne (int $e.ep) (int $e.tp)) -}}
+{{- fail (printf "engine.ep=%d must be 1 or equal to engine.tp=%d: experts are spread over the tp ranks (GPUs per replica = engine.tp)" (int $e.ep) (int $e.tp)) -}}
+{{- end -}}
 {{- $g := int (include "hybrid-serve.gpusPerReplica" .) -}}
 {{- $max := int .Values.workers.maxGpusPerPod -}}
-{{- if and (gt $g $max) (ne (mod $g $max) 0) -}}
-{{- fail (printf "engine.tp x engine.ep = %d GPUs per replica is not a multiple of workers.maxGpusPerPod=%d, so a replica cannot be split into equal pods" $g $max) -}}
+{{- if gt $g $max -}}
+{{- fail (printf "engine.tp=%d GPUs per replica exceeds workers.maxGpusPerPod=%d: a replica's ranks are processes of one pod" $g $max) -}}
 {{- end -}}
 {{- if and .Values.weights.enabled (not (hasPrefix .Values.weights.mountPath .Values.model.path)) -}}
 {{- fail (printf "model.path=%q is not under weights.mountPath=%q" .Values.model.path .Values.weights.mountPath) -}}

@@ -13,15 +13,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from service.engine.cache.pools import StatePools
+from service.engine.cache.pools import SlotPools
 from service.engine.cache.radix import RadixCache
+from service.engine.distributed.step import SnapshotPoint
 from service.engine.request import Request
-
-
-@dataclass(frozen=True)
-class SnapshotPoint:
-    position: int      # absolute token position s: the snapshot holds the state after tokens [0, s)
-    slot_id: int       # snapshot slot filled during the forward
 
 
 @dataclass
@@ -33,7 +28,7 @@ class CacheCounters:
 
 
 class CacheManager:
-    def __init__(self, pools: StatePools, strategy: str, page_size: int, chunk_size: int,
+    def __init__(self, pools: SlotPools, strategy: str, page_size: int, chunk_size: int,
                  track_interval: int | None):
         self.pools, self.strategy, self.page_size = pools, strategy, page_size
         self.grid = page_size if strategy == "no_buffer" else math.lcm(chunk_size, page_size)
@@ -44,6 +39,7 @@ class CacheManager:
         self.tree = RadixCache(pools, page_size) if strategy != "off" else None
         self.counters = CacheCounters()
         self.pending_slots: set[int] = set()   # snapshot slots allocated this step, not yet published
+        self.publish_copies: list[tuple[int, int]] = []   # (live slot, snapshot slot) the ranks have not copied yet
 
     # ---------- admission ----------
     def admit(self, req: Request, num_new_tokens_budget: int) -> int | None:
@@ -185,9 +181,15 @@ class CacheManager:
         if self.pools.snapshots.num_free == 0 and not self.tree.evict_snapshot():
             return
         slot = self.pools.snapshots.alloc()
-        self.pools.copy_slots([req.live_slot], [slot])
+        self.publish_copies.append((req.live_slot, slot))   # before anything reuses the live slot (take_publish_copies)
         if not self.tree.insert(req.all_token_ids[:n], req.page_ids[:n], slot):
             self.pools.snapshots.free(slot)
+
+    def take_publish_copies(self) -> tuple[tuple[int, int], ...]:
+        """The (live slot, snapshot slot) copies recorded since the last call: the ranks must run them before any
+        later device work (the live slot is free now and may be zeroed or written by the next step)."""
+        out, self.publish_copies = tuple(self.publish_copies), []
+        return out
 
     def check_integrity(self) -> None:
         self.pools.check_integrity()

@@ -1,7 +1,8 @@
-"""Memory pools: paged KV pages (ref-counted) and mamba state slots (docs/design.md: Prefix cache).
+"""Memory pool ids: paged KV pages (ref-counted) and mamba state slots (docs/design.md: Prefix cache).
 
-Page ids index the KV tensor `[L_attn, 2, num_pages * page_size, Hkv, Dh]`; page 0 is a reserved
-scratch page (padding target), never handed out. Slot ids index the mamba tensors
+The tensors live on every rank (runner/state_tensors.py); the allocators here, on the engine's side, hand out
+the ids that index them. Page ids index the KV tensor `[L_attn, 2, num_pages * page_size, Hkv, Dh]`; page 0 is
+a reserved scratch page (padding target), never handed out. Slot ids index the mamba tensors
 `conv [L_mamba, S, conv_dim, K-1]` and `ssm [L_mamba, S, H, P, N]` (fp32); slot 0 is scratch.
 Live slots (one per running request) and snapshot slots (owned by the radix cache) come from
 separate ranges so each is bounded on its own."""
@@ -9,8 +10,6 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-
-import torch
 
 
 class PagePool:
@@ -103,37 +102,20 @@ class PoolSizes:
     num_live_slots: int      # running requests at most
     num_snapshot_slots: int  # prefix-cache snapshots at most
 
+    @property
+    def num_slots(self) -> int:
+        """Mamba slots including scratch slot 0."""
+        return 1 + self.num_live_slots + self.num_snapshot_slots
 
-class StatePools:
-    """The device tensors plus their allocators."""
 
-    def __init__(self, sizes: PoolSizes, page_size: int, num_attn_layers: int, kv_heads: int, head_dim: int,
-                 num_mamba_layers: int, conv_dim: int, conv_width: int, mamba_heads: int, mamba_head_dim: int,
-                 state_size: int, dtype: torch.dtype, device: torch.device):
+class SlotPools:
+    """The id allocators of the state pools (the engine's side; every rank's tensors are indexed by these ids)."""
+
+    def __init__(self, sizes: PoolSizes, page_size: int):
+        self.sizes = sizes
         self.pages = PagePool(sizes.num_kv_pages, page_size)
         self.live = SlotAllocator(1, sizes.num_live_slots, "live")
         self.snapshots = SlotAllocator(1 + sizes.num_live_slots, sizes.num_snapshot_slots, "snapshot")
-        num_slots = 1 + sizes.num_live_slots + sizes.num_snapshot_slots
-        self.kv = torch.zeros(num_attn_layers, 2, sizes.num_kv_pages * page_size, kv_heads, head_dim,
-                              dtype=dtype, device=device)
-        self.conv = torch.zeros(num_mamba_layers, num_slots, conv_dim, conv_width - 1, dtype=dtype, device=device)
-        self.ssm = torch.zeros(num_mamba_layers, num_slots, mamba_heads, mamba_head_dim, state_size,
-                               dtype=torch.float32, device=device)
-
-    def copy_slots(self, src: list[int], dst: list[int]) -> None:
-        """Copies conv + ssm state of every mamba layer from src slots to dst slots."""
-        if not src:
-            return
-        s = torch.tensor(src, device=self.ssm.device)
-        d = torch.tensor(dst, device=self.ssm.device)
-        self.conv[:, d] = self.conv[:, s]
-        self.ssm[:, d] = self.ssm[:, s]
-
-    def zero_slots(self, slots: list[int]) -> None:
-        if slots:
-            idx = torch.tensor(slots, device=self.ssm.device)
-            self.conv[:, idx] = 0
-            self.ssm[:, idx] = 0
 
     def kv_usage(self) -> float:
         return 1.0 - self.pages.num_free / self.pages.num_usable

@@ -18,7 +18,7 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-from service.engine.cache.pools import StatePools
+from service.engine.cache.pools import SlotPools
 
 
 @dataclass(eq=False)
@@ -42,7 +42,7 @@ class Match:
 
 
 class RadixCache:
-    def __init__(self, pools: StatePools, page_size: int):
+    def __init__(self, pools: SlotPools, page_size: int):
         self.pools = pools
         self.page_size = page_size
         self.root = Node(tokens=(), page_ids=[], parent=None, depth=0)

@@ -1,4 +1,4 @@
-"""ForwardBatch: the flat tensors of one step, built from the SchedulerOutput without per-token loops."""
+"""ForwardBatch: the flat tensors of one step, built from its StepPlan without per-token loops."""
 from __future__ import annotations
 
 import itertools
@@ -9,31 +9,22 @@ import torch
 
 from service.engine.kernels.ssd import build_chunk_layout, snapshot_chunk_indices
 from service.engine.layers.meta import AttentionMeta, MambaMeta, SnapshotPlan
-from service.engine.scheduler.scheduler import SchedulerOutput
+from service.engine.distributed.step import StepPlan
 
 
 @dataclass(frozen=True)
 class ForwardBatch:
-    input_ids: torch.Tensor        # [T] int64 token ids of all scheduled tokens, request-major
+    input_ids: torch.Tensor        # [T] int64 token ids of all the plan's tokens, request-major
     attn: AttentionMeta
     mamba: MambaMeta
     logits_indices: torch.Tensor   # [R] int64 flat index of the last token of each sampling request
-    sample_rows: tuple[int, ...]   # R batch indices (into scheduled) whose next token is sampled
+    sample_rows: tuple[int, ...]   # R batch indices (into plan.rows) whose next token is sampled
 
 
-def scheduled_token_ids(sched: SchedulerOutput) -> np.ndarray:
-    """[T] int64 token ids of all scheduled tokens, request-major (request i feeds positions
-    [prefix_len, prefix_len + num_new_tokens) of its prompt followed by its outputs)."""
-    def tokens(s) -> list[int]:
-        prompt, out = s.request.prompt_token_ids, s.request.output_token_ids
-        p, n, lp = s.prefix_len, s.num_new_tokens, len(s.request.prompt_token_ids)
-        if p + n <= lp:
-            return prompt[p:p + n]
-        if p >= lp:
-            return out[p - lp:p + n - lp]
-        return prompt[p:] + out[:p + n - lp]
-    return np.fromiter(itertools.chain.from_iterable(map(tokens, sched.scheduled)), dtype=np.int64,
-                       count=sum(s.num_new_tokens for s in sched.scheduled))
+def scheduled_token_ids(plan: StepPlan) -> np.ndarray:
+    """[T] int64 token ids of all of the plan's tokens, request-major (its rows' token_ids in batch order)."""
+    return np.fromiter(itertools.chain.from_iterable(r.token_ids for r in plan.rows), dtype=np.int64,
+                       count=plan.num_tokens)
 
 
 def to_device_async(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -45,11 +36,11 @@ def to_device_async(values: list, dtype: torch.dtype, device: torch.device) -> t
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def build_forward_batch(sched: SchedulerOutput, page_size: int, chunk_size: int, device: torch.device,
+def build_forward_batch(plan: StepPlan, page_size: int, chunk_size: int, device: torch.device,
                         input_ids: torch.Tensor | None = None) -> ForwardBatch:
-    """input_ids: [T] int64 on the device, the step's tokens when they are not on the host yet (None: read from
-    the requests)."""
-    reqs = sched.scheduled
+    """input_ids: [T] int64 on the device, the step's tokens when they are not on the host yet (None: the rows'
+    token_ids)."""
+    reqs = plan.rows
     B = len(reqs)
     qlens = np.array([s.num_new_tokens for s in reqs], dtype=np.int64)
     plens = np.array([s.prefix_len for s in reqs], dtype=np.int64)
@@ -58,10 +49,10 @@ def build_forward_batch(sched: SchedulerOutput, page_size: int, chunk_size: int,
     T = int(qsl[-1])
     token_req = np.repeat(np.arange(B), qlens)
     positions = plens[token_req] + (np.arange(T) - qsl[token_req])
-    max_pages = max(len(s.request.page_ids) for s in reqs)
+    max_pages = max(len(s.page_ids) for s in reqs)
     page_table = np.zeros((B, max_pages), dtype=np.int64)
     for i, s in enumerate(reqs):
-        page_table[i, :len(s.request.page_ids)] = s.request.page_ids
+        page_table[i, :len(s.page_ids)] = s.page_ids
     slot_mapping = page_table[token_req, positions // page_size] * page_size + positions % page_size
     sample_rows = tuple(i for i, s in enumerate(reqs) if s.sample)
     logits_idx = qsl[1:][list(sample_rows)] - 1
@@ -74,17 +65,17 @@ def build_forward_batch(sched: SchedulerOutput, page_size: int, chunk_size: int,
     decode_only = bool((qlens == 1).all())
     layout = None if decode_only else build_chunk_layout(qlens.tolist(), plens.tolist(), chunk_size, device)
     mamba = MambaMeta(
-        slot_ids=dev(np.array([s.request.live_slot for s in reqs], dtype=np.int64)),
+        slot_ids=dev(np.array([s.live_slot for s in reqs], dtype=np.int64)),
         query_start_loc=qsl_dev, token_req=dev(token_req), decode_only=decode_only, layout=layout,
-        snapshots=_snapshot_plan(sched, layout, device))
-    ids = dev(scheduled_token_ids(sched)) if input_ids is None else input_ids
+        snapshots=_snapshot_plan(plan, layout, device))
+    ids = dev(scheduled_token_ids(plan)) if input_ids is None else input_ids
     return ForwardBatch(ids, attn, mamba, dev(logits_idx), sample_rows)
 
 
-def _snapshot_plan(sched: SchedulerOutput, layout, device: torch.device) -> SnapshotPlan:
+def _snapshot_plan(plan: StepPlan, layout, device: torch.device) -> SnapshotPlan:
     req_idx, num_new, positions, dests = [], [], [], []
-    plens = [s.prefix_len for s in sched.scheduled]
-    for i, s in enumerate(sched.scheduled):
+    plens = [s.prefix_len for s in plan.rows]
+    for i, s in enumerate(plan.rows):
         for pt in s.snapshots:
             req_idx.append(i)
             num_new.append(pt.position - s.prefix_len)

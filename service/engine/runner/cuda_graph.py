@@ -17,12 +17,11 @@ import itertools
 import numpy as np
 import torch
 
-from service.engine.cache.pools import StatePools
+from service.engine.distributed.step import LaunchLimits, StepPlan, is_launchable
 from service.engine.layers.meta import AttentionMeta, MambaMeta, SnapshotPlan
 from service.engine.model.nemotron_h import NemotronHForCausalLM
 from service.engine.runner.batch import scheduled_token_ids
-from service.engine.runner.split import is_plain_decode
-from service.engine.scheduler.scheduler import SchedulerOutput
+from service.engine.runner.state_tensors import StateTensors
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _FIELDS = 4     # rows of the small static buffer: input ids, slot ids, kv slot mapping, prefix lens
@@ -48,17 +47,16 @@ def layer_segments(num_layers: int, first: int = 2) -> tuple[tuple[int, int], ..
     return tuple(out)
 
 
-def is_graphable(sched: SchedulerOutput, max_batch: int, max_pages: int) -> bool:
+def is_graphable(plan: StepPlan, max_batch: int, max_pages: int) -> bool:
     """Decode-only (one new token each), every row sampled, no snapshot this step, fits the largest bucket and
     the static page table."""
-    reqs = sched.scheduled
-    return 0 < len(reqs) <= max_batch and all(is_plain_decode(s, max_pages) for s in reqs)
+    return is_launchable(plan, LaunchLimits(max_batch, max_pages))
 
 
 class DecodeGraphs:
-    """Captured decode forwards per bucket; `run(sched)` -> logits [B, vocab] fp32 (a view valid until next run)."""
+    """Captured decode forwards per bucket; `run(plan)` -> logits [B, vocab] fp32 (a view valid until next run)."""
 
-    def __init__(self, model: NemotronHForCausalLM, pools: StatePools, page_size: int, max_pages: int,
+    def __init__(self, model: NemotronHForCausalLM, pools: StateTensors, page_size: int, max_pages: int,
                  max_num_seqs: int, device: torch.device):
         self.model, self.pools, self.page_size, self.max_pages = model, pools, page_size, max_pages
         self.buckets = graph_buckets(max_num_seqs)
@@ -143,18 +141,17 @@ class DecodeGraphs:
             graph.replay()
         return self.logits[bucket]
 
-    def run(self, sched: SchedulerOutput, token_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Replay the smallest bucket that holds the step (`is_graphable(sched)` must hold). token_ids: [B] int64
-        on the device, the rows' input tokens (None: taken from the requests). Only the first w page columns are
+    def run(self, plan: StepPlan, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay the smallest bucket that holds the step (`is_graphable(plan)` must hold). token_ids: [B] int64
+        on the device, the rows' input tokens (None: the rows' token_ids). Only the first w page columns are
         written: attention never reads a page past a request's context, so stale columns are harmless; padding
         rows (context 1) read column 0 = scratch page 0. Never waits for the device."""
-        reqs = sched.scheduled
-        B = len(reqs)
+        B = len(plan.rows)
         b = self.bucket_for(B)
-        w = max(len(s.request.page_ids) for s in reqs)
+        w = max(len(s.page_ids) for s in plan.rows)
         host_small, host_table = self.host_small[self.num_replays % 2], self.host_table[self.num_replays % 2]
         table = host_table[:b * w].view(b, w)
-        pack_decode_inputs(sched, self.page_size, host_small.numpy()[:, :b], table.numpy(), token_ids is None)
+        pack_decode_inputs(plan, self.page_size, host_small.numpy()[:, :b], table.numpy(), token_ids is None)
         self.small.copy_(host_small, non_blocking=True)       # whole buffer: one contiguous pinned copy
         self.page_table[:b, :w].copy_(table, non_blocking=True)
         if token_ids is not None:
@@ -163,15 +160,15 @@ class DecodeGraphs:
         return self.replay(b)[:B]
 
 
-def pack_decode_inputs(sched: SchedulerOutput, page_size: int, small: np.ndarray, table: np.ndarray,
+def pack_decode_inputs(plan: StepPlan, page_size: int, small: np.ndarray, table: np.ndarray,
                        with_ids: bool = True) -> None:
     """Fills the host buffers of a decode-only step of B requests for a bucket of b >= B rows:
     small [_FIELDS, b] (token ids, live slots, KV slot of the new token, prefix lengths), table [b, w] page ids
     (w >= every request's page count). Rows past B (padding) are all zero: scratch slot 0, scratch page 0.
     with_ids=False leaves the token ids zero (they come from the device)."""
-    reqs = sched.scheduled
+    reqs = plan.rows
     B = len(reqs)
-    pages = [s.request.page_ids for s in reqs]
+    pages = [s.page_ids for s in reqs]
     lens = np.fromiter(map(len, pages), dtype=np.int64, count=B)
     table[:] = 0
     table[:B][np.arange(table.shape[1]) < lens[:, None]] = np.fromiter(
@@ -179,7 +176,7 @@ def pack_decode_inputs(sched: SchedulerOutput, page_size: int, small: np.ndarray
     prefix = np.fromiter((s.prefix_len for s in reqs), dtype=np.int64, count=B)
     small[:, B:] = 0
     if with_ids:
-        small[0, :B] = scheduled_token_ids(sched)
-    small[1, :B] = np.fromiter((s.request.live_slot for s in reqs), dtype=np.int64, count=B)
+        small[0, :B] = scheduled_token_ids(plan)
+    small[1, :B] = np.fromiter((s.live_slot for s in reqs), dtype=np.int64, count=B)
     small[2, :B] = table[np.arange(B), prefix // page_size] * page_size + prefix % page_size
     small[3, :B] = prefix

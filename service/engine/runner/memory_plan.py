@@ -108,14 +108,14 @@ def profile_activation_bytes(model, model_cfg, cfg, max_model_len: int, new_pool
     logits for min(max_num_seqs, tokens) rows) allocates on CUDA above what was allocated before it. new_pools(sizes)
     builds the probe's pools (pages for those tokens, one live slot), freed afterwards."""
     from service.engine.cache.pools import PoolSizes
-    from service.engine.request import Request, SamplingParams
+    from service.engine.distributed.step import StepPlan, StepRow
+    from service.engine.request import SamplingParams
     from service.engine.runner.batch import build_forward_batch
-    from service.engine.scheduler.scheduler import ScheduledRequest, SchedulerOutput
     tokens = min(cfg.max_num_batched_tokens, max_model_len)
-    pools = new_pools(PoolSizes(math.ceil(tokens / cfg.page_size) + 1, 1, 0))
-    req = Request("memory-profile", [1] * tokens, SamplingParams(max_tokens=1), 0)
-    req.page_ids, req.live_slot = pools.pages.alloc(math.ceil(tokens / cfg.page_size)), pools.live.alloc()
-    sched = SchedulerOutput((ScheduledRequest(req, 0, tokens, True, ()),), (), (req.live_slot,), ())
+    num_pages = math.ceil(tokens / cfg.page_size)
+    pools = new_pools(PoolSizes(num_pages + 1, 1, 0))
+    sched = StepPlan((StepRow("memory-profile", 0, tokens, 1, tuple(range(1, num_pages + 1)), (1,) * tokens, (),
+                              SamplingParams(max_tokens=1)),), slot_zeros=(1,))
     device = pools.kv.device
     batch = build_forward_batch(sched, cfg.page_size, model_cfg.chunk_size, device)
     rows = torch.arange(min(cfg.max_num_seqs, tokens), device=device)
@@ -132,10 +132,10 @@ def profile_activation_bytes(model, model_cfg, cfg, max_model_len: int, new_pool
 
 def plan_for(cfg, model_cfg, model, max_model_len: int, dtype: torch.dtype, new_pools) -> MemoryPlan:
     """The plan of this engine on its CUDA device: weights counted, activations profiled, pools sized."""
-    m = model_cfg
+    m, s = model_cfg, model.shapes          # this rank's heads and groups
     elem = torch.tensor([], dtype=dtype).element_size()
-    sizes = state_bytes(len(m.attention_layer_ids), cfg.page_size, m.num_key_value_heads, m.head_dim, elem,
-                        len(m.mamba_layer_ids), m.conv_dim, m.conv_kernel, elem, m.mamba_num_heads, m.mamba_head_dim,
+    sizes = state_bytes(len(m.attention_layer_ids), cfg.page_size, s.kv_heads, m.head_dim, elem,
+                        len(m.mamba_layer_ids), s.conv_dim, m.conv_kernel, elem, s.mamba_heads, m.mamba_head_dim,
                         m.ssm_state_size)
     activations = profile_activation_bytes(model, model_cfg, cfg, max_model_len, new_pools)
     total = torch.cuda.mem_get_info(torch.device(cfg.device))[1]

@@ -1,4 +1,5 @@
-"""Model execution: builds the model and pools, runs one scheduled step, samples."""
+"""One rank's worker: builds the model and this rank's state tensors and carries out the device work of each
+`StepPlan` (slot copies and zeros, the forward, snapshot copies, and on rank 0 sampling)."""
 from __future__ import annotations
 
 import logging
@@ -7,8 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-from service.engine.cache.pools import PoolSizes, StatePools
+from service.engine.cache.pools import PoolSizes
 from service.engine.config import EngineConfig, ModelConfig
+from service.engine.distributed.parallel import ParallelContext, RankShapes
+from service.engine.distributed.step import LaunchLimits, SlotOps, StepPlan, StepRow, sub_plan
 from service.engine.kernels import get_kernels
 from service.engine.model.nemotron_h import NemotronHForCausalLM
 from service.engine.model import loader
@@ -16,8 +19,8 @@ from service.engine.runner import memory_plan
 from service.engine.runner.batch import build_forward_batch, to_device_async
 from service.engine.runner.cuda_graph import DecodeGraphs, is_graphable
 from service.engine.runner.sampler import DeviceSample, HostSample, Sampler, SamplerOutput
-from service.engine.runner.split import StepSplit, restore_batch_order, split_step, sub_schedule
-from service.engine.scheduler.scheduler import SchedulerOutput
+from service.engine.runner.split import StepSplit, restore_batch_order, split_step
+from service.engine.runner.state_tensors import StateShapes, StateTensors
 
 log = logging.getLogger("hybrid_serve.engine")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,37 +43,50 @@ def default_pool_sizes(cfg: EngineConfig, max_model_len: int) -> PoolSizes:
                      num_snapshot_slots=snapshots if cfg.mamba_cache_strategy != "off" else 0)
 
 
-def build_model(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device
-                ) -> NemotronHForCausalLM:
+def build_model(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                parallel: ParallelContext = ParallelContext()) -> NemotronHForCausalLM:
+    """This rank's part of the model (the whole model at tp 1), weights read slice by slice."""
     kernels = get_kernels(cfg.resolved().kernel_backend)
     log.info("kernel backend: %s", kernels.name)
-    return loader.build_model(cfg, model_cfg, kernels, dtype, device)
+    return loader.build_model(cfg, model_cfg, kernels, dtype, device, parallel)
+
+
+
+def state_shapes(m: ModelConfig, s: RankShapes) -> StateShapes:
+    """The state tensor sizes of one rank: its KV heads, conv channels (x, B, C of its heads and groups), heads."""
+    return StateShapes(len(m.attention_layer_ids), s.kv_heads, m.head_dim, len(m.mamba_layer_ids),
+                       s.conv_dim, m.conv_kernel, s.mamba_heads, m.mamba_head_dim, m.ssm_state_size)
 
 
 @dataclass(frozen=True)
 class InFlightStep:
     """A plain decode step that was launched and whose results are not read yet (async scheduling)."""
-    sched: SchedulerOutput                  # every row decodes one token and samples
-    rows: dict[int, int]                    # id(request) -> its row in sched.scheduled
-    token_ids: torch.Tensor                 # [B] int64 sampled tokens on the device: the next step's inputs
-    host: HostSample                        # the sampled tokens (and logprobs) on their way to the host
+    rows: dict[str, int]                    # request_id -> its row in the plan
+    token_ids: torch.Tensor                 # [B] int64 sampled tokens on the device (every rank): the next inputs
+    host: HostSample | None                 # rank 0: the sampled tokens (and logprobs) on their way to the host
 
-    def holds(self, req) -> bool:
-        return id(req) in self.rows
+    def result(self) -> SamplerOutput:
+        """Waits for this step's results only (rank 0)."""
+        return self.host.result()
 
 
 class ModelRunner:
+    """The worker of one tensor-parallel rank. rank 0 samples; with tp > 1 it shares the sampled tokens of a
+    launched step with the other ranks (they feed the next step's inputs on the device)."""
+
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int,
-                 model: NemotronHForCausalLM | None = None):
+                 model: NemotronHForCausalLM | None = None, parallel: ParallelContext = ParallelContext()):
         cfg = cfg.resolved()
         self.cfg, self.model_cfg = cfg, model_cfg
+        self.parallel = parallel                # this rank's place in the engine's tp group
+        self.rank = parallel.rank
         self.device = torch.device(cfg.device)
         self.dtype = resolve_dtype(cfg, model_cfg)
         if model is not None:   # a prebuilt model runs the configured backend (a bundle of that backend with
             if model.kernels.name != cfg.kernel_backend:        # some ops swapped, e.g. by a benchmark, is kept)
                 model.kernels = get_kernels(cfg.kernel_backend)
             log.info("kernel backend: %s", model.kernels.name)
-        self.model = model if model is not None else build_model(cfg, model_cfg, self.dtype, self.device)
+        self.model = model if model is not None else build_model(cfg, model_cfg, self.dtype, self.device, parallel)
         # on CUDA without an explicit num_kv_pages the pools fill the memory left (memory_plan.py); else max_num_seqs
         self.memory_plan = None
         if self.device.type == "cuda" and cfg.num_kv_pages is None:
@@ -80,18 +96,23 @@ class ModelRunner:
         self.pool_sizes = (default_pool_sizes(cfg, max_model_len) if self.memory_plan is None else PoolSizes(
             self.memory_plan.num_kv_pages + 1, self.memory_plan.num_live_slots, self.memory_plan.num_snapshot_slots))
         self.pools = self._new_pools(self.pool_sizes)
-        self.sampler = Sampler(self.device, cfg.seed)
-        self.generators: dict[str, torch.Generator] = {}   # request_id -> seeded generator
+        self.sampler = Sampler(self.device, cfg.seed) if self.rank == 0 else None
+        self.generators: dict[str, torch.Generator] = {}   # request_id -> seeded generator (rank 0)
         self.graphs = self._capture_graphs(max_model_len)
         # split mixed steps: plain decode rows replayed from a graph, the rest eager (tests may set it on CPU)
         self.split_steps = self.graphs is not None
         self.num_split_steps = 0     # steps run as a graph part plus an eager part
+        self._last: InFlightStep | None = None   # the last launched step: a carried plan's input tokens
 
-    def _new_pools(self, sizes: PoolSizes) -> StatePools:
-        m = self.model_cfg
-        return StatePools(sizes, self.cfg.page_size, len(m.attention_layer_ids), m.num_key_value_heads, m.head_dim,
-                          len(m.mamba_layer_ids), m.conv_dim, m.conv_kernel, m.mamba_num_heads, m.mamba_head_dim,
-                          m.ssm_state_size, self.dtype, self.device)
+    def _new_pools(self, sizes: PoolSizes) -> StateTensors:
+        return StateTensors(sizes, self.cfg.page_size, state_shapes(self.model_cfg, self.model.shapes), self.dtype,
+                            self.device)
+
+    @property
+    def limits(self) -> LaunchLimits:
+        """What `launch` takes: plain decode rows that one forward runs (a graph replay when there are graphs)."""
+        g = self.graphs
+        return LaunchLimits(g.max_batch, g.max_pages) if g is not None else LaunchLimits(1 << 62, 1 << 62)
 
     def _capture_graphs(self, max_model_len: int) -> DecodeGraphs | None:
         """Decode graphs only on CUDA with the triton kernels (the torch reference path reads the device)."""
@@ -106,81 +127,99 @@ class ModelRunner:
         log.info("cuda graphs: captured decode buckets %s", graphs.buckets)
         return graphs
 
-    def execute(self, sched: SchedulerOutput) -> SamplerOutput:
-        """Slot copies, the forward (plain decode rows replayed from a graph, the rest in one eager forward),
-        sampling of the rows that reached their end (one sampler call, results in batch order)."""
-        self._apply_slot_ops(sched)
-        logits, rows = self.forward(sched, self._split(sched))
+    def execute(self, plan: StepPlan) -> SamplerOutput | None:
+        """Slot work, the forward (plain decode rows replayed from a graph, the rest in one eager forward), and on
+        rank 0 the sampling of the rows that reached their end (one sampler call, results in batch order)."""
+        self._apply_slot_ops(plan)
+        logits, rows = self.forward(plan, self._split(plan))
+        if self.rank != 0:
+            return None
         if not rows:
             return SamplerOutput([], None, None)
-        out = self._sample([sched.scheduled[i].request for i in rows], logits).to_host().result()
+        out = self._sample([plan.rows[i] for i in rows], logits).to_host().result()
         return SamplerOutput(restore_batch_order(out.token_ids, rows),
                              None if out.logprobs is None else restore_batch_order(out.logprobs, rows),
                              None if out.top_logprobs is None else restore_batch_order(out.top_logprobs, rows))
 
-    def can_launch(self, sched: SchedulerOutput) -> bool:
-        """Whether `launch` takes the step: plain decode rows only that one forward runs (replayed from a graph
-        when the runner has graphs)."""
-        g = self.graphs
-        return is_graphable(sched, g.max_batch if g else 1 << 62, g.max_pages if g else 1 << 62)
-
-    def launch(self, sched: SchedulerOutput, prev: InFlightStep | None = None) -> InFlightStep:
-        """Enqueues a plain decode step (`can_launch`): slot copies, the forward, sampling and the copy of the
-        results to the host, without waiting for the device. prev: the in-flight step whose sampled tokens are
-        this step's inputs (every request of sched is in prev); None: inputs come from the requests."""
-        self._apply_slot_ops(sched)
-        token_ids = None if prev is None else self._carried_tokens(sched, prev)
+    def launch(self, plan: StepPlan) -> InFlightStep:
+        """Enqueues a plain decode step (`is_launchable(plan, self.limits)`): slot work, the forward, sampling and
+        the copy of the results to the host, without waiting for the device. A carried plan's input tokens are
+        the last launched step's samples (every request of the plan is in it)."""
+        self._apply_slot_ops(plan)
+        token_ids = self._carried_tokens(plan) if plan.carried else None
         if self.graphs is not None:
-            logits = self.graphs.run(sched, token_ids)
+            logits = self.graphs.run(plan, token_ids)
         else:
-            logits = self._eager(sched, token_ids)[0]
-        reqs = [s.request for s in sched.scheduled]
-        sample = self._sample(reqs, logits)
-        return InFlightStep(sched, {id(r): i for i, r in enumerate(reqs)}, sample.token_ids, sample.to_host())
+            logits = self._eager(plan, token_ids)[0]
+        rows = {r.request_id: i for i, r in enumerate(plan.rows)}
+        if self.rank == 0:
+            sample = self._sample(list(plan.rows), logits)
+            sampled, host = self._share_tokens(sample.token_ids), sample.to_host()
+        else:
+            zeros = torch.zeros(len(plan.rows), dtype=torch.int64, device=self.device)
+            sampled, host = self._share_tokens(zeros), None
+        self._last = InFlightStep(rows, sampled, host)
+        return self._last
 
-    def _apply_slot_ops(self, sched: SchedulerOutput) -> None:
-        """The step's slot copies (cache hits into fresh live slots) and zero fills, before its forward."""
-        self.pools.copy_slots([s for s, _ in sched.slot_copies], [d for _, d in sched.slot_copies])
-        self.pools.zero_slots(list(sched.slot_zeros))
+    def _share_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """[B] int64: rank 0's sampled tokens on every rank (a sum in which the other ranks add zeros)."""
+        return self.parallel.all_reduce(token_ids)
 
-    def _sample(self, reqs: list, logits: torch.Tensor) -> DeviceSample:
-        """Enqueues the sampling of logits [R, vocab], one row per request of reqs (its params and seed)."""
-        gens = [self._generator(r.request_id, r.params.seed) for r in reqs]
-        return self.sampler.sample(logits, [r.params for r in reqs], gens)
+    def apply(self, ops: SlotOps) -> None:
+        """Device work between steps: publish copies, then forget finished requests' generators."""
+        self._publish(ops.publish_copies)
+        for rid in ops.released:
+            self.generators.pop(rid, None)
 
-    def _carried_tokens(self, sched: SchedulerOutput, prev: InFlightStep) -> torch.Tensor:
-        """[B] int64 on the device: prev's sampled token of each of sched's requests (a device gather)."""
-        rows = [prev.rows[id(s.request)] for s in sched.scheduled]
-        if rows == list(range(len(prev.rows))):
-            return prev.token_ids
-        return prev.token_ids.index_select(0, to_device_async(rows, torch.int64, self.device))
+    def _publish(self, copies: tuple[tuple[int, int], ...]) -> None:
+        self.pools.copy_slots([s for s, _ in copies], [d for _, d in copies])
 
-    def _split(self, sched: SchedulerOutput) -> StepSplit | None:
+    def _apply_slot_ops(self, plan: StepPlan) -> None:
+        """The step's publish copies, slot copies (cache hits into fresh live slots) and zero fills, in this order,
+        before its forward."""
+        self._publish(plan.publish_copies)
+        self.pools.copy_slots([s for s, _ in plan.slot_copies], [d for _, d in plan.slot_copies])
+        self.pools.zero_slots(list(plan.slot_zeros))
+
+    def _sample(self, rows: list[StepRow], logits: torch.Tensor) -> DeviceSample:
+        """Enqueues the sampling of logits [R, vocab], one row per plan row of rows (its params and seed)."""
+        gens = [self._generator(r.request_id, r.params.seed) for r in rows]
+        return self.sampler.sample(logits, [r.params for r in rows], gens)
+
+    def _carried_tokens(self, plan: StepPlan) -> torch.Tensor:
+        """[B] int64 on the device: the last launched step's sampled token of each of the plan's requests."""
+        last = self._last
+        rows = [last.rows[r.request_id] for r in plan.rows]
+        if rows == list(range(len(last.rows))):
+            return last.token_ids
+        return last.token_ids.index_select(0, to_device_async(rows, torch.int64, self.device))
+
+    def _split(self, plan: StepPlan) -> StepSplit | None:
         """How to run the step: None = one eager forward (no graphs, or no plain decode row)."""
         if not self.split_steps:
             return None
         g = self.graphs
-        split = split_step(sched, g.max_batch if g else self.cfg.max_num_seqs, g.max_pages if g else 1 << 62)
+        split = split_step(plan, g.max_batch if g else self.cfg.max_num_seqs, g.max_pages if g else 1 << 62)
         if not split.graph_rows:
             return None
         self.num_split_steps += bool(split.eager_rows)
         return split
 
-    def forward(self, sched: SchedulerOutput, split: StepSplit | None) -> tuple[torch.Tensor, list[int]]:
-        """Runs the step (slot copies already applied). Returns logits [R, vocab] fp32 and, for each of its R rows,
-        the index into sched.scheduled of the request it samples for. With a split, the graph rows run first
+    def forward(self, plan: StepPlan, split: StepSplit | None) -> tuple[torch.Tensor, list[int]]:
+        """Runs the step (slot work already applied). Returns logits [R, vocab] fp32 and, for each of its R rows,
+        the index into plan.rows of the request it samples for. With a split, the graph rows run first
         (replayed, or one eager forward of their own without graphs), then the eager rows; without one, one eager
         forward of everything."""
         parts: list[tuple[torch.Tensor, list[int]]] = []
         if split is not None and split.graph_rows:
-            sub = sub_schedule(sched, split.graph_rows)
+            sub = sub_plan(plan, split.graph_rows)
             g = self.graphs
             logits = g.run(sub) if g is not None else self._run_one(sub)[0]
             parts.append((logits, list(split.graph_rows)))
-        eager_rows = split.eager_rows if split is not None else tuple(range(len(sched.scheduled)))
+        eager_rows = split.eager_rows if split is not None else tuple(range(len(plan.rows)))
         if eager_rows:
             # a split's eager part never replays: it would overwrite the graph part's static logits
-            logits, sample_rows = self._run_one(sub_schedule(sched, eager_rows), may_replay=split is None)
+            logits, sample_rows = self._run_one(sub_plan(plan, eager_rows), may_replay=split is None)
             parts.append((logits, [eager_rows[i] for i in sample_rows]))
         parts = [p for p in parts if p[1]]
         if not parts:
@@ -189,18 +228,18 @@ class ModelRunner:
             return parts[0]
         return torch.cat([p[0] for p in parts]), parts[0][1] + parts[1][1]
 
-    def _run_one(self, sched: SchedulerOutput, may_replay: bool = True) -> tuple[torch.Tensor, tuple[int, ...]]:
+    def _run_one(self, plan: StepPlan, may_replay: bool = True) -> tuple[torch.Tensor, tuple[int, ...]]:
         """One forward (a graph replay if allowed and the whole step is a plain decode step, else eager):
-        logits [R, vocab] and the R sampled rows (indices into sched.scheduled)."""
-        if may_replay and self.graphs is not None and is_graphable(sched, self.graphs.max_batch, self.graphs.max_pages):
-            return self.graphs.run(sched), tuple(range(len(sched.scheduled)))
-        return self._eager(sched)
+        logits [R, vocab] and the R sampled rows (indices into plan.rows)."""
+        if may_replay and self.graphs is not None and is_graphable(plan, self.graphs.max_batch, self.graphs.max_pages):
+            return self.graphs.run(plan), tuple(range(len(plan.rows)))
+        return self._eager(plan)
 
-    def _eager(self, sched: SchedulerOutput, input_ids: torch.Tensor | None = None
+    def _eager(self, plan: StepPlan, input_ids: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, tuple[int, ...]]:
         """One eager forward of the step: logits [R, vocab] and the R sampled rows. input_ids: [T] on the device
-        when the tokens are not on the host yet (None: read from the requests)."""
-        batch = build_forward_batch(sched, self.cfg.page_size, self.model_cfg.chunk_size, self.device, input_ids)
+        when the tokens are not on the host (None: the rows' token_ids)."""
+        batch = build_forward_batch(plan, self.cfg.page_size, self.model_cfg.chunk_size, self.device, input_ids)
         logits = self.model(batch.input_ids, batch.attn, batch.mamba, batch.logits_indices,
                             self.pools.kv, self.pools.conv, self.pools.ssm)
         return logits, batch.sample_rows
@@ -214,5 +253,3 @@ class ModelRunner:
             self.generators[request_id] = g
         return self.generators[request_id]
 
-    def release(self, request_id: str) -> None:
-        self.generators.pop(request_id, None)

@@ -1,11 +1,14 @@
 """Continuous batching with a per-step token budget, chunked prefill, prefill + decode mixed in one
-step, admission on both pools, and preemption by recompute when KV pages run out."""
+step, admission on both pools, and preemption by recompute when KV pages run out. Each step's decisions go out
+as a `StepPlan` (ids and tokens only) for the ranks; the look-ahead of async scheduling is decided here too."""
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
-from service.engine.cache.manager import CacheManager, SnapshotPoint
+from service.engine.cache.manager import CacheManager
+from service.engine.distributed.step import LaunchLimits, SnapshotPoint, StepPlan, StepRow, is_launchable
 from service.engine.request import FinishReason, Request, RequestStatus
 
 
@@ -20,22 +23,54 @@ class ScheduledRequest:
 
 @dataclass(frozen=True)
 class SchedulerOutput:
+    """The engine's view of a step (live requests) and the ranks' view of it (`plan`, row i = scheduled[i])."""
     scheduled: tuple[ScheduledRequest, ...]   # in batch order
-    slot_copies: tuple[tuple[int, int], ...]  # (src snapshot slot, dst live slot) to copy before the forward
-    slot_zeros: tuple[int, ...]               # fresh live slots to zero before the forward
-    preempted: tuple[str, ...]                # request ids preempted this step (will be recomputed)
+    plan: StepPlan                            # the message every rank runs
+    preempted: tuple[str, ...] = ()           # request ids preempted this step (will be recomputed)
     finished: tuple[Request, ...] = ()        # finished by the scheduler: alone and the KV pool is full ("length")
 
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
+    def holds(self, req: Request) -> bool:
+        return any(s.request is req for s in self.scheduled)
+
+
+def fed_tokens(req: Request, p: int, n: int) -> tuple[int, ...]:
+    """Tokens at positions [p, p + n) of req's prompt followed by its outputs."""
+    prompt, out = req.prompt_token_ids, req.output_token_ids
+    lp = len(prompt)
+    if p + n <= lp:
+        return tuple(prompt[p:p + n])
+    if p >= lp:
+        return tuple(out[p - lp:p + n - lp])
+    return tuple(prompt[p:]) + tuple(out[:p + n - lp])
+
+
+def step_row(s: ScheduledRequest, carried: bool = False) -> StepRow:
+    """The plan row of a scheduled request: ids, positions and the tokens it feeds (none when carried)."""
+    req, p, n = s.request, s.prefix_len, s.num_new_tokens
+    tokens = () if carried else fed_tokens(req, p, n)
+    return StepRow(req.request_id, p, n, req.live_slot, tuple(req.page_ids), tokens, s.snapshots,
+                   req.params if s.sample else None)
+
+
+def make_output(scheduled: tuple[ScheduledRequest, ...], copies=(), zeros=(), publish=(), preempted=(),
+                finished=(), carried: bool = False) -> SchedulerOutput:
+    """A SchedulerOutput and its plan (copies: (src snapshot, dst live); zeros: live slots; publish: (live, snap))."""
+    plan = StepPlan(tuple(step_row(s, carried) for s in scheduled), tuple(copies), tuple(zeros), tuple(publish),
+                    carried)
+    return SchedulerOutput(scheduled, plan, tuple(preempted), tuple(finished))
+
 
 class Scheduler:
-    def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 launch_limits: LaunchLimits | None = None):
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
+        self.launch_limits = launch_limits   # None: never launch ahead (async scheduling off)
         self.waiting: deque[Request] = deque()   # FIFO; preempted requests go back to the front
         self.running: list[Request] = []         # admission order
 
@@ -74,7 +109,35 @@ class Scheduler:
             copies.append(copy) if copy else zeros.append(req.live_slot)
             out.append(self._scheduled(req, n))
             budget -= n
-        return SchedulerOutput(tuple(out), tuple(copies), tuple(zeros), tuple(preempted), tuple(finished))
+        return make_output(tuple(out), copies, zeros, self.cache.take_publish_copies(), preempted, finished)
+
+    # ---------- async scheduling ----------
+    def may_launch(self, sched: SchedulerOutput) -> bool:
+        """Whether sched can be launched without waiting for its tokens: a plain decode step the ranks can launch,
+        and no row captures states (a capture reads the state right after the step)."""
+        return (self.launch_limits is not None and is_launchable(sched.plan, self.launch_limits)
+                and not any(s.request.capture_states for s in sched.scheduled))
+
+    def lookahead(self, cur: SchedulerOutput, ends_next: Callable[[Request], bool]) -> SchedulerOutput | None:
+        """The step after the in-flight `cur`, when it is certain without cur's tokens: nobody waits for a free
+        seat, and each of cur's requests that can go on decodes one more token, no snapshot due (a request that
+        stops on cur's token costs one wasted row; the token it feeds is real, so its KV and state stay right).
+        ends_next(req): req ends on cur's token whatever it is (length). None: decide after cur's results.
+        Allocates the rows' pages. The plan's tokens are carried: cur's samples, on the device."""
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return None
+        rows = []
+        for s in cur.scheduled:
+            req = s.request
+            if req.finish_reason is not None or ends_next(req):
+                continue
+            p = s.prefix_len + 1           # cur feeds position s.prefix_len; the next step feeds the token after
+            if self.cache.decode_snapshot_due(req, p) or not self.cache.grow(req, p + 1):
+                return None
+            rows.append(ScheduledRequest(req, p, 1, True, ()))
+        nxt = make_output(tuple(rows), carried=True)
+        ok = 0 < len(rows) <= self.token_budget and is_launchable(nxt.plan, self.launch_limits)
+        return nxt if ok else None
 
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
         sample = req.num_computed_tokens + n == req.num_tokens
