@@ -25,7 +25,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _tp_engine(path: str, tp: int, **kw) -> Engine:
-    base = dict(max_num_seqs=8, max_num_batched_tokens=48, num_kv_pages=40, page_size=4)
+    base = dict(max_num_seqs=8, max_num_batched_tokens=24, num_kv_pages=24, page_size=4, mamba_cache_strategy="off")
     base.update(kw)
     return make_engine(path, tp=tp, **base)
 
@@ -38,13 +38,13 @@ def _assert_same(out, ref, tol: float = 1e-5) -> None:
 
 @pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_tp_greedy_tokens_and_logprobs_equal_tp1(tiny_model_dir, tp):
-    """8 prompts of mixed lengths in one packed batch, chunked prefill (48-token budget) and preemption (40 pages
-    of 4 tokens for 8 requests growing to ~90 tokens): identical greedy tokens, fp32 logprobs within 1e-5. Then
+    """8 prompts of mixed lengths in one packed batch, chunked prefill (24-token budget) and preemption (24 pages
+    of 4 tokens for 8 requests needing 166 tokens): identical greedy tokens, fp32 logprobs within 1e-5. Then
     garbage collection of the engine ends its rank processes."""
     ref_eng = _tp_engine(tiny_model_dir, 1)
     vocab = ref_eng.model_config.vocab_size
     prompts = mixed_prompts(vocab, seed=7)
-    params = [greedy(24, logprobs=True)] * len(prompts)
+    params = [greedy(8, logprobs=True)] * len(prompts)
     ref = ref_eng.generate(prompts, params)
     assert ref_eng.num_preemptions > 0, "the workload must preempt"
     before = child_pids()
@@ -64,7 +64,7 @@ def test_tp2_prefix_cache_matches_off_and_snapshots_equal_cold_on_every_rank(tin
     text. Same tokens as `off` at tp 2, tokens served from the cache, and every published snapshot equals a cold
     prefill of its prefix on each rank."""
     kw = dict(max_num_batched_tokens=256, num_kv_pages=None, page_size=page_size)
-    off = _tp_engine(tiny_model_dir, 2, mamba_cache_strategy="off", **kw)
+    off = _tp_engine(tiny_model_dir, 2, **kw)
     cached = _tp_engine(tiny_model_dir, 2, mamba_cache_strategy=strategy, **kw)
     try:
         vocab = off.model_config.vocab_size
@@ -90,7 +90,7 @@ def test_tp2_rank_killed_mid_generation_raises_and_leaves_no_orphans(tiny_model_
     eng = _tp_engine(tiny_model_dir, 2)
     ranks = [p.pid for p in eng.workers.procs]
     for prompt in mixed_prompts(eng.model_config.vocab_size, seed=3)[:4]:
-        eng.add_request(prompt, greedy(50))
+        eng.add_request(prompt, greedy(40))
     for _ in range(3):
         eng.step()
     os.kill(ranks[1], signal.SIGKILL)
@@ -131,7 +131,7 @@ def test_tp2_abort_with_a_step_in_flight_frees_everything(tiny_model_dir, strate
     are indexed by), the published state (no_buffer) equals a cold prefill on every rank, and the other request
     decodes as at tp 1."""
     kw = dict(page_size=1, max_num_batched_tokens=256, num_kv_pages=None)
-    off = _tp_engine(tiny_model_dir, 2, mamba_cache_strategy="off", **kw) if strategy == "no_buffer" else None
+    off = _tp_engine(tiny_model_dir, 2, **kw) if strategy == "no_buffer" else None
     eng = _tp_engine(tiny_model_dir, 2, mamba_cache_strategy=strategy, **kw)
     try:
         vocab = eng.model_config.vocab_size

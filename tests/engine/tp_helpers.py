@@ -44,6 +44,6 @@ def wait_gone(pids, timeout_s: float) -> set[int]:
     return left
 
 
-def mixed_prompts(vocab: int, seed: int, lens=(3, 41, 17, 9, 66, 25, 5, 33)) -> list[list[int]]:
+def mixed_prompts(vocab: int, seed: int, lens=(3, 21, 9, 5, 30, 13, 4, 17)) -> list[list[int]]:
     """Prompts of mixed lengths (longer than the test's chunk budget: chunked prefill)."""
     return [random_ids(n, seed + i, vocab) for i, n in enumerate(lens)]

@@ -262,6 +262,8 @@ def _rank_main(rank: int, port: int, cfg: EngineConfig, model_cfg: ModelConfig, 
         cfg = rank_config(cfg, rank)
         if cfg.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(cfg.device))
+        else:   # the ranks share the machine's cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.tp))
         torch.distributed.init_process_group(
             "nccl" if cfg.device.startswith("cuda") else "gloo", init_method=f"tcp://127.0.0.1:{port}",
             world_size=cfg.tp, rank=rank, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
