@@ -10,8 +10,8 @@ from pathlib import Path
 
 import openai
 from ray import serve
-from serve_testkit import wait_until
-from test_serve_cli import _lines, _wait_for_line
+from tests.deployments.serve_testkit import wait_until
+from tests.deployments.test_serve_cli import _lines, _wait_for_line
 
 from service.deployments.serve_cli import APP_NAME
 

@@ -14,11 +14,11 @@ import time
 
 import pytest
 
-from cache_helpers import snapshot_errors
-from helpers import greedy, make_engine, random_ids
+from tests.engine.cache_helpers import snapshot_errors
+from tests.engine.helpers import greedy, make_engine, random_ids
 from service.engine import Engine, EngineConfig, SamplingParams
 from service.engine.distributed.worker_group import RankFailedError
-from tp_helpers import child_pids, mixed_prompts, wait_gone
+from tests.engine.tp_helpers import child_pids, mixed_prompts, wait_gone
 
 C = 16  # chunk size of the tiny model (extra_buffer grid with page 16)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import time
 
-from helpers import random_ids
+from tests.engine.helpers import random_ids
 
 
 def child_pids(pid: int | None = None) -> set[int]:
