@@ -18,9 +18,9 @@ from service.engine.distributed.parallel import ParallelContext, RankShapes
 from service.engine.kernels import get_kernels
 from service.engine.model.nemotron_h import NemotronHForCausalLM
 from service.engine.model.weights import load_weights
-from service.engine.request import Request, SamplingParams
+from service.engine.distributed.step import StepPlan, StepRow
+from service.engine.request import SamplingParams
 from service.engine.runner.batch import ForwardBatch, build_forward_batch
-from service.engine.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
 PAGE_SIZE = 4
 # A packed multi-step workload: per step, (request, first position, tokens). Mixed prompt lengths; request 1's
@@ -82,18 +82,19 @@ def make_pools(cfg: ModelConfig, shapes: RankShapes, dtype: torch.dtype = torch.
 
 
 def step_batches(cfg: ModelConfig, device: str = "cpu") -> list[ForwardBatch]:
-    """The ForwardBatches of STEPS (built by the runner's batch builder; every token's logits are asked for).
-    Request i owns live slot i + 1 and consecutive KV pages from page 1 on."""
-    reqs = [Request(f"r{i}", ids, SamplingParams(max_tokens=1), i) for i, ids in enumerate(prompts(cfg.vocab_size))]
-    first_page = 1
-    for i, r in enumerate(reqs):
-        n = -(-len(r.prompt_token_ids) // PAGE_SIZE)
-        r.page_ids, r.live_slot = list(range(first_page, first_page + n)), i + 1
+    """The ForwardBatches of STEPS (built by the runner's batch builder from step plans; every token's logits are
+    asked for). Request i owns live slot i + 1 and consecutive KV pages from page 1 on."""
+    toks = prompts(cfg.vocab_size)
+    pages, first_page = [], 1
+    for t in toks:
+        n = -(-len(t) // PAGE_SIZE)
+        pages.append(tuple(range(first_page, first_page + n)))
         first_page += n
     out = []
     for step in STEPS:
-        sched = SchedulerOutput(tuple(ScheduledRequest(reqs[i], p, n, True, ()) for i, p, n in step), (), (), ())
-        out.append(build_forward_batch(sched, PAGE_SIZE, cfg.chunk_size, torch.device(device)))
+        plan = StepPlan(tuple(StepRow(f"r{i}", p, n, i + 1, pages[i], tuple(toks[i][p:p + n]), (),
+                                      SamplingParams(max_tokens=1)) for i, p, n in step))
+        out.append(build_forward_batch(plan, PAGE_SIZE, cfg.chunk_size, torch.device(device)))
     return out
 
 
