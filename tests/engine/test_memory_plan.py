@@ -80,7 +80,7 @@ def test_engine_on_cuda_sizes_its_pools_from_the_plan(tmp_path):
                 max_model_len=4096, cuda_graphs=False)
     engine = Engine(EngineConfig(**base, gpu_memory_utilization=0.5))
     plan = engine.runner.memory_plan
-    assert plan is not None and engine.runner.pools.pages.num_usable == plan.num_kv_pages
+    assert plan is not None and engine.cache.pools.pages.num_usable == plan.num_kv_pages
     assert plan.num_kv_pages == useful_pages(8, 4096, 16)             # 0.5 of the GPU holds more than that
     assert plan.budget_bytes == int(torch.cuda.mem_get_info()[1] * 0.5) and plan.activation_bytes > 0
     assert engine.stats()["memory_plan_num_kv_pages"] == plan.num_kv_pages
