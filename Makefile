@@ -39,6 +39,7 @@ generate: install
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # The default run leaves out tests marked slow (each has a bounded version in the default run); test-slow runs them.
 test: install lint
