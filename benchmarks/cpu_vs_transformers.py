@@ -9,6 +9,7 @@ off, so a repeat recomputes everything.
     PYTHONPATH=. python benchmarks/cpu_vs_transformers.py [--shapes 16x96/32,32x256/64,1x64/64] [--repeats 3]
     PYTHONPATH=. python benchmarks/cpu_vs_transformers.py --profile 16x96/32   # torch.profiler table of the engine
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,24 +25,44 @@ from service.engine import Engine, EngineConfig, SamplingParams
 from service.engine.kernels import Kernels, torch_reference_kernels
 
 CONFIG = dict(
-    vocab_size=2048, hidden_size=256, hybrid_override_pattern="M*EM-ME*MEM*E",
-    num_attention_heads=8, num_key_value_heads=2, head_dim=32,
-    mamba_num_heads=8, mamba_head_dim=32, n_groups=2, ssm_state_size=64, conv_kernel=4, chunk_size=64,
-    intermediate_size=512, n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=128,
-    moe_shared_expert_intermediate_size=256, n_group=1, topk_group=1, routed_scaling_factor=2.5,
-    layer_norm_epsilon=1e-5, max_position_embeddings=4096, eos_token_id=2, bos_token_id=1, pad_token_id=0,
-    time_step_limit=(0.0, float("inf")), use_conv_bias=True,
+    vocab_size=2048,
+    hidden_size=256,
+    hybrid_override_pattern="M*EM-ME*MEM*E",
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=32,
+    mamba_num_heads=8,
+    mamba_head_dim=32,
+    n_groups=2,
+    ssm_state_size=64,
+    conv_kernel=4,
+    chunk_size=64,
+    intermediate_size=512,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    moe_intermediate_size=128,
+    moe_shared_expert_intermediate_size=256,
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    layer_norm_epsilon=1e-5,
+    max_position_embeddings=4096,
+    eos_token_id=2,
+    bos_token_id=1,
+    pad_token_id=0,
+    time_step_limit=(0.0, float("inf")),
+    use_conv_bias=True,
 )
 
 
 @dataclass(frozen=True)
 class Shape:
-    batch: int        # requests
-    prompt: int       # prompt tokens per request
-    new: int          # generated tokens per request
+    batch: int  # requests
+    prompt: int  # prompt tokens per request
+    new: int  # generated tokens per request
 
     @classmethod
-    def parse(cls, text: str) -> "Shape":
+    def parse(cls, text: str) -> Shape:
         """'16x96/32' -> Shape(16, 96, 32)."""
         try:
             bp, new = text.split("/")
@@ -57,6 +78,7 @@ class Shape:
 def write_checkpoint(out_dir: str, seed: int = 0) -> str:
     """A random NemotronH (every parameter non-trivial) saved by transformers; returns out_dir."""
     from transformers import NemotronHConfig, NemotronHForCausalLM
+
     if os.path.exists(os.path.join(out_dir, "config.json")):
         return out_dir
     torch.manual_seed(seed)
@@ -85,9 +107,15 @@ def prompts_for(shape: Shape, vocab: int, seed: int) -> torch.Tensor:
 def run_transformers(model, prompts: torch.Tensor, new: int) -> tuple[float, list[list[int]]]:
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new,
-                             min_new_tokens=new, do_sample=False, pad_token_id=0)
-    return time.perf_counter() - t0, out[:, prompts.shape[1]:].tolist()
+        out = model.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return time.perf_counter() - t0, out[:, prompts.shape[1] :].tolist()
 
 
 def run_engine(engine: Engine, prompts: torch.Tensor, new: int) -> tuple[float, list[list[int]]]:
@@ -100,9 +128,15 @@ def run_engine(engine: Engine, prompts: torch.Tensor, new: int) -> tuple[float, 
 
 def make_engine(path: str, shape: Shape, reference: bool = False) -> Engine:
     """reference: the engine runs the all-reference bundle (`torch_reference_kernels`) instead of the torch bundle."""
-    cfg = EngineConfig(model_path=path, device="cpu", dtype="float32", kernel_backend="torch",
-                       max_num_seqs=max(shape.batch, 1), max_num_batched_tokens=max(2048, shape.batch * shape.prompt),
-                       max_model_len=shape.prompt + shape.new + 16)
+    cfg = EngineConfig(
+        model_path=path,
+        device="cpu",
+        dtype="float32",
+        kernel_backend="torch",
+        max_num_seqs=max(shape.batch, 1),
+        max_num_batched_tokens=max(2048, shape.batch * shape.prompt),
+        max_model_len=shape.prompt + shape.new + 16,
+    )
     engine = Engine(cfg)
     if reference:
         engine.runner.model.kernels = torch_reference_kernels()
@@ -112,12 +146,13 @@ def make_engine(path: str, shape: Shape, reference: bool = False) -> Engine:
 def compare(path: str, shape: Shape, repeats: int, seed: int, reference: bool) -> dict:
     """Best-of-`repeats` seconds of each side on the same prompts; raises if the greedy tokens differ."""
     from transformers import NemotronHForCausalLM
+
     hf = NemotronHForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     engine = make_engine(path, shape, reference)
     prompts = prompts_for(shape, CONFIG["vocab_size"], seed)
-    warm = Shape(shape.batch, min(shape.prompt, 8), 2)        # first-call costs (allocator, lazy init) off the clock
-    run_transformers(hf, prompts[:, :warm.prompt], warm.new)
-    run_engine(engine, prompts[:, :warm.prompt], warm.new)
+    warm = Shape(shape.batch, min(shape.prompt, 8), 2)  # first-call costs (allocator, lazy init) off the clock
+    run_transformers(hf, prompts[:, : warm.prompt], warm.new)
+    run_engine(engine, prompts[:, : warm.prompt], warm.new)
     hf_best = eng_best = float("inf")
     hf_tokens = eng_tokens = None
     for _ in range(repeats):
@@ -126,20 +161,31 @@ def compare(path: str, shape: Shape, repeats: int, seed: int, reference: bool) -
         t, eng_tokens = run_engine(engine, prompts, shape.new)
         eng_best = min(eng_best, t)
     mismatched = [i for i, (a, b) in enumerate(zip(hf_tokens, eng_tokens)) if a != b]
-    return dict(shape=shape, hf_s=hf_best, engine_s=eng_best, speedup=hf_best / eng_best,
-                mismatched_rows=mismatched, experts_impl=getattr(hf.config, "_experts_implementation", None),
-                attn_impl=getattr(hf.config, "_attn_implementation", None))
+    return dict(
+        shape=shape,
+        hf_s=hf_best,
+        engine_s=eng_best,
+        speedup=hf_best / eng_best,
+        mismatched_rows=mismatched,
+        experts_impl=getattr(hf.config, "_experts_implementation", None),
+        attn_impl=getattr(hf.config, "_attn_implementation", None),
+    )
 
 
 def with_op_ranges(kernels: Kernels) -> Kernels:
     """The bundle with each op inside a `torch.profiler.record_function` range named after its field."""
+
     def wrap(name: str, fn):
         def ranged(*args, **kwargs):
             with torch.profiler.record_function(f"op::{name}"):
                 return fn(*args, **kwargs)
+
         return ranged
-    return dataclasses.replace(kernels, **{f.name: wrap(f.name, getattr(kernels, f.name))
-                                           for f in dataclasses.fields(kernels) if f.name != "name"})
+
+    return dataclasses.replace(
+        kernels,
+        **{f.name: wrap(f.name, getattr(kernels, f.name)) for f in dataclasses.fields(kernels) if f.name != "name"},
+    )
 
 
 def profile_engine(path: str, shape: Shape, seed: int, rows: int) -> None:
@@ -168,8 +214,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="prompt seed")
     ap.add_argument("--checkpoint", default=None, help="folder for the checkpoint (default: a temporary folder)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
-    ap.add_argument("--reference-kernels", action="store_true",
-                    help="the engine runs the all-reference bundle (the *_ref kernels), for an A/B")
+    ap.add_argument(
+        "--reference-kernels",
+        action="store_true",
+        help="the engine runs the all-reference bundle (the *_ref kernels), for an A/B",
+    )
     ap.add_argument("--profile", default=None, metavar="SHAPE", help="profile the engine on one shape instead")
     ap.add_argument("--profile-rows", type=int, default=30)
     args = ap.parse_args()
@@ -183,11 +232,14 @@ def main() -> None:
     if args.profile:
         profile_engine(path, Shape.parse(args.profile), args.seed, args.profile_rows)
         return
-    results = [compare(path, Shape.parse(s), args.repeats, args.seed, args.reference_kernels)
-               for s in args.shapes.split(",")]
+    results = [
+        compare(path, Shape.parse(s), args.repeats, args.seed, args.reference_kernels) for s in args.shapes.split(",")
+    ]
     bundle = "all-reference" if args.reference_kernels else "torch"
-    print(f"engine kernels: {bundle}; torch {torch.__version__}, {torch.get_num_threads()} threads, best of {args.repeats}, "
-          f"transformers experts={results[0]['experts_impl']} attention={results[0]['attn_impl']}")
+    print(
+        f"engine kernels: {bundle}; torch {torch.__version__}, {torch.get_num_threads()} threads, best of {args.repeats}, "
+        f"transformers experts={results[0]['experts_impl']} attention={results[0]['attn_impl']}"
+    )
     print("| batch x prompt / new | transformers generate (s) | engine (s) | engine speed-up | greedy tokens |")
     print("|---|---:|---:|---:|---|")
     bad = []

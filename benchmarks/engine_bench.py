@@ -17,6 +17,7 @@ CPU smoke run (tiny config, interpreter): TRITON_INTERPRET=1 PYTHONPATH=. python
     --device cpu --config <tiny config.json> --variants torch,triton --isl 40,70 --decode-batches 1,3 \
     --prompt-len 20 --decode-steps 2 --tp-prompts 4 --tp-concurrency 2 --tp-isl 16 --tp-osl 4
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,13 +31,12 @@ import time
 import torch
 
 from benchmarks import roofline
-
 from service.engine import Engine, EngineConfig, SamplingParams
 from service.engine.config import ModelConfig
 from service.engine.kernels import Kernels, get_kernels
-from service.testing.model_dir import fp8_exclusions, published_config
 from service.engine.model.quant import QuantConfig
 from service.engine.runner.model_runner import build_model
+from service.testing.model_dir import fp8_exclusions, published_config
 
 
 def write_model_dir(config: str, fmt: str) -> str:
@@ -79,7 +79,7 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 def prefill_tps(engine: Engine, isl: int, num_reqs: int, seed: int) -> float:
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    engine.generate(random_prompts(num_reqs, isl, vocab, seed), params)   # warm-up: compiles this step shape's kernels
+    engine.generate(random_prompts(num_reqs, isl, vocab, seed), params)  # warm-up: compiles this step shape's kernels
     prompts = random_prompts(num_reqs, isl, vocab, seed + 1)
     sync(engine.config.device)
     t0 = time.perf_counter()
@@ -98,16 +98,17 @@ def phase_ms(engine: Engine, before: tuple[int, dict[str, float]], prefix: str) 
     return {f"{prefix} {k} ms/step": 1e3 * (v - before[1][k]) / n for k, v in engine.step_seconds.items()}
 
 
-def decode_tps(engine: Engine, batch: int, prompt_len: int, steps: int, seed: int,
-               trace_dir: str = "") -> tuple[float, dict[str, float]]:
+def decode_tps(
+    engine: Engine, batch: int, prompt_len: int, steps: int, seed: int, trace_dir: str = ""
+) -> tuple[float, dict[str, float]]:
     """(decode tok/s over `steps` pure decode steps at `batch`, host ms per step by engine phase and, with graphs,
     the device ms of a replay on the last step's real inputs). trace_dir: also write a CPU+CUDA trace of 4 steps."""
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in random_prompts(batch, prompt_len, vocab, seed)]
-    while any(not engine.requests[i].output_token_ids for i in ids):                   # prefill everyone
+    while any(not engine.requests[i].output_token_ids for i in ids):  # prefill everyone
         engine.step()
-    for _ in range(3):                                                                 # warm-up decode steps
+    for _ in range(3):  # warm-up decode steps
         engine.step()
     sync(engine.config.device)
     phases0, ahead0 = step_phases(engine), engine.num_steps_ahead
@@ -128,8 +129,9 @@ def decode_tps(engine: Engine, batch: int, prompt_len: int, steps: int, seed: in
     return batch * steps / elapsed, phases
 
 
-def throughput_run(engine: Engine, num_prompts: int, isl: int, osl: int, concurrency: int,
-                   seed: int) -> dict[str, float]:
+def throughput_run(
+    engine: Engine, num_prompts: int, isl: int, osl: int, concurrency: int, seed: int
+) -> dict[str, float]:
     """Closed loop: at most `concurrency` requests in flight, the next one sent when one finishes.
     Returns output tok/s over the whole run and TTFT / TPOT medians (ms; TTFT from the request's send)."""
     vocab = engine.model_config.vocab_size
@@ -152,11 +154,15 @@ def throughput_run(engine: Engine, num_prompts: int, isl: int, osl: int, concurr
     elapsed = time.perf_counter() - t0
     ttft = sorted(first[r] - sent[r] for r in sent)
     tpot = sorted((done[r] - first[r]) / (osl - 1) for r in sent) if osl > 1 else [0.0]
-    return {"tp output tok/s": num_prompts * osl / elapsed, "tp TTFT median ms": 1e3 * ttft[len(ttft) // 2],
-            "tp TPOT median ms": 1e3 * tpot[len(tpot) // 2], "tp seconds": elapsed,
-            "tp split steps": float(engine.runner.num_split_steps - split0),
-            "tp steps": float(engine.num_steps - phases0[0]),
-            **phase_ms(engine, phases0, "tp")}
+    return {
+        "tp output tok/s": num_prompts * osl / elapsed,
+        "tp TTFT median ms": 1e3 * ttft[len(ttft) // 2],
+        "tp TPOT median ms": 1e3 * tpot[len(tpot) // 2],
+        "tp seconds": elapsed,
+        "tp split steps": float(engine.runner.num_split_steps - split0),
+        "tp steps": float(engine.num_steps - phases0[0]),
+        **phase_ms(engine, phases0, "tp"),
+    }
 
 
 def replay_ms(engine: Engine, bucket: int, n: int = 20) -> float:
@@ -177,8 +183,7 @@ def graph_replay_ms(engine: Engine, batches: list[int]) -> dict[str, float]:
     """Device time of one captured decode forward on the all-zero capture inputs (every row the same token, so
     the MoE touches only top_k experts: a lower bound; `decode_tps` also times replays on real inputs)."""
     g = engine.runner.graphs
-    return {f"graph replay ms B={b} (zero inputs)": replay_ms(engine, g.bucket_for(b))
-            for b in batches}
+    return {f"graph replay ms B={b} (zero inputs)": replay_ms(engine, g.bucket_for(b)) for b in batches}
 
 
 def profile_steps(engine: Engine, path: str) -> None:
@@ -221,11 +226,12 @@ def bench_variant(engine: Engine, args: argparse.Namespace, throughput: bool) ->
         out[f"prefill ISL {isl}"] = prefill_tps(engine, isl, max(2, args.max_batched_tokens // isl * 2), seed=isl)
         print(f"  prefill ISL {isl}: {out[f'prefill ISL {isl}']:.0f} tok/s", flush=True)
     for b in args.decode_batches:
-        out[f"decode B={b}"], phases = decode_tps(engine, b, args.prompt_len, args.decode_steps, seed=1000 + b,
-                                                  trace_dir=args.trace_dir)
+        out[f"decode B={b}"], phases = decode_tps(
+            engine, b, args.prompt_len, args.decode_steps, seed=1000 + b, trace_dir=args.trace_dir
+        )
         out.update(phases)
         print(f"  decode B={b}: {out[f'decode B={b}']:.1f} tok/s", flush=True)
-    if throughput:   # warm-up: compiles the kernels of mixed prefill+decode steps outside the timed run
+    if throughput:  # warm-up: compiles the kernels of mixed prefill+decode steps outside the timed run
         throughput_run(engine, 8, args.tp_isl, 8, 4, seed=6)
         out.update(throughput_run(engine, args.tp_prompts, args.tp_isl, args.tp_osl, args.tp_concurrency, seed=7))
         print("  " + ", ".join(f"{k}: {v:.1f}" for k, v in out.items() if k.startswith("tp ")), flush=True)
@@ -239,9 +245,11 @@ def variant_kernels(backend: str, options: list[str]) -> Kernels:
     kernels = get_kernels(backend)
     if "normfuse" in options:
         from service.engine.kernels.triton_backend import triton_kernels
+
         kernels = triton_kernels(fuse_norm_linear=True)
     if "tiledmoe" in options:
         from service.engine.kernels import triton_moe_gemv
+
         kernels = dataclasses.replace(kernels, moe_experts=triton_moe_gemv.moe_experts_tiled_shared)
     return kernels
 
@@ -249,16 +257,23 @@ def variant_kernels(backend: str, options: list[str]) -> Kernels:
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="nano", help="'nano', 'super' or the path of an HF config.json")
-    ap.add_argument("--formats", default="bf16", help="comma list of bf16 | fp8 (ModelOpt FP8 with the published "
-                    "recipe's exclusions): each builds its own dummy-weight model and runs every variant")
+    ap.add_argument(
+        "--formats",
+        default="bf16",
+        help="comma list of bf16 | fp8 (ModelOpt FP8 with the published "
+        "recipe's exclusions): each builds its own dummy-weight model and runs every variant",
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    ap.add_argument("--variants", default="triton,triton+graphs",
-                    help="comma list of torch | triton | triton+graphs (CUDA graphs for decode-only steps, and for "
-                         "the plain decode rows of mixed steps) | triton+graphs+nosplit (mixed steps all eager); "
-                         "+tiledmoe: routed experts always as grouped GEMMs; +normfuse: a Mamba layer's norms "
-                         "fused into in_proj/out_proj at batch 1 (off by default); +sync: async scheduling off (each step's "
-                         "tokens are read before the next step is launched)")
+    ap.add_argument(
+        "--variants",
+        default="triton,triton+graphs",
+        help="comma list of torch | triton | triton+graphs (CUDA graphs for decode-only steps, and for "
+        "the plain decode rows of mixed steps) | triton+graphs+nosplit (mixed steps all eager); "
+        "+tiledmoe: routed experts always as grouped GEMMs; +normfuse: a Mamba layer's norms "
+        "fused into in_proj/out_proj at batch 1 (off by default); +sync: async scheduling off (each step's "
+        "tokens are read before the next step is launched)",
+    )
     ap.add_argument("--throughput-variants", default="triton+graphs", help="variants that run the throughput test")
     ap.add_argument("--isl", default="1024,8192")
     ap.add_argument("--decode-batches", default="1,64,256")
@@ -270,8 +285,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--decode-steps", type=int, default=12)
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
     ap.add_argument("--page-size", type=int, default=64)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.90,
-                    help="the engine's memory plan sizes KV pages and Mamba slots from this fraction of the GPU")
+    ap.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.90,
+        help="the engine's memory plan sizes KV pages and Mamba slots from this fraction of the GPU",
+    )
     ap.add_argument("--out", default="")
     ap.add_argument("--trace-dir", default="", help="write CPU+CUDA chrome traces of 4 decode steps per batch here")
     ap.add_argument("--profile-out", default="", help="write a kernel profile of a batch-1 decode forward here")
@@ -289,16 +308,26 @@ def main() -> None:
     active: dict[str, float] = {}
     for fmt in [f for f in args.formats.split(",") if f]:
         model_dir = write_model_dir(args.config, fmt)
-        base = dict(model_path=model_dir, device=args.device, dtype=args.dtype, page_size=args.page_size,
-                    mamba_cache_strategy="off",
-                    max_num_seqs=max(args.decode_batches + [args.tp_concurrency]),
-                    max_num_batched_tokens=args.max_batched_tokens, load_format="dummy",
-                    gpu_memory_utilization=args.gpu_memory_utilization,
-                    max_model_len=max(args.isl + [args.prompt_len + args.decode_steps, args.tp_isl + args.tp_osl]) + 64)
+        base = dict(
+            model_path=model_dir,
+            device=args.device,
+            dtype=args.dtype,
+            page_size=args.page_size,
+            mamba_cache_strategy="off",
+            max_num_seqs=max(args.decode_batches + [args.tp_concurrency]),
+            max_num_batched_tokens=args.max_batched_tokens,
+            load_format="dummy",
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            max_model_len=max(args.isl + [args.prompt_len + args.decode_steps, args.tp_isl + args.tp_osl]) + 64,
+        )
         model_cfg = ModelConfig.from_model_path(model_dir)
         t0 = time.perf_counter()
-        model = build_model(EngineConfig(**base, kernel_backend=variants[0].split("+")[0]), model_cfg,
-                            getattr(torch, args.dtype), torch.device(args.device))
+        model = build_model(
+            EngineConfig(**base, kernel_backend=variants[0].split("+")[0]),
+            model_cfg,
+            getattr(torch, args.dtype),
+            torch.device(args.device),
+        )
         sync(args.device)
         print(f"{fmt} model: dummy weights drawn in {time.perf_counter() - t0:.1f} s", flush=True)
         active[fmt] = active_bytes_per_token(model, model_cfg)
@@ -306,13 +335,23 @@ def main() -> None:
             backend, _, extra = variant.partition("+")
             model.kernels = variant_kernels(backend, extra.split("+"))
             t0 = time.perf_counter()
-            engine = Engine(EngineConfig(**base, kernel_backend=backend, cuda_graphs=extra.startswith("graphs"),
-                                         async_scheduling="sync" not in extra.split("+")), model=model)
+            engine = Engine(
+                EngineConfig(
+                    **base,
+                    kernel_backend=backend,
+                    cuda_graphs=extra.startswith("graphs"),
+                    async_scheduling="sync" not in extra.split("+"),
+                ),
+                model=model,
+            )
             engine.runner.split_steps = engine.runner.graphs is not None and "nosplit" not in extra
             if engine.runner.memory_plan is not None:
                 print(f"{fmt} {variant}: {engine.runner.memory_plan.log_line()}", flush=True)
-            print(f"{fmt} {variant}: engine ready in {time.perf_counter() - t0:.1f} s "
-                  f"(graphs: {engine.runner.graphs.buckets if engine.runner.graphs else None})", flush=True)
+            print(
+                f"{fmt} {variant}: engine ready in {time.perf_counter() - t0:.1f} s "
+                f"(graphs: {engine.runner.graphs.buckets if engine.runner.graphs else None})",
+                flush=True,
+            )
             results[f"{fmt} {variant}"] = bench_variant(engine, args, variant in tp_variants)
             del engine
             if args.device.startswith("cuda"):
@@ -339,8 +378,10 @@ def bandwidth_limit_lines(results: dict[str, dict[str, float]], active: dict[str
     lines = []
     for fmt, nbytes in active.items():
         limit = bw * 1e9 / nbytes
-        lines.append(f"{fmt}: decode weight-bandwidth limit at batch 1: {nbytes / 1e9:.2f} GB active weights per step "
-                     f"/ {bw:.0f} GB/s measured (1 GiB copy {copy:.0f}, 1 GiB read {read:.0f}) = {limit:.0f} tok/s")
+        lines.append(
+            f"{fmt}: decode weight-bandwidth limit at batch 1: {nbytes / 1e9:.2f} GB active weights per step "
+            f"/ {bw:.0f} GB/s measured (1 GiB copy {copy:.0f}, 1 GiB read {read:.0f}) = {limit:.0f} tok/s"
+        )
         for b, r in results.items():
             if b.startswith(fmt + " ") and "decode B=1" in r:
                 lines.append(f"  {b}: decode B=1 reaches {100 * r['decode B=1'] / limit:.1f}% of it")
@@ -351,15 +392,21 @@ def report(results: dict[str, dict[str, float]], active: dict[str, float], args:
     backends = list(results)
     keys = list(dict.fromkeys(k for b in backends for k in results[b]))
     lines = ["| metric (tok/s unless named) | " + " | ".join(backends) + " |", "| --- |" + " ---: |" * len(backends)]
-    lines += [f"| {k} | " + " | ".join(_fmt(results[b][k]) if k in results[b] else "-" for b in backends) + " |"
-              for k in keys]
+    lines += [
+        f"| {k} | " + " | ".join(_fmt(results[b][k]) if k in results[b] else "-" for b in backends) + " |" for k in keys
+    ]
     lines += [""] + bandwidth_limit_lines(results, active, args.device)
-    meta = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-            "torch": torch.__version__, "config": args.config, "prompt_len(decode)": args.prompt_len,
-            "decode_steps": args.decode_steps, "max_num_batched_tokens": args.max_batched_tokens,
-            "page_size": args.page_size,
-            "throughput": f"{args.tp_prompts} prompts, {args.tp_isl} in / {args.tp_osl} out, "
-                          f"concurrency {args.tp_concurrency}, ignore_eos"}
+    meta = {
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "torch": torch.__version__,
+        "config": args.config,
+        "prompt_len(decode)": args.prompt_len,
+        "decode_steps": args.decode_steps,
+        "max_num_batched_tokens": args.max_batched_tokens,
+        "page_size": args.page_size,
+        "throughput": f"{args.tp_prompts} prompts, {args.tp_isl} in / {args.tp_osl} out, "
+        f"concurrency {args.tp_concurrency}, ignore_eos",
+    }
     text = json.dumps(meta) + "\n\n" + "\n".join(lines) + "\n"
     print(text, flush=True)
     if args.out:

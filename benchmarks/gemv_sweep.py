@@ -16,6 +16,7 @@ Stage-pipelined variants (new code paths) run after all others, so a GPU fault t
 breaks the CUDA context stops the sweep and the summary covers what ran. The summary re-times each case's default
 and its best variants once more. `tiny=True` shrinks every shape and variant list for the CPU interpreter.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -23,8 +24,9 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,40 +35,123 @@ import triton.testing
 
 from service.engine.config import ModelConfig
 from service.engine.kernels import moe
+from service.engine.kernels.tiles import ExpertGemvTiles, GemvTiles, default_gemv_tiles
 from service.engine.kernels.triton_gemv import gemv
-from service.engine.kernels.tiles import GemvTiles, default_gemv_tiles
-from service.engine.kernels.triton_moe_gemv import expert_down_pass, expert_up_pass, moe_experts_by_size, moe_experts_gemv, moe_experts_tiled_shared
-from service.engine.kernels.tiles import ExpertGemvTiles
+from service.engine.kernels.triton_moe_gemv import (
+    expert_down_pass,
+    expert_up_pass,
+    moe_experts_by_size,
+    moe_experts_gemv,
+    moe_experts_tiled_shared,
+)
 
-NANO_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "engine",
-                           "fixtures", "nano_30b_a3b_config.json")
+NANO_CONFIG = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    "tests",
+    "engine",
+    "fixtures",
+    "nano_30b_a3b_config.json",
+)
 L2_BYTES = 60e6
 G, X = GemvTiles, ExpertGemvTiles
 
 # ---------------- variant lists (first of each = what the sweep compares against after the default) -------------
-GEMV_LONG_K = (G(4, 512, 4), G(4, 512, 2), G(4, 512, 8), G(2, 1024, 4), G(4, 1024, 4), G(8, 512, 4), G(8, 256, 4),
-               G(2, 512, 2), G(4, 512, 4, False), G(4, 512, 4, True, 2), G(8, 512, 4, True, 2))   # K 4096
-GEMV_SHORT_K = (G(4, 512, 4), G(8, 256, 4), G(4, 512, 2), G(2, 1024, 4), G(16, 128, 4), G(8, 128, 2), G(4, 256, 2),
-                G(8, 256, 8), G(4, 512, 4, False), G(4, 512, 4, True, 2), G(8, 256, 4, True, 2))  # K 2688, N 4-5K
-GEMV_WIDE = (G(8, 256, 4), G(4, 512, 4), G(16, 128, 4), G(16, 256, 8), G(8, 256, 2), G(4, 512, 2), G(32, 128, 8),
-             G(8, 512, 4), G(8, 128, 2), G(8, 256, 4, False), G(4, 1024, 4, False))                # in_proj
-GEMV_NARROW = (G(8, 256, 4, True, 1), G(8, 256, 4, True, 2), G(8, 128, 4, True, 7), G(4, 256, 4, True, 4),
-               G(4, 512, 4, True, 2), G(4, 256, 2, True, 4), G(2, 512, 2, True, 2), G(16, 128, 4, True, 4),
-               G(4, 128, 2, True, 7), G(8, 256, 4, False, 4))                                     # k / v: N 256
+GEMV_LONG_K = (
+    G(4, 512, 4),
+    G(4, 512, 2),
+    G(4, 512, 8),
+    G(2, 1024, 4),
+    G(4, 1024, 4),
+    G(8, 512, 4),
+    G(8, 256, 4),
+    G(2, 512, 2),
+    G(4, 512, 4, False),
+    G(4, 512, 4, True, 2),
+    G(8, 512, 4, True, 2),
+)  # K 4096
+GEMV_SHORT_K = (
+    G(4, 512, 4),
+    G(8, 256, 4),
+    G(4, 512, 2),
+    G(2, 1024, 4),
+    G(16, 128, 4),
+    G(8, 128, 2),
+    G(4, 256, 2),
+    G(8, 256, 8),
+    G(4, 512, 4, False),
+    G(4, 512, 4, True, 2),
+    G(8, 256, 4, True, 2),
+)  # K 2688, N 4-5K
+GEMV_WIDE = (
+    G(8, 256, 4),
+    G(4, 512, 4),
+    G(16, 128, 4),
+    G(16, 256, 8),
+    G(8, 256, 2),
+    G(4, 512, 2),
+    G(32, 128, 8),
+    G(8, 512, 4),
+    G(8, 128, 2),
+    G(8, 256, 4, False),
+    G(4, 1024, 4, False),
+)  # in_proj
+GEMV_NARROW = (
+    G(8, 256, 4, True, 1),
+    G(8, 256, 4, True, 2),
+    G(8, 128, 4, True, 7),
+    G(4, 256, 4, True, 4),
+    G(4, 512, 4, True, 2),
+    G(4, 256, 2, True, 4),
+    G(2, 512, 2, True, 2),
+    G(16, 128, 4, True, 4),
+    G(4, 128, 2, True, 7),
+    G(8, 256, 4, False, 4),
+)  # k / v: N 256
 GEMV_LM_HEAD = (G(8, 256, 4), G(16, 256, 8), G(4, 512, 4), G(16, 128, 4), G(32, 128, 8))
 EXPERT_SWEEP = (
     # tile shape, depth 2 (the current loop)
-    X(2, 512, 4), X(2, 1024, 4), X(4, 256, 4), X(4, 1024, 4), X(8, 256, 4), X(8, 512, 4), X(16, 128, 4),
-    X(16, 64, 4), X(16, 256, 8),
+    X(2, 512, 4),
+    X(2, 1024, 4),
+    X(4, 256, 4),
+    X(4, 1024, 4),
+    X(8, 256, 4),
+    X(8, 512, 4),
+    X(16, 128, 4),
+    X(16, 64, 4),
+    X(16, 256, 8),
     # warps: elements (16-byte vectors) per thread per tile
-    X(4, 512, 2), X(4, 512, 8), X(2, 512, 2), X(4, 256, 2), X(8, 256, 2), X(8, 512, 8),
+    X(4, 512, 2),
+    X(4, 512, 8),
+    X(2, 512, 2),
+    X(4, 256, 2),
+    X(8, 256, 2),
+    X(8, 512, 8),
     # weight tiles in flight in registers: depth 1, 3, 4
-    X(4, 512, 4, 1), X(4, 512, 4, 3), X(4, 512, 4, 4), X(8, 256, 4, 3), X(8, 256, 4, 4), X(4, 256, 4, 3),
-    X(4, 256, 4, 4), X(4, 256, 2, 3), X(2, 512, 2, 3), X(4, 512, 2, 3), X(2, 1024, 4, 3), X(8, 128, 4, 4),
+    X(4, 512, 4, 1),
+    X(4, 512, 4, 3),
+    X(4, 512, 4, 4),
+    X(8, 256, 4, 3),
+    X(8, 256, 4, 4),
+    X(4, 256, 4, 3),
+    X(4, 256, 4, 4),
+    X(4, 256, 2, 3),
+    X(2, 512, 2, 3),
+    X(4, 512, 2, 3),
+    X(2, 1024, 4, 3),
+    X(8, 128, 4, 4),
     X(16, 64, 4, 4),
     # Triton's loop pipeline (loads through shared memory), depth 1
-    X(4, 512, 4, 1, 2), X(4, 512, 4, 1, 3), X(4, 512, 4, 1, 4), X(8, 256, 4, 1, 3), X(8, 256, 4, 1, 4),
-    X(4, 256, 4, 1, 4), X(8, 512, 4, 1, 3), X(16, 256, 8, 1, 3), X(4, 256, 2, 1, 4), X(2, 512, 2, 1, 4))
+    X(4, 512, 4, 1, 2),
+    X(4, 512, 4, 1, 3),
+    X(4, 512, 4, 1, 4),
+    X(8, 256, 4, 1, 3),
+    X(8, 256, 4, 1, 4),
+    X(4, 256, 4, 1, 4),
+    X(8, 512, 4, 1, 3),
+    X(16, 256, 8, 1, 3),
+    X(4, 256, 2, 1, 4),
+    X(2, 512, 2, 1, 4),
+)
 TINY_GEMV_ALT = G(4, 32, 2, True, 2)
 TINY_EXPERT_SWEEP = (X(8, 32, 2, 3),)
 TINY_PROXIES = (X(8, 32, 2, 3), X(4, 32, 2, 1, 2))
@@ -75,6 +160,7 @@ TINY_PROXIES = (X(8, 32, 2, 3), X(4, 32, 2, 1, 2))
 @dataclass(frozen=True)
 class Shapes:
     """The GEMV shapes (name, N, K) and the MoE layer (E, top_k, d, I, S) a sweep runs."""
+
     gemv: tuple[tuple[str, int, int], ...]
     experts: int
     top_k: int
@@ -91,24 +177,36 @@ def nano_shapes(path: str = NANO_CONFIG) -> Shapes:
         c = ModelConfig.from_hf_dict(json.load(f))
     d, q, kv = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     names = {}
-    for name, n, k in (("mamba out_proj", d, c.mamba_intermediate), ("attn o_proj", d, q), ("attn q_proj", q, d),
-                       ("attn k_proj / v_proj", kv, d), ("attn qkv fused", q + 2 * kv, d),
-                       ("mamba in_proj", c.in_proj_dim, d), ("lm_head", c.vocab_size, d)):
+    for name, n, k in (
+        ("mamba out_proj", d, c.mamba_intermediate),
+        ("attn o_proj", d, q),
+        ("attn q_proj", q, d),
+        ("attn k_proj / v_proj", kv, d),
+        ("attn qkv fused", q + 2 * kv, d),
+        ("mamba in_proj", c.in_proj_dim, d),
+        ("lm_head", c.vocab_size, d),
+    ):
         names.setdefault((n, k), []).append(name)
-    return Shapes(tuple((" + ".join(v), n, k) for (n, k), v in names.items()), c.n_routed_experts,
-                  c.num_experts_per_tok, d, c.moe_intermediate_size, c.moe_shared_expert_intermediate_size)
+    return Shapes(
+        tuple((" + ".join(v), n, k) for (n, k), v in names.items()),
+        c.n_routed_experts,
+        c.num_experts_per_tok,
+        d,
+        c.moe_intermediate_size,
+        c.moe_shared_expert_intermediate_size,
+    )
 
 
-TINY = Shapes((("out_proj", 40, 64), ("k_proj", 16, 48)), 4, 2, 48, 24, 40)     # --tiny (interpreter smoke test)
+TINY = Shapes((("out_proj", 40, 64), ("k_proj", 16, 48)), 4, 2, 48, 24, 40)  # --tiny (interpreter smoke test)
 
 
 @dataclass
 class Variant:
     name: str
-    kind: str                                   # default | tiles | proxy | cublas | ref
-    fn: Callable[..., Any]                      # timed: fn(*input_set)
-    check: Callable[..., float] | None = None   # rel err against the torch reference on one input set
-    risky: bool = False                         # a new code path: runs after every other variant
+    kind: str  # default | tiles | proxy | cublas | ref
+    fn: Callable[..., Any]  # timed: fn(*input_set)
+    check: Callable[..., float] | None = None  # rel err against the torch reference on one input set
+    risky: bool = False  # a new code path: runs after every other variant
     tiles: Any = None
 
 
@@ -116,9 +214,9 @@ class Variant:
 class SweepCase:
     name: str
     bytes_moved: float
-    make: Callable[[], tuple]                   # one input set
+    make: Callable[[], tuple]  # one input set
     variants: list[Variant]
-    followup: Callable[[dict], list[Variant]] | None = None    # more variants from the results so far
+    followup: Callable[[dict], list[Variant]] | None = None  # more variants from the results so far
     sets: list[tuple] = field(default_factory=list)
 
 
@@ -129,8 +227,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def tiles_name(t: Any) -> str:
     if isinstance(t, GemvTiles):
-        return (f"bn={t.block_n} bk={t.block_k} w={t.warps} {'prefetch' if t.prefetch else 'no-prefetch'} "
-                f"split={t.split_k}")
+        return (
+            f"bn={t.block_n} bk={t.block_k} w={t.warps} {'prefetch' if t.prefetch else 'no-prefetch'} split={t.split_k}"
+        )
     return f"bn={t.block_n} bk={t.block_k} w={t.warps} depth={t.depth} stages={t.stages}"
 
 
@@ -156,36 +255,54 @@ def gemv_case(name: str, n: int, k: int, device: str, tiny: bool, proxies: bool 
 
     def make():
         x = torch.randn(1, k, device=device, dtype=dtype)
-        w = torch.randn(n, k, device=device, dtype=dtype) * k ** -0.5
-        return x, w, torch.zeros(n, dtype=torch.int32, device=device), torch.zeros(1, dtype=torch.int64,
-                                                                                 device=device)
+        w = torch.randn(n, k, device=device, dtype=dtype) * k**-0.5
+        return x, w, torch.zeros(n, dtype=torch.int32, device=device), torch.zeros(1, dtype=torch.int64, device=device)
 
     def ref(x, w):
         return F.linear(x.float(), w.float())
 
     def gemv_variant(t: GemvTiles, kind: str) -> Variant:
-        return Variant(tiles_name(t) + (" (default)" if kind == "default" else ""), kind,
-                       lambda x, w, c, _i, t=t: gemv(x, w, None, t, counters=c),
-                       lambda x, w, c, _i, t=t: rel_err(gemv(x, w, None, t, counters=c), ref(x, w)), tiles=t)
+        return Variant(
+            tiles_name(t) + (" (default)" if kind == "default" else ""),
+            kind,
+            lambda x, w, c, _i, t=t: gemv(x, w, None, t, counters=c),
+            lambda x, w, c, _i, t=t: rel_err(gemv(x, w, None, t, counters=c), ref(x, w)),
+            tiles=t,
+        )
 
     def proxy(t: ExpertGemvTiles) -> Variant:
         def run(x, w, _c, ids, t=t):
             return expert_up_pass(x, w.view(1, n, k), ids, 1, t)
-        return Variant(f"proxy expert-up kernel {tiles_name(t)}", "proxy", run,
-                       lambda x, w, c, ids: rel_err(run(x, w, c, ids), ref(x, w).relu().square()),
-                       risky=t.stages > 1, tiles=t)
+
+        return Variant(
+            f"proxy expert-up kernel {tiles_name(t)}",
+            "proxy",
+            run,
+            lambda x, w, c, ids: rel_err(run(x, w, c, ids), ref(x, w).relu().square()),
+            risky=t.stages > 1,
+            tiles=t,
+        )
 
     d = default_gemv_tiles(n, k)
     variants = [gemv_variant(d, "default")]
     variants += [gemv_variant(t, "tiles") for t in _gemv_variant_list(n, k, tiny) if t != d]
-    variants.append(Variant("cuBLAS F.linear", "cublas", lambda x, w, _c, _i: F.linear(x, w),
-                            lambda x, w, _c, _i: rel_err(F.linear(x, w), ref(x, w))))
+    variants.append(
+        Variant(
+            "cuBLAS F.linear",
+            "cublas",
+            lambda x, w, _c, _i: F.linear(x, w),
+            lambda x, w, _c, _i: rel_err(F.linear(x, w), ref(x, w)),
+        )
+    )
     bn, bk, warps = d.block_n, d.block_k, d.warps
     if tiny and proxies:
         variants += [proxy(t) for t in TINY_PROXIES]
     elif proxies and d.split_k == 1 and n < 65536:
-        variants += [proxy(X(bn, bk, warps, 2 if d.prefetch else 1)), proxy(X(bn, bk, warps, 3)),
-                     proxy(X(bn, bk, warps, 1, 3))]
+        variants += [
+            proxy(X(bn, bk, warps, 2 if d.prefetch else 1)),
+            proxy(X(bn, bk, warps, 3)),
+            proxy(X(bn, bk, warps, 1, 3)),
+        ]
     return SweepCase(f"gemv {name} N={n} K={k}", n * k * 2 + (n + k) * 2, make, variants)
 
 
@@ -199,8 +316,10 @@ class _ExpertWeights:
     def get(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.w is None:
             s, kw = self.s, dict(device=self.device, dtype=self.dtype)
-            self.w = (torch.randn(s.experts, s.inter, s.hidden, **kw) * s.hidden ** -0.5,
-                      torch.randn(s.experts, s.hidden, s.inter, **kw) * s.inter ** -0.5)
+            self.w = (
+                torch.randn(s.experts, s.inter, s.hidden, **kw) * s.hidden**-0.5,
+                torch.randn(s.experts, s.hidden, s.inter, **kw) * s.inter**-0.5,
+            )
         return self.w
 
 
@@ -217,10 +336,10 @@ def moe_cases(s: Shapes, device: str, tiny: bool) -> list[SweepCase]:
     def make():
         up, down = experts.get()
         x = torch.randn(1, d, device=device, dtype=dtype)
-        ids = torch.randperm(s.experts, device=device)[:s.top_k].view(1, -1)       # distinct experts, int64
+        ids = torch.randperm(s.experts, device=device)[: s.top_k].view(1, -1)  # distinct experts, int64
         w = torch.rand(1, s.top_k, device=device) + 0.1
-        su = torch.randn(s.shared, d, device=device, dtype=dtype) * d ** -0.5
-        sd = torch.randn(d, s.shared, device=device, dtype=dtype) * s.shared ** -0.5
+        su = torch.randn(s.shared, d, device=device, dtype=dtype) * d**-0.5
+        sd = torch.randn(d, s.shared, device=device, dtype=dtype) * s.shared**-0.5
         h = torch.randn(slots, max(s.inter, s.shared), device=device, dtype=dtype).relu().square()
         return x, up, down, w, ids, su, sd, h, ids.reshape(-1).contiguous(), w.reshape(-1).contiguous()
 
@@ -230,6 +349,7 @@ def moe_cases(s: Shapes, device: str, tiny: bool) -> list[SweepCase]:
     def op(up_t, down_t):
         def run(x, up, down, w, ids, su, sd, *_):
             return moe_experts_gemv(x, up, down, w, ids, up_t, down_tiles=down_t, shared_up=su, shared_down=sd)
+
         return run
 
     def checked(fn):
@@ -238,21 +358,33 @@ def moe_cases(s: Shapes, device: str, tiny: bool) -> list[SweepCase]:
     def up_variant(t: ExpertGemvTiles, kind: str) -> Variant:
         def run(x, up, down, w, ids, su, sd, h, ids_f, w_f, t=t):
             return expert_up_pass(x, up, ids_f, s.top_k, t, su)
-        return Variant(tiles_name(t) + (" (default)" if kind == "default" else ""), kind, run,
-                       checked(op(t, X())), t.stages > 1, t)
+
+        return Variant(
+            tiles_name(t) + (" (default)" if kind == "default" else ""), kind, run, checked(op(t, X())), t.stages > 1, t
+        )
 
     def down_variant(t: ExpertGemvTiles, kind: str) -> Variant:
         def run(x, up, down, w, ids, su, sd, h, ids_f, w_f, t=t):
             return expert_down_pass(h, down, ids_f, w_f, s.top_k, t, sd)
-        return Variant(tiles_name(t) + (" (default)" if kind == "default" else ""), kind, run,
-                       checked(op(X(), t)), t.stages > 1, t)
+
+        return Variant(
+            tiles_name(t) + (" (default)" if kind == "default" else ""), kind, run, checked(op(X(), t)), t.stages > 1, t
+        )
 
     sweep = TINY_EXPERT_SWEEP if tiny else EXPERT_SWEEP
     label = f"T=1 top-{s.top_k} + shared (E {s.experts}, d {d}, I {s.inter}, S {s.shared})"
-    up_case = SweepCase(f"moe up pass {label}", weight_bytes / 2 + d * 2 + routed_rows * 2, make,
-                        [up_variant(X(), "default")] + [up_variant(t, "tiles") for t in sweep])
-    down_case = SweepCase(f"moe down pass {label}", weight_bytes / 2 + routed_rows * 2 + slots * d * 2, make,
-                          [down_variant(X(), "default")] + [down_variant(t, "tiles") for t in sweep])
+    up_case = SweepCase(
+        f"moe up pass {label}",
+        weight_bytes / 2 + d * 2 + routed_rows * 2,
+        make,
+        [up_variant(X(), "default")] + [up_variant(t, "tiles") for t in sweep],
+    )
+    down_case = SweepCase(
+        f"moe down pass {label}",
+        weight_bytes / 2 + routed_rows * 2 + slots * d * 2,
+        make,
+        [down_variant(X(), "default")] + [down_variant(t, "tiles") for t in sweep],
+    )
 
     def engine_call(x, up, down, w, ids, su, sd, *_):
         return moe_experts_by_size(x, up, down, w, ids, shared_up=su, shared_down=sd)
@@ -268,14 +400,33 @@ def moe_cases(s: Shapes, device: str, tiny: bool) -> list[SweepCase]:
         if t_up == X() and t_down == X():
             return []
         fn = op(t_up, t_down)
-        return [Variant(f"moe_experts_gemv up {tiles_name(t_up)} / down {tiles_name(t_down)}", "tiles", fn,
-                        checked(fn), t_up.stages > 1 or t_down.stages > 1, (t_up, t_down))]
+        return [
+            Variant(
+                f"moe_experts_gemv up {tiles_name(t_up)} / down {tiles_name(t_down)}",
+                "tiles",
+                fn,
+                checked(fn),
+                t_up.stages > 1 or t_down.stages > 1,
+                (t_up, t_down),
+            )
+        ]
 
-    op_case = SweepCase(f"moe_experts (the engine's call) {label}", weight_bytes + 2 * d * 2, make,
-                        [Variant("moe_experts_by_size: grouped GEMVs, default tiles (default)", "default",
-                                 engine_call, checked(engine_call), tiles=(X(), X())),
-                         Variant("tiled GEMMs + shared expert GEMVs (tiledmoe)", "ref", tiled, checked(tiled))],
-                        best_pair)
+    op_case = SweepCase(
+        f"moe_experts (the engine's call) {label}",
+        weight_bytes + 2 * d * 2,
+        make,
+        [
+            Variant(
+                "moe_experts_by_size: grouped GEMVs, default tiles (default)",
+                "default",
+                engine_call,
+                checked(engine_call),
+                tiles=(X(), X()),
+            ),
+            Variant("tiled GEMMs + shared expert GEMVs (tiledmoe)", "ref", tiled, checked(tiled)),
+        ],
+        best_pair,
+    )
     return [up_case, down_case, op_case]
 
 
@@ -300,7 +451,7 @@ def wall_us(fn: Callable, sets: list[tuple], rep: int = 0) -> float:
 
 def small_copy_gbs(device: str) -> float:
     """A 16 MB copy (read + write), GB/s: the --tiny stand-in for roofline.copy_gbs."""
-    a = torch.randn(2 ** 22, device=device)
+    a = torch.randn(2**22, device=device)
     b = torch.empty_like(a)
     t0 = time.perf_counter()
     for _ in range(3):
@@ -316,16 +467,19 @@ def _context_ok(device: str) -> bool:
     try:
         torch.cuda.synchronize()
         return True
-    except Exception:                            # a sticky CUDA error (e.g. an illegal address): stop the sweep
+    except Exception:  # a sticky CUDA error (e.g. an illegal address): stop the sweep
         return False
 
 
-HEADER = ["| case | variant | µs | GB/s | % copy BW | vs default | rel err |",
-          "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+HEADER = [
+    "| case | variant | µs | GB/s | % copy BW | vs default | rel err |",
+    "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+]
 
 
-def run(cases: list[SweepCase], copy_gbs: float, device: str, tiny: bool, deadline: float,
-        emit: Callable[[str], None]) -> tuple[list[str], list[str]]:
+def run(
+    cases: list[SweepCase], copy_gbs: float, device: str, tiny: bool, deadline: float, emit: Callable[[str], None]
+) -> tuple[list[str], list[str]]:
     """Times every variant (safe ones first, then the risky ones, then each case's follow-ups), re-times each
     case's default, best and best launch shape, and returns (the rows grouped by case, the summary table)."""
     timer = wall_us if tiny else bench_us
@@ -345,7 +499,7 @@ def run(cases: list[SweepCase], copy_gbs: float, device: str, tiny: bool, deadli
             err = v.check(*case.sets[0]) if v.check else math.nan
             us = timer(v.fn, case.sets)
             results[case.name].append((v, us, f"{err:.1e}"))
-        except Exception as e:                   # a variant that fails to compile or run: record, go on
+        except Exception as e:  # a variant that fails to compile or run: record, go on
             results[case.name].append((v, math.nan, f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}"))
             if not _context_ok(device):
                 broken = f"CUDA context lost after {case.name} / {v.name}"
@@ -375,17 +529,23 @@ def _row(case: SweepCase, r: tuple, rows: list, copy_gbs: float) -> str:
     v, us, note = r
     default = next((x[1] for x in rows if x[0].kind == "default"), math.nan)
     gbs = case.bytes_moved / us / 1e3 if math.isfinite(us) else math.nan
-    return (f"| {case.name} | {v.name} | {us:.2f} | {gbs:.0f} | {100 * gbs / copy_gbs:.1f}% | {default / us:.3f}x "
-            f"| {note} |")
+    return (
+        f"| {case.name} | {v.name} | {us:.2f} | {gbs:.0f} | {100 * gbs / copy_gbs:.1f}% | {default / us:.3f}x "
+        f"| {note} |"
+    )
 
 
 def _summary(cases, results, copy_gbs, timer, deadline, broken, tiny) -> list[str]:
-    out = ["", "Per case: the default against the fastest variant, and the fastest Triton launch shape of the op "
-           "itself (kind tiles; cuBLAS and proxy rows are not launch shapes of it). re-timed: one more do_bench of "
-           "each after the sweep (same inputs).", "",
-           "| case | MB | default | µs | % copy BW | best | µs | % copy BW | speedup "
-           "| re-timed default / best / shape µs | best launch shape of the op | µs | speedup |",
-           "| --- | ---: | --- | ---: | ---: | --- | ---: | ---: | ---: | --- | --- | ---: | ---: |"]
+    out = [
+        "",
+        "Per case: the default against the fastest variant, and the fastest Triton launch shape of the op "
+        "itself (kind tiles; cuBLAS and proxy rows are not launch shapes of it). re-timed: one more do_bench of "
+        "each after the sweep (same inputs).",
+        "",
+        "| case | MB | default | µs | % copy BW | best | µs | % copy BW | speedup "
+        "| re-timed default / best / shape µs | best launch shape of the op | µs | speedup |",
+        "| --- | ---: | --- | ---: | ---: | --- | ---: | ---: | ---: | --- | --- | ---: | ---: |",
+    ]
     for case in cases:
         rows = results[case.name]
         d, b, bt = _best(rows, ("default",)), _best(rows), _best(rows, ("default", "tiles"))
@@ -402,9 +562,12 @@ def _summary(cases, results, copy_gbs, timer, deadline, broken, tiny) -> list[st
 
         def pct(us, case=case):
             return 100 * case.bytes_moved / us / 1e3 / copy_gbs
-        out.append(f"| {case.name} | {case.bytes_moved / 1e6:.1f} | {d[0].name} | {d[1]:.2f} | {pct(d[1]):.1f}% "
-                   f"| {b[0].name} | {b[1]:.2f} | {pct(b[1]):.1f}% | {d[1] / b[1]:.3f}x | {retimed} "
-                   f"| {bt[0].name} | {bt[1]:.2f} | {d[1] / bt[1]:.3f}x |")
+
+        out.append(
+            f"| {case.name} | {case.bytes_moved / 1e6:.1f} | {d[0].name} | {d[1]:.2f} | {pct(d[1]):.1f}% "
+            f"| {b[0].name} | {b[1]:.2f} | {pct(b[1]):.1f}% | {d[1] / b[1]:.3f}x | {retimed} "
+            f"| {bt[0].name} | {bt[1]:.2f} | {d[1] / bt[1]:.3f}x |"
+        )
     if broken:
         out += ["", f"Stopped early: {broken}."]
     if tiny:

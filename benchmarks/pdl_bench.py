@@ -7,10 +7,11 @@ the weight GB/s it reaches and that as a fraction of the measured copy / read ba
 
     PYTHONPATH=. python benchmarks/pdl_bench.py [--links 16] [--out pdl.md]
 """
+
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,7 @@ from benchmarks import roofline
 from service.engine.kernels.triton_gemv import gemv
 
 DEV, BF16 = "cuda", torch.bfloat16
-HIDDEN, SHARED_INTER = 2688, 3712              # Nano hidden size, shared-expert intermediate size
+HIDDEN, SHARED_INTER = 2688, 3712  # Nano hidden size, shared-expert intermediate size
 
 
 def graph_ms(step: Callable[[], torch.Tensor]) -> float:
@@ -33,8 +34,9 @@ def graph_ms(step: Callable[[], torch.Tensor]) -> float:
     return triton.testing.do_bench(graph.replay, warmup=20, rep=200, return_mode="median")
 
 
-def gemv_chain(links: int, shapes: tuple[tuple[int, int], ...], linear: Callable
-               ) -> tuple[Callable[[], torch.Tensor], float]:
+def gemv_chain(
+    links: int, shapes: tuple[tuple[int, int], ...], linear: Callable
+) -> tuple[Callable[[], torch.Tensor], float]:
     """`links` single-row linears cycling over the weight shapes (N, K), each weight its own tensor (the chain is
     far above L2); link i reads link i-1's output when the widths match, else a fixed row. Stream order makes every
     link wait for the one before either way. Returns the chain and its weight bytes."""
@@ -46,11 +48,14 @@ def gemv_chain(links: int, shapes: tuple[tuple[int, int], ...], linear: Callable
         for w in ws:
             y = linear(y if y.shape[1] == w.shape[1] else rows[w.shape[1]], w)
         return y
+
     return chain, sum(w.numel() * w.element_size() for w in ws)
 
 
-CHAINS = {"shared up/down 20 MB": ((SHARED_INTER, HIDDEN), (HIDDEN, SHARED_INTER)),
-          "mamba in_proj 55 MB": ((10304, HIDDEN),)}
+CHAINS = {
+    "shared up/down 20 MB": ((SHARED_INTER, HIDDEN), (HIDDEN, SHARED_INTER)),
+    "mamba in_proj 55 MB": ((10304, HIDDEN),),
+}
 
 
 def main() -> None:
@@ -59,13 +64,18 @@ def main() -> None:
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     copy, read = roofline.copy_gbs(DEV), roofline.read_gbs(DEV)
-    lines = [f"GPU: {torch.cuda.get_device_name()}; ceilings: 1 GiB copy {copy:.0f} GB/s (read + write), "
-             f"1 GiB read {read:.0f} GB/s", "",
-             "| chain | device ms per chain | us per kernel | weight GB/s | % copy | % read |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
-    variants = {"cuBLAS F.linear": F.linear,
-                "Triton gemv, no PDL": lambda x, w: gemv(x, w, pdl=False),
-                "Triton gemv, PDL": lambda x, w: gemv(x, w, pdl=True)}
+    lines = [
+        f"GPU: {torch.cuda.get_device_name()}; ceilings: 1 GiB copy {copy:.0f} GB/s (read + write), "
+        f"1 GiB read {read:.0f} GB/s",
+        "",
+        "| chain | device ms per chain | us per kernel | weight GB/s | % copy | % read |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    variants = {
+        "cuBLAS F.linear": F.linear,
+        "Triton gemv, no PDL": lambda x, w: gemv(x, w, pdl=False),
+        "Triton gemv, PDL": lambda x, w: gemv(x, w, pdl=True),
+    }
     errs = []
     for chain_name, shapes in CHAINS.items():
         outs = {}
@@ -75,8 +85,10 @@ def main() -> None:
             ms = graph_ms(chain)
             outs[name] = chain()
             gbs = nbytes / ms / 1e6
-            lines.append(f"| {chain_name}: {args.links} x {name} | {ms:.4f} | {1e3 * ms / args.links:.2f} | {gbs:.0f} "
-                         f"| {100 * gbs / copy:.0f}% | {100 * gbs / read:.0f}% |")
+            lines.append(
+                f"| {chain_name}: {args.links} x {name} | {ms:.4f} | {1e3 * ms / args.links:.2f} | {gbs:.0f} "
+                f"| {100 * gbs / copy:.0f}% | {100 * gbs / read:.0f}% |"
+            )
             print(lines[-1], flush=True)
             del chain
         ref = outs["Triton gemv, no PDL"].float()

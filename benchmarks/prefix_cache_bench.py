@@ -6,6 +6,7 @@ Runs the same workload with mamba_cache_strategy=off and extra_buffer (and no_bu
     .venv/bin/python benchmarks/prefix_cache_bench.py                        # CPU, embedded tiny model
     python benchmarks/prefix_cache_bench.py --device cuda --model-path P     # GPU
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,9 +24,18 @@ def workload(vocab: int, num_requests: int, system_len: int, question_len: int, 
 
 
 def run(args: argparse.Namespace, strategy: str, model=None) -> dict:
-    engine = Engine(EngineConfig(model_path=args.model_path, device=args.device, page_size=args.page_size,
-                                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                 mamba_cache_strategy=strategy, kernel_backend=args.kernel_backend), model=model)
+    engine = Engine(
+        EngineConfig(
+            model_path=args.model_path,
+            device=args.device,
+            page_size=args.page_size,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            mamba_cache_strategy=strategy,
+            kernel_backend=args.kernel_backend,
+        ),
+        model=model,
+    )
     prompts = workload(engine.model_config.vocab_size, args.num_requests, args.system_len, args.question_len, 0)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     engine.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up (and the first hit)
@@ -33,12 +43,18 @@ def run(args: argparse.Namespace, strategy: str, model=None) -> dict:
     outs = engine.generate(prompts, params)
     if args.device.startswith("cuda"):
         import torch
+
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     s = engine.stats()
-    return {"strategy": strategy, "seconds": dt, "output_tokens": sum(len(o.token_ids) for o in outs),
-            "hit_tokens": s["prefix_cache_hit_tokens"], "queried_tokens": s["prefix_cache_queried_tokens"],
-            "model": engine.runner.model}
+    return {
+        "strategy": strategy,
+        "seconds": dt,
+        "output_tokens": sum(len(o.token_ids) for o in outs),
+        "hit_tokens": s["prefix_cache_hit_tokens"],
+        "queried_tokens": s["prefix_cache_queried_tokens"],
+        "model": engine.runner.model,
+    }
 
 
 def main() -> None:
@@ -56,6 +72,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.model_path is None:
         from service.testing.tiny import make_tiny_model
+
         args.model_path = make_tiny_model(tempfile.mkdtemp(prefix="hybrid-serve-bench-"))
     strategies = ["off", "extra_buffer"] + (["no_buffer"] if args.page_size == 1 else [])
     results, model = [], None
@@ -66,8 +83,10 @@ def main() -> None:
     base = results[0]["seconds"]
     print(f"{'strategy':<14}{'seconds':>10}{'out tok/s':>12}{'hit tokens':>12}{'ratio vs off':>14}")
     for r in results:
-        print(f"{r['strategy']:<14}{r['seconds']:>10.3f}{r['output_tokens'] / r['seconds']:>12.1f}"
-              f"{r['hit_tokens']:>12}{r['seconds'] / base:>14.3f}")
+        print(
+            f"{r['strategy']:<14}{r['seconds']:>10.3f}{r['output_tokens'] / r['seconds']:>12.1f}"
+            f"{r['hit_tokens']:>12}{r['seconds'] / base:>14.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """Measured GPU ceilings shared by the benchmarks: device copy bandwidth (read + write), read-only bandwidth, and a
 bf16 matmul. Each is a triton.testing.do_bench median over 1 GiB buffers (far above L2), so every benchmark divides
 by the same numbers."""
+
 from __future__ import annotations
 
 import torch
 import triton.testing
 
-GIB_BF16 = 2 ** 29                 # bf16 elements in 1 GiB
+GIB_BF16 = 2**29  # bf16 elements in 1 GiB
 
 
 def copy_gbs(device: str = "cuda") -> float:
@@ -29,4 +30,4 @@ def matmul_tflops(device: str = "cuda") -> float:
     x = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     y = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     ms = triton.testing.do_bench(lambda: x @ y, warmup=50, rep=300, return_mode="median")
-    return 2 * 8192 ** 3 / ms / 1e9
+    return 2 * 8192**3 / ms / 1e9

@@ -15,6 +15,7 @@ two never share a device.
     PYTHONPATH=. python benchmarks/serving_bench.py --model nano --device cuda --kernel-backend triton \\
         --workload 128:256:512:256 --workload 1024:1024:256:256
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,7 +30,7 @@ from dataclasses import asdict, dataclass
 
 import httpx
 
-if __package__ in (None, ""):   # run as a script: the repository root is the import root
+if __package__ in (None, ""):  # run as a script: the repository root is the import root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.serving_procs import ServeProcess, cpu_delta_by_role, cpu_seconds_by_pid, own_cpu_seconds  # noqa: E402
@@ -37,25 +38,40 @@ from loadtests.bench_client import RequestResult, Summary, stream_request, summa
 from loadtests.workloads import random_token_prompts  # noqa: E402
 
 ENDPOINTS = {"completions": "/completions", "chat": "/chat/completions"}
-NANO_OVERRIDES = {   # Nemotron-3 Nano 30B-A3B shapes (tests/engine/fixtures/nano_30b_a3b_config.json), 8 layers
-    "hidden_size": 2688, "hybrid_override_pattern": "MEM*EMEM", "mamba_num_heads": 64, "mamba_head_dim": 64,
-    "n_groups": 8, "ssm_state_size": 128, "chunk_size": 128, "expand": 2, "num_attention_heads": 32,
-    "num_key_value_heads": 2, "head_dim": 128, "n_routed_experts": 128, "num_experts_per_tok": 6,
-    "moe_intermediate_size": 1856, "moe_shared_expert_intermediate_size": 3712, "intermediate_size": 1856,
-    "routed_scaling_factor": 2.5, "initializer_range": 0.02, "torch_dtype": "bfloat16",
-    "max_position_embeddings": 8192, "time_step_limit": [0.0, 1e9],
+NANO_OVERRIDES = {  # Nemotron-3 Nano 30B-A3B shapes (tests/engine/fixtures/nano_30b_a3b_config.json), 8 layers
+    "hidden_size": 2688,
+    "hybrid_override_pattern": "MEM*EMEM",
+    "mamba_num_heads": 64,
+    "mamba_head_dim": 64,
+    "n_groups": 8,
+    "ssm_state_size": 128,
+    "chunk_size": 128,
+    "expand": 2,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "n_routed_experts": 128,
+    "num_experts_per_tok": 6,
+    "moe_intermediate_size": 1856,
+    "moe_shared_expert_intermediate_size": 3712,
+    "intermediate_size": 1856,
+    "routed_scaling_factor": 2.5,
+    "initializer_range": 0.02,
+    "torch_dtype": "bfloat16",
+    "max_position_embeddings": 8192,
+    "time_step_limit": [0.0, 1e9],
 }
 
 
 @dataclass(frozen=True)
 class Workload:
-    isl: int              # prompt tokens
-    osl: int              # output tokens (ignore_eos)
+    isl: int  # prompt tokens
+    osl: int  # output tokens (ignore_eos)
     num_prompts: int
-    concurrency: int      # requests in flight at most
+    concurrency: int  # requests in flight at most
 
     @classmethod
-    def parse(cls, text: str) -> "Workload":
+    def parse(cls, text: str) -> Workload:
         parts = text.split(":")
         if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
             raise ValueError(f"--workload must be ISL:OSL:PROMPTS:CONCURRENCY (positive ints), got {text!r}")
@@ -69,10 +85,11 @@ class Workload:
 @dataclass(frozen=True)
 class Case:
     """One workload on one endpoint, with its prompts (token ids as the engine sees them)."""
+
     workload: Workload
-    endpoint: str                     # "completions" | "chat"
-    bodies: list[dict]                # HTTP request bodies (without model / stream fields)
-    engine_prompts: list[list[int]]   # the same prompts as token ids (chat: template applied and encoded)
+    endpoint: str  # "completions" | "chat"
+    bodies: list[dict]  # HTTP request bodies (without model / stream fields)
+    engine_prompts: list[list[int]]  # the same prompts as token ids (chat: template applied and encoded)
 
 
 # ---------------------------------------------------------------- model folders
@@ -84,12 +101,14 @@ def write_model(kind: str, out_dir: str, nano_experts: int, device: str) -> str:
     if os.path.exists(os.path.join(out_dir, "config.json")):
         return out_dir
     partial = out_dir + ".partial"
-    tiny.make_tiny_model(partial)                  # tokenizer files (and the tiny model's weights)
+    tiny.make_tiny_model(partial)  # tokenizer files (and the tiny model's weights)
     if kind == "nano":
         from safetensors.torch import save_file  # noqa: PLC0415
 
-        config = tiny.tiny_config(tiny.train_tokenizer(), **{**NANO_OVERRIDES, "n_routed_experts": nano_experts,
-                                                            "num_experts_per_tok": min(6, nano_experts)})
+        config = tiny.tiny_config(
+            tiny.train_tokenizer(),
+            **{**NANO_OVERRIDES, "n_routed_experts": nano_experts, "num_experts_per_tok": min(6, nano_experts)},
+        )
         save_file(nano_weights(config, device), os.path.join(partial, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(partial, "config.json"), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2)
@@ -104,6 +123,7 @@ def nano_weights(config: dict, device: str, seed: int = 0) -> dict:
     import torch  # noqa: PLC0415
 
     from service.testing import tiny  # noqa: PLC0415
+
     one = tiny.random_weights({**config, "n_routed_experts": 1, "num_experts_per_tok": 1}, seed)
     gen = torch.Generator(device=device).manual_seed(seed)
     experts, std = config["n_routed_experts"], config["initializer_range"]
@@ -127,7 +147,7 @@ def make_cases(model_path: str, workloads: list[Workload], endpoints: list[str],
     from service.engine.tokenizer import Tokenizer  # noqa: PLC0415
 
     tok = Tokenizer.from_model_path(model_path)
-    lo = max(tok.special_token_ids | {0}) + 1      # plain vocabulary tokens only
+    lo = max(tok.special_token_ids | {0}) + 1  # plain vocabulary tokens only
     cases = []
     for w in workloads:
         prompts = random_token_prompts(w.num_prompts, w.isl, (lo, tok.vocab_size), seed=seed)
@@ -137,16 +157,19 @@ def make_cases(model_path: str, workloads: list[Workload], endpoints: list[str],
                 cases.append(Case(w, ep, [{**base, "prompt": p} for p in prompts], prompts))
                 continue
             texts = [tok.decode(p) for p in prompts]
-            ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True))
-                   for t in texts]
+            ids = [
+                tok.encode(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True))
+                for t in texts
+            ]
             cases.append(Case(w, ep, [{**base, "messages": [{"role": "user", "content": t}]} for t in texts], ids))
     return cases
 
 
 # ---------------------------------------------------------------- served
 async def _closed_loop_http(base_url: str, model: str, case: Case, timeout_s: float) -> tuple[Summary, list]:
-    limits = httpx.Limits(max_connections=case.workload.concurrency + 8,
-                          max_keepalive_connections=case.workload.concurrency + 8)
+    limits = httpx.Limits(
+        max_connections=case.workload.concurrency + 8, max_keepalive_connections=case.workload.concurrency + 8
+    )
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits) as client:
         gate = asyncio.Semaphore(case.workload.concurrency)
 
@@ -164,20 +187,25 @@ def run_served(args: argparse.Namespace, model_path: str, cases: list[Case]) -> 
     with ServeProcess(model_path, args.serve_args, log_path=args.serve_log) as server:
         print(f"server up in {server.startup_s:.1f} s ({server.base_url})", flush=True)
         for case in cases:
-            warm = Case(case.workload, case.endpoint, case.bodies[:_warmup_prompts(args, case)], [])
-            asyncio.run(_closed_loop_http(server.base_url, server.model, _shorter(warm, args.warmup_tokens),
-                                          args.timeout_s))
+            warm = Case(case.workload, case.endpoint, case.bodies[: _warmup_prompts(args, case)], [])
+            asyncio.run(
+                _closed_loop_http(server.base_url, server.model, _shorter(warm, args.warmup_tokens), args.timeout_s)
+            )
             cpu0, own0 = cpu_seconds_by_pid(server.pid), own_cpu_seconds()
             summary, _ = asyncio.run(_closed_loop_http(server.base_url, server.model, case, args.timeout_s))
             cpu = cpu_delta_by_role(cpu0, cpu_seconds_by_pid(server.pid))
             cpu["client (this process)"] = own_cpu_seconds() - own0
             out[_key(case)] = {"summary": asdict(summary), "cpu_s": cpu}
-            print(f"  served {_key(case)}: {summary.output_tokens_per_s:.0f} tok/s, errors {summary.num_errors}",
-                  flush=True)
+            print(
+                f"  served {_key(case)}: {summary.output_tokens_per_s:.0f} tok/s, errors {summary.num_errors}",
+                flush=True,
+            )
             if args.guidellm and case.endpoint == "completions":
                 out[_key(case)]["guidellm"] = run_guidellm(server, case.workload, model_path, args.timeout_s)
-        out["_warnings"] = {"queue_length_warnings": server.count_log("Failed to get queue length"),
-                            "serve_log_dir": server.serve_log_dir}
+        out["_warnings"] = {
+            "queue_length_warnings": server.count_log("Failed to get queue length"),
+            "serve_log_dir": server.serve_log_dir,
+        }
     return out
 
 
@@ -185,19 +213,43 @@ def run_guidellm(server: ServeProcess, w: Workload, model_path: str, timeout_s: 
     """The same workload shape from guidellm (its own synthetic prompts and client) against the same server:
     output tok/s and TTFT p50 as guidellm reports them."""
     path = os.path.join(server.tmp, "guidellm.json")
-    backend = {"kind": "openai_http", "target": server.base_url.removesuffix("/v1"), "model": server.model,
-               "request_format": "/v1/completions", "http2": False,
-               "extras": {"body": {"ignore_eos": True, "temperature": 0.0}}}
-    cmd = [sys.executable, "-m", "guidellm", "run", "--backend", json.dumps(backend),
-           "--profile", json.dumps({"kind": "concurrent", "streams": [w.concurrency]}),
-           "--data", json.dumps({"kind": "synthetic_text", "prompt_tokens": w.isl, "output_tokens": w.osl}),
-           "--tokenizer", json.dumps({"kind": "huggingface_auto", "model": model_path}),
-           "--constraint", json.dumps({"kind": "max_requests", "count": w.num_prompts}),
-           "--output", json.dumps({"kind": "json", "path": path}), "--disable-progress"]
+    backend = {
+        "kind": "openai_http",
+        "target": server.base_url.removesuffix("/v1"),
+        "model": server.model,
+        "request_format": "/v1/completions",
+        "http2": False,
+        "extras": {"body": {"ignore_eos": True, "temperature": 0.0}},
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "guidellm",
+        "run",
+        "--backend",
+        json.dumps(backend),
+        "--profile",
+        json.dumps({"kind": "concurrent", "streams": [w.concurrency]}),
+        "--data",
+        json.dumps({"kind": "synthetic_text", "prompt_tokens": w.isl, "output_tokens": w.osl}),
+        "--tokenizer",
+        json.dumps({"kind": "huggingface_auto", "model": model_path}),
+        "--constraint",
+        json.dumps({"kind": "max_requests", "count": w.num_prompts}),
+        "--output",
+        json.dumps({"kind": "json", "path": path}),
+        "--disable-progress",
+    ]
     # one client process that does not spin (its defaults: up to 10 workers polling every 0.1 ms, which on a
     # small machine take the server's CPU); its log file goes to the server's temp dir
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "GUIDELLM__MAX_WORKER_PROCESSES": "1",
-           "GUIDELLM__DEFAULT_ASYNC_LOOP_SLEEP": "0.001", "GUIDELLM__LOGGING__LOG_FILE": os.path.join(server.tmp, "guidellm.log")}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "GUIDELLM__MAX_WORKER_PROCESSES": "1",
+        "GUIDELLM__DEFAULT_ASYNC_LOOP_SLEEP": "0.001",
+        "GUIDELLM__LOGGING__LOG_FILE": os.path.join(server.tmp, "guidellm.log"),
+    }
     children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=server.tmp)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -205,11 +257,14 @@ def run_guidellm(server: ServeProcess, w: Workload, model_path: str, timeout_s: 
         return {"error": f"guidellm exited {done.returncode}: {done.stderr[-2000:]}"}
     with open(path, encoding="utf-8") as f:
         metrics = json.load(f)["benchmarks"][0]["metrics"]
-    return {"output_tokens_per_s": metrics["output_tokens_per_second"]["successful"]["mean"],
-            "ttft_p50_s": metrics["time_to_first_token_ms"]["successful"]["median"] / 1e3,
-            "errored": metrics["request_totals"]["errored"], "successful": metrics["request_totals"]["successful"],
-            "client_cpu_s": children.ru_utime + children.ru_stime - children0.ru_utime - children0.ru_stime,
-            "command": " ".join(cmd[2:])}
+    return {
+        "output_tokens_per_s": metrics["output_tokens_per_second"]["successful"]["mean"],
+        "ttft_p50_s": metrics["time_to_first_token_ms"]["successful"]["median"] / 1e3,
+        "errored": metrics["request_totals"]["errored"],
+        "successful": metrics["request_totals"]["successful"],
+        "client_cpu_s": children.ru_utime + children.ru_stime - children0.ru_utime - children0.ru_stime,
+        "command": " ".join(cmd[2:]),
+    }
 
 
 def _warmup_prompts(args: argparse.Namespace, case: Case) -> int:
@@ -230,13 +285,18 @@ def run_inprocess(args: argparse.Namespace, model_path: str, cases: list[Case]) 
     import torch  # noqa: PLC0415
 
     from service.engine import Engine  # noqa: PLC0415
+
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
     engine = Engine(engine_config(args, model_path))
     out = {}
     for case in cases:
-        closed_loop_engine(engine, case.engine_prompts[:_warmup_prompts(args, case)],
-                           min(args.warmup_tokens, case.workload.osl), case.workload.concurrency)
+        closed_loop_engine(
+            engine,
+            case.engine_prompts[: _warmup_prompts(args, case)],
+            min(args.warmup_tokens, case.workload.osl),
+            case.workload.concurrency,
+        )
         own0 = own_cpu_seconds()
         summary = closed_loop_engine(engine, case.engine_prompts, case.workload.osl, case.workload.concurrency)
         out[_key(case)] = {"summary": asdict(summary), "cpu_s": {"engine (this process)": own_cpu_seconds() - own0}}
@@ -246,9 +306,17 @@ def run_inprocess(args: argparse.Namespace, model_path: str, cases: list[Case]) 
 
 def engine_config(args: argparse.Namespace, model_path: str):
     from service.engine import EngineConfig  # noqa: PLC0415
-    return EngineConfig(model_path=model_path, device=args.device, dtype=args.dtype, page_size=args.page_size,
-                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        kernel_backend=args.kernel_backend, mamba_cache_strategy=args.mamba_scheduler_strategy)
+
+    return EngineConfig(
+        model_path=model_path,
+        device=args.device,
+        dtype=args.dtype,
+        page_size=args.page_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kernel_backend=args.kernel_backend,
+        mamba_cache_strategy=args.mamba_scheduler_strategy,
+    )
 
 
 def closed_loop_engine(engine, prompts: list[list[int]], osl: int, concurrency: int) -> Summary:
@@ -275,8 +343,12 @@ def closed_loop_engine(engine, prompts: list[list[int]], osl: int, concurrency: 
             if o.finished:
                 done[o.request_id] = now
     duration = time.perf_counter() - start
-    results = [RequestResult(first[r] - sent[r], tuple(gaps[r]), done[r] - sent[r], 0, 0, outs[r], "",
-                             num_chunks=len(gaps[r]) + 1) for r in sent]
+    results = [
+        RequestResult(
+            first[r] - sent[r], tuple(gaps[r]), done[r] - sent[r], 0, 0, outs[r], "", num_chunks=len(gaps[r]) + 1
+        )
+        for r in sent
+    ]
     return summarize(results, duration)
 
 
@@ -286,8 +358,11 @@ def _ms(d: dict, key: str) -> str:
 
 
 def report(served: dict, inproc: dict, cases: list[Case]) -> list[str]:
-    lines = ["| workload | path | output tok/s | ratio | TTFT p50 / p90 / p99 ms | TPOT p50 ms | ITL p50 / p99 ms "
-             "| tokens/chunk | errors | host CPU ms per output token |", "|---|---|---:|---:|---|---:|---|---:|---:|---|"]
+    lines = [
+        "| workload | path | output tok/s | ratio | TTFT p50 / p90 / p99 ms | TPOT p50 ms | ITL p50 / p99 ms "
+        "| tokens/chunk | errors | host CPU ms per output token |",
+        "|---|---|---:|---:|---|---:|---|---:|---:|---|",
+    ]
     for case in cases:
         key = _key(case)
         base = inproc.get(key, {}).get("summary", {}).get("output_tokens_per_s")
@@ -296,31 +371,43 @@ def report(served: dict, inproc: dict, cases: list[Case]) -> list[str]:
                 continue
             s = res["summary"]
             ratio = f"{s['output_tokens_per_s'] / base:.2f}x" if base else "-"
-            cpu = ", ".join(f"{role} {1e3 * sec / max(s['output_tokens'], 1):.2f}"
-                            for role, sec in res["cpu_s"].items() if sec > 0.005)
+            cpu = ", ".join(
+                f"{role} {1e3 * sec / max(s['output_tokens'], 1):.2f}"
+                for role, sec in res["cpu_s"].items()
+                if sec > 0.005
+            )
             t, tp, itl = s["ttft"], s["tpot"], s["itl"]
-            lines.append(f"| {key} | {path} | {s['output_tokens_per_s']:.0f} | {ratio} | {_ms(t, 'p50')} / "
-                         f"{_ms(t, 'p90')} / {_ms(t, 'p99')} | {_ms(tp, 'p50')} | {_ms(itl, 'p50')} / {_ms(itl, 'p99')} "
-                         f"| {s['tokens_per_chunk']:.2f} | {s['num_errors']} | {cpu} |")
+            lines.append(
+                f"| {key} | {path} | {s['output_tokens_per_s']:.0f} | {ratio} | {_ms(t, 'p50')} / "
+                f"{_ms(t, 'p90')} / {_ms(t, 'p99')} | {_ms(tp, 'p50')} | {_ms(itl, 'p50')} / {_ms(itl, 'p99')} "
+                f"| {s['tokens_per_chunk']:.2f} | {s['num_errors']} | {cpu} |"
+            )
             gl = res.get("guidellm")
             if gl:
-                lines.append(f"|  | guidellm | {gl['output_tokens_per_s']:.0f} "
-                             f"({100 * (gl['output_tokens_per_s'] / s['output_tokens_per_s'] - 1):+.1f} %) | | "
-                             f"p50 {1e3 * gl['ttft_p50_s']:.1f} ({100 * (gl['ttft_p50_s'] / t['p50'] - 1):+.1f} %) | | | "
-                             f"| {gl['errored']} | guidellm client {1e3 * gl['client_cpu_s'] / max(s['output_tokens'], 1):.2f} |"
-                             if "error" not in gl else f"|  | guidellm failed: {gl['error'][:300]} |")
+                lines.append(
+                    f"|  | guidellm | {gl['output_tokens_per_s']:.0f} "
+                    f"({100 * (gl['output_tokens_per_s'] / s['output_tokens_per_s'] - 1):+.1f} %) | | "
+                    f"p50 {1e3 * gl['ttft_p50_s']:.1f} ({100 * (gl['ttft_p50_s'] / t['p50'] - 1):+.1f} %) | | | "
+                    f"| {gl['errored']} | guidellm client {1e3 * gl['client_cpu_s'] / max(s['output_tokens'], 1):.2f} |"
+                    if "error" not in gl
+                    else f"|  | guidellm failed: {gl['error'][:300]} |"
+                )
             if s.get("first_error"):
                 lines.append(f"|  | first error: {s['first_error'][:200]} |")
     warn = served.get("_warnings")
     if warn is not None:
-        lines.append(f"\nqueue-length warnings in the serve logs: {warn['queue_length_warnings']} "
-                     f"({warn['serve_log_dir']})")
+        lines.append(
+            f"\nqueue-length warnings in the serve logs: {warn['queue_length_warnings']} ({warn['serve_log_dir']})"
+        )
     return lines
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 2)[2])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 2)[2],
+    )
     p.add_argument("--model", choices=("tiny", "nano"), default="tiny", help="model this benchmark writes")
     p.add_argument("--model-dir", default=None, help="where to write (or reuse) the model folder")
     p.add_argument("--nano-experts", type=int, default=128, help="routed experts of the Nano-shaped model")
@@ -333,18 +420,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--mamba-scheduler-strategy", default="off", help="prefix cache (off: every prompt computed)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads of the in-process engine on CPU (the engine "
-                   "replica gets 1 CPU from Ray, which sets its OMP_NUM_THREADS to 1)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of the in-process engine on CPU (the engine "
+        "replica gets 1 CPU from Ray, which sets its OMP_NUM_THREADS to 1)",
+    )
     p.add_argument("--serve-extra", default="", help="more `hybrid-serve serve` flags, one string")
-    p.add_argument("--warmup-prompts", type=int, default=0, help="prompts of the untimed warm-up run before each "
-                   "workload (0: the workload's concurrency)")
+    p.add_argument(
+        "--warmup-prompts",
+        type=int,
+        default=0,
+        help="prompts of the untimed warm-up run before each workload (0: the workload's concurrency)",
+    )
     p.add_argument("--warmup-tokens", type=int, default=8)
     p.add_argument("--timeout-s", type=float, default=1200.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-served", action="store_true")
     p.add_argument("--skip-inprocess", action="store_true")
-    p.add_argument("--guidellm", action="store_true", help="also run guidellm (PyPI) against the same server on "
-                   "each completions workload, as an independent check of our client's numbers")
+    p.add_argument(
+        "--guidellm",
+        action="store_true",
+        help="also run guidellm (PyPI) against the same server on "
+        "each completions workload, as an independent check of our client's numbers",
+    )
     p.add_argument("--serve-log", default=None, help="file for the server's output (default: in its temp dir)")
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     args = p.parse_args(argv)
@@ -352,11 +452,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.endpoints = [e for e in args.endpoints.split(",") if e]
     if not set(args.endpoints) <= set(ENDPOINTS):
         p.error(f"--endpoints: choose from {sorted(ENDPOINTS)}")
-    args.serve_args = ["--device", args.device, "--dtype", args.dtype, "--kernel-backend", args.kernel_backend,
-                       "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
-                       str(args.max_num_batched_tokens), "--page-size", str(args.page_size),
-                       "--mamba-scheduler-strategy", args.mamba_scheduler_strategy, "--replicas", "1",
-                       *args.serve_extra.split()]
+    args.serve_args = [
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--kernel-backend",
+        args.kernel_backend,
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--page-size",
+        str(args.page_size),
+        "--mamba-scheduler-strategy",
+        args.mamba_scheduler_strategy,
+        "--replicas",
+        "1",
+        *args.serve_extra.split(),
+    ]
     return args
 
 
@@ -373,8 +487,16 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines), flush=True)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k != "workloads"},
-                       "served": served, "in_process": inproc}, f, indent=2, default=str)
+            json.dump(
+                {
+                    "args": {k: v for k, v in vars(args).items() if k != "workloads"},
+                    "served": served,
+                    "in_process": inproc,
+                },
+                f,
+                indent=2,
+                default=str,
+            )
     errors = sum(r["summary"]["num_errors"] for r in served.values() if "summary" in r)
     return 1 if errors else 0
 

@@ -1,5 +1,6 @@
 """The server process of `serving_bench`: `hybrid-serve serve` in its own local Ray cluster, its process tree,
 and host CPU time per process role read from /proc (Linux; no psutil needed)."""
+
 from __future__ import annotations
 
 import glob
@@ -15,9 +16,15 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 # process title (Ray sets `ray::<actor>`) -> role in the report; first match wins
-_ROLES = ((":engine", "engine replica"), (":openai", "ingress"), ("ray::ProxyActor", "proxy"),
-          ("ray::ServeController", "controller"), ("gcs_server", "ray gcs"), ("raylet", "raylet"),
-          ("ray::", "other ray workers"))
+_ROLES = (
+    (":engine", "engine replica"),
+    (":openai", "ingress"),
+    ("ray::ProxyActor", "proxy"),
+    ("ray::ServeController", "controller"),
+    ("gcs_server", "ray gcs"),
+    ("raylet", "raylet"),
+    ("ray::", "other ray workers"),
+)
 
 
 def free_port() -> int:
@@ -30,7 +37,7 @@ def _read(path: str) -> str | None:
     try:
         with open(path, "rb") as f:
             return f.read().decode(errors="replace")
-    except OSError:   # the process exited meanwhile
+    except OSError:  # the process exited meanwhile
         return None
 
 
@@ -39,7 +46,7 @@ def _stat(pid: int) -> tuple[int, float] | None:
     text = _read(f"/proc/{pid}/stat")
     if text is None:
         return None
-    fields = text[text.rindex(")") + 2:].split()   # after "pid (comm) "; fields[0] is the state
+    fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) "; fields[0] is the state
     return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
 
 
@@ -91,12 +98,13 @@ class ServeProcess:
     """`python -m service.cli serve ...` on 127.0.0.1 with a private Ray temp dir; a context manager that waits
     until the app is up and, on exit, stops it with Ctrl-C and ends whatever of its process tree is left."""
 
-    def __init__(self, model_path: str, serve_args: list[str], log_path: str | None = None,
-                 startup_timeout_s: float = 900.0):
+    def __init__(
+        self, model_path: str, serve_args: list[str], log_path: str | None = None, startup_timeout_s: float = 900.0
+    ):
         self.model_path = model_path
         self.model = os.path.basename(model_path.rstrip("/"))
         self.serve_args = serve_args
-        self.tmp = tempfile.mkdtemp(prefix="hsb", dir="/tmp")   # short: Ray's socket paths live below it
+        self.tmp = tempfile.mkdtemp(prefix="hsb", dir="/tmp")  # short: Ray's socket paths live below it
         self.log_path = log_path or os.path.join(self.tmp, "serve.log")
         self.startup_timeout_s = startup_timeout_s
         self.port = free_port()
@@ -113,12 +121,29 @@ class ServeProcess:
     def serve_log_dir(self) -> str:
         return os.path.join(self.tmp, "ray")
 
-    def __enter__(self) -> "ServeProcess":
+    def __enter__(self) -> ServeProcess:
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-        env.update(RAY_TMPDIR=self.tmp, RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1",
-                   PYTHONPATH=os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p))
-        cmd = [sys.executable, "-m", "service.cli", "serve", "--model-path", self.model_path, "--host", "127.0.0.1",
-               "--port", str(self.port), "--metrics-port", str(free_port()), *self.serve_args]
+        env.update(
+            RAY_TMPDIR=self.tmp,
+            RAY_USAGE_STATS_ENABLED="0",
+            PYTHONUNBUFFERED="1",
+            PYTHONPATH=os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p),
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "service.cli",
+            "serve",
+            "--model-path",
+            self.model_path,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--metrics-port",
+            str(free_port()),
+            *self.serve_args,
+        ]
         self._log = open(self.log_path, "w", encoding="utf-8")
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
@@ -138,8 +163,10 @@ class ServeProcess:
 
     def count_log(self, needle: str) -> int:
         """Lines containing `needle` in the CLI's output and in every Ray log file of this cluster."""
-        files = [self.log_path, *glob.glob(os.path.join(self.serve_log_dir, "session_*", "logs", "**", "*"),
-                                            recursive=True)]
+        files = [
+            self.log_path,
+            *glob.glob(os.path.join(self.serve_log_dir, "session_*", "logs", "**", "*"), recursive=True),
+        ]
         return sum((_read(f) or "").count(needle) for f in files if os.path.isfile(f))
 
     def __exit__(self, *exc: object) -> None:
@@ -153,7 +180,7 @@ class ServeProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        for pid, cmdline in tree.items():   # Ray processes the CLI started and did not stop (same pid, same command)
+        for pid, cmdline in tree.items():  # Ray processes the CLI started and did not stop (same pid, same command)
             if pid != self.proc.pid and cmdline and _read(f"/proc/{pid}/cmdline") == cmdline:
                 try:
                     os.kill(pid, signal.SIGKILL)

@@ -7,6 +7,7 @@ Every request streams (`stream_options.include_usage`), so the client measures t
 inter-token latency (per content chunk) and end-to-end latency, and reads prompt / cached /
 completion tokens from the final usage chunk. Output: one JSON summary (percentiles in seconds).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,16 +26,17 @@ from loadtests.workloads import multi_turn_sessions, shared_prefix_workload
 @dataclass(frozen=True)
 class RequestResult:
     """Measurements of one streamed completion or chat completion."""
-    ttft_s: float | None             # request start -> first event carrying a choice
-    itl_s: tuple[float, ...]         # gaps between consecutive choice events (one event may hold several tokens)
-    e2e_s: float                     # request start -> [DONE]
+
+    ttft_s: float | None  # request start -> first event carrying a choice
+    itl_s: tuple[float, ...]  # gaps between consecutive choice events (one event may hold several tokens)
+    e2e_s: float  # request start -> [DONE]
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
-    text: str                        # completion text, or chat content (reasoning excluded)
-    error: str | None = None         # error message when the request failed
-    num_chunks: int = 0              # choice events received
-    finish_reason: str | None = None # the last finish_reason seen
+    text: str  # completion text, or chat content (reasoning excluded)
+    error: str | None = None  # error message when the request failed
+    num_chunks: int = 0  # choice events received
+    finish_reason: str | None = None  # the last finish_reason seen
 
     @property
     def tpot_s(self) -> float | None:
@@ -47,17 +49,18 @@ class RequestResult:
 @dataclass
 class Summary:
     """Aggregate of a benchmark run (latencies in seconds)."""
+
     num_requests: int
     num_errors: int
     duration_s: float
     output_tokens_per_s: float
-    cache_hit_ratio: float           # sum(cached_tokens) / sum(prompt_tokens)
+    cache_hit_ratio: float  # sum(cached_tokens) / sum(prompt_tokens)
     ttft: dict[str, float] = field(default_factory=dict)
     itl: dict[str, float] = field(default_factory=dict)
     e2e: dict[str, float] = field(default_factory=dict)
     tpot: dict[str, float] = field(default_factory=dict)
     output_tokens: int = 0
-    tokens_per_chunk: float = 0.0    # completion tokens / choice events (1.0: one event per token)
+    tokens_per_chunk: float = 0.0  # completion tokens / choice events (1.0: one event per token)
     first_error: str | None = None
 
 
@@ -86,15 +89,26 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict[str, A
         async with client.stream("POST", path, json=body) as resp:
             if resp.status_code != 200:
                 detail = (await resp.aread()).decode(errors="replace")
-                return RequestResult(None, (), time.perf_counter() - start, 0, 0, 0, "",
-                                     f"HTTP {resp.status_code}: {detail}")
+                return RequestResult(
+                    None, (), time.perf_counter() - start, 0, 0, 0, "", f"HTTP {resp.status_code}: {detail}"
+                )
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                event = json.loads(line[len("data: "):])
+                event = json.loads(line[len("data: ") :])
                 if "error" in event:
-                    return RequestResult(ttft, tuple(gaps), time.perf_counter() - start, 0, 0, 0, "".join(text),
-                                         event["error"].get("message", "error"), chunks, finish)
+                    return RequestResult(
+                        ttft,
+                        tuple(gaps),
+                        time.perf_counter() - start,
+                        0,
+                        0,
+                        0,
+                        "".join(text),
+                        event["error"].get("message", "error"),
+                        chunks,
+                        finish,
+                    )
                 usage = event.get("usage") or usage
                 choices = event.get("choices") or []
                 if choices:
@@ -108,19 +122,43 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict[str, A
                     text.append(_choice_text(choice))
                     finish = choice.get("finish_reason") or finish
     except httpx.HTTPError as exc:
-        return RequestResult(ttft, tuple(gaps), time.perf_counter() - start, 0, 0, 0, "".join(text),
-                             f"{type(exc).__name__}: {exc}", chunks, finish)
+        return RequestResult(
+            ttft,
+            tuple(gaps),
+            time.perf_counter() - start,
+            0,
+            0,
+            0,
+            "".join(text),
+            f"{type(exc).__name__}: {exc}",
+            chunks,
+            finish,
+        )
     details = usage.get("prompt_tokens_details") or {}
-    return RequestResult(ttft, tuple(gaps), time.perf_counter() - start, usage.get("prompt_tokens", 0),
-                         details.get("cached_tokens", 0), usage.get("completion_tokens", 0), "".join(text),
-                         None, chunks, finish)
+    return RequestResult(
+        ttft,
+        tuple(gaps),
+        time.perf_counter() - start,
+        usage.get("prompt_tokens", 0),
+        details.get("cached_tokens", 0),
+        usage.get("completion_tokens", 0),
+        "".join(text),
+        None,
+        chunks,
+        finish,
+    )
 
 
-async def stream_chat(client: httpx.AsyncClient, model: str, messages: list[dict[str, str]], max_tokens: int,
-                      temperature: float = 0.0, extra: dict[str, Any] | None = None) -> RequestResult:
+async def stream_chat(
+    client: httpx.AsyncClient,
+    model: str,
+    messages: list[dict[str, str]],
+    max_tokens: int,
+    temperature: float = 0.0,
+    extra: dict[str, Any] | None = None,
+) -> RequestResult:
     """One streamed chat completion, measured."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
-            **(extra or {})}
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature, **(extra or {})}
     return await stream_request(client, "/chat/completions", body)
 
 
@@ -130,19 +168,31 @@ def summarize(results: list[RequestResult], duration_s: float) -> Summary:
     output = sum(r.completion_tokens for r in ok)
     chunks = sum(r.num_chunks for r in ok)
     return Summary(
-        num_requests=len(results), num_errors=len(results) - len(ok), duration_s=duration_s,
+        num_requests=len(results),
+        num_errors=len(results) - len(ok),
+        duration_s=duration_s,
         output_tokens_per_s=output / duration_s if duration_s > 0 else 0.0,
         cache_hit_ratio=sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
         ttft=_percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
         itl=_percentiles([g for r in ok for g in r.itl_s]),
         e2e=_percentiles([r.e2e_s for r in ok]),
         tpot=_percentiles([t for r in ok if (t := r.tpot_s) is not None]),
-        output_tokens=output, tokens_per_chunk=output / chunks if chunks else 0.0,
-        first_error=next((r.error for r in results if r.error is not None), None))
+        output_tokens=output,
+        tokens_per_chunk=output / chunks if chunks else 0.0,
+        first_error=next((r.error for r in results if r.error is not None), None),
+    )
 
 
-async def bench_shared_prefix(client: httpx.AsyncClient, model: str, groups: int, per_group: int, concurrency: int,
-                              max_tokens: int, prefix_words: int = 200, seed: int = 0) -> Summary:
+async def bench_shared_prefix(
+    client: httpx.AsyncClient,
+    model: str,
+    groups: int,
+    per_group: int,
+    concurrency: int,
+    max_tokens: int,
+    prefix_words: int = 200,
+    seed: int = 0,
+) -> Summary:
     """Chat requests sharing per-group system prompts, `concurrency` in flight."""
     workload = shared_prefix_workload(groups, per_group, 0, 0, (0, 1), prefix_words=prefix_words, seed=seed)
     gate = asyncio.Semaphore(concurrency)
@@ -156,8 +206,9 @@ async def bench_shared_prefix(client: httpx.AsyncClient, model: str, groups: int
     return summarize(list(results), time.perf_counter() - start)
 
 
-async def bench_multi_turn(client: httpx.AsyncClient, model: str, sessions: int, turns: int, concurrency: int,
-                           max_tokens: int, seed: int = 0) -> Summary:
+async def bench_multi_turn(
+    client: httpx.AsyncClient, model: str, sessions: int, turns: int, concurrency: int, max_tokens: int, seed: int = 0
+) -> Summary:
     """Conversations that resend their growing history each turn; sessions run concurrently."""
     gate = asyncio.Semaphore(concurrency)
 
@@ -184,12 +235,14 @@ async def _first_model(client: httpx.AsyncClient) -> str:
 
 
 async def _main(ns: argparse.Namespace) -> Summary:
-    async with httpx.AsyncClient(base_url=ns.base_url, timeout=ns.timeout_s,
-                                 headers={"Authorization": f"Bearer {ns.api_key}"}) as client:
+    async with httpx.AsyncClient(
+        base_url=ns.base_url, timeout=ns.timeout_s, headers={"Authorization": f"Bearer {ns.api_key}"}
+    ) as client:
         model = ns.model or await _first_model(client)
         if ns.workload == "shared_prefix":
-            return await bench_shared_prefix(client, model, ns.groups, ns.per_group, ns.concurrency, ns.max_tokens,
-                                             ns.prefix_words, ns.seed)
+            return await bench_shared_prefix(
+                client, model, ns.groups, ns.per_group, ns.concurrency, ns.max_tokens, ns.prefix_words, ns.seed
+            )
         return await bench_multi_turn(client, model, ns.sessions, ns.turns, ns.concurrency, ns.max_tokens, ns.seed)
 
 

@@ -1,4 +1,5 @@
 """`hybrid-serve` entry point: one subcommand per concern, each defined next to its code."""
+
 from __future__ import annotations
 
 import argparse
@@ -7,13 +8,13 @@ import sys
 
 # subcommand -> "module:function" taking (argparse subparsers) and registering itself
 _SUBCOMMANDS = (
-    "service.testing.tiny:add_cli",               # make-tiny-model
-    "service.testing.model_dir:add_cli",          # make-model-dir
-    "service.testing.quantize_fp8:add_cli",       # quantize-fp8
-    "service.engine.generate_cli:add_cli",        # generate
-    "service.deployments.serve_cli:add_cli",      # serve
-    "service.training.cli:add_cli",               # train-tiny-model
-    "service.evals.cli:add_cli",                  # eval
+    "service.testing.tiny:add_cli",  # make-tiny-model
+    "service.testing.model_dir:add_cli",  # make-model-dir
+    "service.testing.quantize_fp8:add_cli",  # quantize-fp8
+    "service.engine.generate_cli:add_cli",  # generate
+    "service.deployments.serve_cli:add_cli",  # serve
+    "service.training.cli:add_cli",  # train-tiny-model
+    "service.evals.cli:add_cli",  # eval
 )
 
 

@@ -4,6 +4,7 @@ N engine replicas, routed by the prefix-aware `RequestRouter` (or Serve's defaul
 Used by `hybrid-serve serve`, by tests (`serve.run(build_app({...}))`) and by the Helm chart's
 `serveConfigV2` (`import_path: service.deployments.app:build_app`, `args:` = `AppArgs`).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -17,24 +18,30 @@ from service.deployments.engine_deployment import EngineDeployment
 from service.deployments.ingress import OpenAIIngress
 
 ROUTER_CLASS_PATH = "service.deployments.router.PrefixAwareRouter"
-ROUTING_STATS_PERIOD_S = 2.0          # how often replicas report their cached prefixes to the router
+ROUTING_STATS_PERIOD_S = 2.0  # how often replicas report their cached prefixes to the router
 ROUTING_REPORT_GRACE_S = 3 * ROUTING_STATS_PERIOD_S + 5.0  # dispatches younger than this outlive a report
-ENGINE_GRACEFUL_SHUTDOWN_S = 60.0     # drain: how long Serve waits for in-flight requests on shutdown
-QUEUED_REQUESTS_PER_REPLICA = 4       # handle-side queue bound (x max_ongoing_requests x replicas) -> 503
-RANK_BUNDLE_CPUS = 0.01               # CPU share of a rank bundle on CPU-only clusters (accounting only)
+ENGINE_GRACEFUL_SHUTDOWN_S = 60.0  # drain: how long Serve waits for in-flight requests on shutdown
+QUEUED_REQUESTS_PER_REPLICA = 4  # handle-side queue bound (x max_ongoing_requests x replicas) -> 503
+RANK_BUNDLE_CPUS = 0.01  # CPU share of a rank bundle on CPU-only clusters (accounting only)
 
 
 def request_router_config(args: AppArgs) -> RequestRouterConfig:
     """Router choice and knobs for the engine deployment."""
     if args.router.kind == "default":
         return RequestRouterConfig(request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
-    kwargs = {"w_prefix": args.router.w_prefix, "w_load": args.router.w_load,
-              "max_load_imbalance": args.router.max_load_imbalance,
-              "index_capacity_blocks": args.router.index_capacity_blocks,
-              "report_grace_s": ROUTING_REPORT_GRACE_S,
-              "default_block_size_tokens": args.page_size}
-    return RequestRouterConfig(request_router_class=ROUTER_CLASS_PATH, request_router_kwargs=kwargs,
-                               request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
+    kwargs = {
+        "w_prefix": args.router.w_prefix,
+        "w_load": args.router.w_load,
+        "max_load_imbalance": args.router.max_load_imbalance,
+        "index_capacity_blocks": args.router.index_capacity_blocks,
+        "report_grace_s": ROUTING_REPORT_GRACE_S,
+        "default_block_size_tokens": args.page_size,
+    }
+    return RequestRouterConfig(
+        request_router_class=ROUTER_CLASS_PATH,
+        request_router_kwargs=kwargs,
+        request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+    )
 
 
 def engine_deployment_options(args: AppArgs) -> dict[str, Any]:
@@ -42,7 +49,8 @@ def engine_deployment_options(args: AppArgs) -> dict[str, Any]:
     options: dict[str, Any] = {
         "name": "engine",
         "max_ongoing_requests": args.max_ongoing_requests,
-        "max_queued_requests": QUEUED_REQUESTS_PER_REPLICA * args.max_ongoing_requests
+        "max_queued_requests": QUEUED_REQUESTS_PER_REPLICA
+        * args.max_ongoing_requests
         * (args.max_replicas or args.replicas),
         "request_router_config": request_router_config(args),
         "graceful_shutdown_timeout_s": ENGINE_GRACEFUL_SHUTDOWN_S,
@@ -52,9 +60,12 @@ def engine_deployment_options(args: AppArgs) -> dict[str, Any]:
     }
     if args.min_replicas is not None or args.max_replicas is not None:
         lo = args.min_replicas or 1
-        options["autoscaling_config"] = {"min_replicas": lo, "max_replicas": args.max_replicas or max(lo, args.replicas),
-                                         "initial_replicas": max(lo, args.replicas),
-                                         "target_ongoing_requests": args.target_ongoing_requests}
+        options["autoscaling_config"] = {
+            "min_replicas": lo,
+            "max_replicas": args.max_replicas or max(lo, args.replicas),
+            "initial_replicas": max(lo, args.replicas),
+            "target_ongoing_requests": args.target_ongoing_requests,
+        }
     else:
         options["num_replicas"] = args.replicas
     options.update(replica_placement(args))
@@ -66,10 +77,14 @@ def ingress_deployment_options(args: AppArgs) -> dict[str, Any]:
     5 ongoing requests per replica would hold the rest in the proxy); beyond that the handle answers 503."""
     engine_replicas = args.max_replicas or args.replicas
     admitted = (1 + QUEUED_REQUESTS_PER_REPLICA) * args.max_ongoing_requests * engine_replicas
-    return {"name": "openai", "num_replicas": args.ingress_replicas,
-            "max_ongoing_requests": -(-admitted // args.ingress_replicas),
-            "ray_actor_options": {"num_cpus": 0.1}, "graceful_shutdown_timeout_s": ENGINE_GRACEFUL_SHUTDOWN_S,
-            "graceful_shutdown_wait_loop_s": 1.0}
+    return {
+        "name": "openai",
+        "num_replicas": args.ingress_replicas,
+        "max_ongoing_requests": -(-admitted // args.ingress_replicas),
+        "ray_actor_options": {"num_cpus": 0.1},
+        "graceful_shutdown_timeout_s": ENGINE_GRACEFUL_SHUTDOWN_S,
+        "graceful_shutdown_wait_loop_s": 1.0,
+    }
 
 
 def replica_placement(args: AppArgs) -> dict[str, Any]:
@@ -83,8 +98,11 @@ def replica_placement(args: AppArgs) -> dict[str, Any]:
         return {"ray_actor_options": actor}
     first = {"CPU": args.cpus_per_replica, "GPU": 1} if gpu else {"CPU": args.cpus_per_replica}
     rank = {"GPU": 1} if gpu else {"CPU": RANK_BUNDLE_CPUS}
-    return {"ray_actor_options": actor, "placement_group_bundles": [first] + [dict(rank) for _ in range(args.tp - 1)],
-            "placement_group_strategy": "STRICT_PACK"}
+    return {
+        "ray_actor_options": actor,
+        "placement_group_bundles": [first] + [dict(rank) for _ in range(args.tp - 1)],
+        "placement_group_strategy": "STRICT_PACK",
+    }
 
 
 def resolve_device(args: AppArgs) -> AppArgs:
@@ -96,6 +114,7 @@ def resolve_device(args: AppArgs) -> AppArgs:
         has_gpu = ray.cluster_resources().get("GPU", 0) > 0
     else:
         import torch  # noqa: PLC0415  (only when there is no cluster to ask)
+
         has_gpu = torch.cuda.is_available()
     return args.model_copy(update={"device": "cuda" if has_gpu else "cpu"})
 

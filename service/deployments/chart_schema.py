@@ -6,6 +6,7 @@ keys back into snake_case app arguments. `values.schema.json` holds the schema o
 `service.engine.settings.json_schema` writes it; `python -m service.deployments.chart_schema`
 rewrites those entries after a setting changes, and `--check` (run by the tests) reports drift.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,14 @@ from service.engine.settings import Setting, json_schema, settings_of
 CHART = pathlib.Path(__file__).resolve().parents[2] / "helm" / "hybrid-serve"
 SCHEMA_PATH = CHART / "values.schema.json"
 # `engine:` keys that are the app's deployment arguments, not engine settings (the template skips them)
-DEPLOYMENT_KEYS = ("replicas", "autoscaling", "maxOngoingRequests", "cpusPerReplica", "reasoningParser",
-                   "toolCallParser")
+DEPLOYMENT_KEYS = (
+    "replicas",
+    "autoscaling",
+    "maxOngoingRequests",
+    "cpusPerReplica",
+    "reasoningParser",
+    "toolCallParser",
+)
 
 
 def engine_settings() -> tuple[Setting, ...]:

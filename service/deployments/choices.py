@@ -4,6 +4,7 @@ One `ChoiceState` per choice accumulates token ids, text and logprobs, and — f
 reasoning and tool-call parsers, streaming (`delta_*`) or once at the end (`final_*`). The ingress
 owns the HTTP side; this module only builds `service.openai.protocol` objects.
 """
+
 from __future__ import annotations
 
 import functools
@@ -15,21 +16,30 @@ from service.deployments.engine_deployment import GenerateChunk
 from service.engine.tokenizer import Tokenizer
 from service.openai.chat_output import ChatOutputStreamParser, chat_finish_reason, parse_chat_output
 from service.openai.protocol import (
-    ChatCompletionChoice, ChatCompletionLogprobs, ChatCompletionStreamChoice, ChatMessageOut, ChatTokenLogprob,
-    CompletionChoice, CompletionLogprobs, CompletionStreamChoice, DeltaMessage, TopLogprob,
+    ChatCompletionChoice,
+    ChatCompletionLogprobs,
+    ChatCompletionStreamChoice,
+    ChatMessageOut,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionStreamChoice,
+    DeltaMessage,
+    TopLogprob,
 )
 
 
 @dataclass(frozen=True)
 class ChoiceOptions:
     """How one choice's output is post-processed."""
-    index: int                                  # choice index in the response
-    num_top_logprobs: int                       # top alternatives per token to report (0: none)
-    want_logprobs: bool                         # report logprobs at all
-    reasoning_parser: str | None = None         # chat: "nemotron_3" or None
-    tool_parser: str | None = None              # chat: "qwen3_coder" when the request enables tools, else None
-    tools: tuple[Any, ...] | None = None        # chat: the request's tools (typing the arguments)
-    starts_in_reasoning: bool = False           # chat: the rendered prompt ended inside <think>
+
+    index: int  # choice index in the response
+    num_top_logprobs: int  # top alternatives per token to report (0: none)
+    want_logprobs: bool  # report logprobs at all
+    reasoning_parser: str | None = None  # chat: "nemotron_3" or None
+    tool_parser: str | None = None  # chat: "qwen3_coder" when the request enables tools, else None
+    tools: tuple[Any, ...] | None = None  # chat: the request's tools (typing the arguments)
+    starts_in_reasoning: bool = False  # chat: the rendered prompt ended inside <think>
 
 
 def _merge_deltas(a: DeltaMessage | None, b: DeltaMessage | None) -> DeltaMessage:
@@ -91,8 +101,13 @@ def _top_entries(tokenizer: Tokenizer, top: dict[int, float], k: int) -> list[tu
     return [(*token_text_and_bytes(tokenizer, t), lp) for t, lp in ranked]
 
 
-def chat_logprobs(tokenizer: Tokenizer, chunk_ids: tuple[int, ...], logprobs: tuple[float, ...] | None,
-                  top: tuple[dict[int, float], ...] | None, k: int) -> list[ChatTokenLogprob]:
+def chat_logprobs(
+    tokenizer: Tokenizer,
+    chunk_ids: tuple[int, ...],
+    logprobs: tuple[float, ...] | None,
+    top: tuple[dict[int, float], ...] | None,
+    k: int,
+) -> list[ChatTokenLogprob]:
     """Chat-style logprob entries for consecutive generated tokens."""
     if logprobs is None:
         return []
@@ -100,13 +115,25 @@ def chat_logprobs(tokenizer: Tokenizer, chunk_ids: tuple[int, ...], logprobs: tu
     for i, (t, lp) in enumerate(zip(chunk_ids, logprobs)):
         text, raw = token_text_and_bytes(tokenizer, t)
         alts = _top_entries(tokenizer, top[i], k) if top is not None and k > 0 else []
-        out.append(ChatTokenLogprob(token=text, logprob=lp, bytes=raw,
-                                    top_logprobs=[TopLogprob(token=a, bytes=b, logprob=v) for a, b, v in alts]))
+        out.append(
+            ChatTokenLogprob(
+                token=text,
+                logprob=lp,
+                bytes=raw,
+                top_logprobs=[TopLogprob(token=a, bytes=b, logprob=v) for a, b, v in alts],
+            )
+        )
     return out
 
 
-def completion_logprobs(tokenizer: Tokenizer, ids: tuple[int, ...], logprobs: tuple[float, ...] | None,
-                        top: tuple[dict[int, float], ...] | None, k: int, text_offset: int) -> CompletionLogprobs:
+def completion_logprobs(
+    tokenizer: Tokenizer,
+    ids: tuple[int, ...],
+    logprobs: tuple[float, ...] | None,
+    top: tuple[dict[int, float], ...] | None,
+    k: int,
+    text_offset: int,
+) -> CompletionLogprobs:
     """Legacy parallel-list logprobs; `text_offset` is where the first token starts in the choice's text."""
     out = CompletionLogprobs()
     offset = text_offset
@@ -124,6 +151,7 @@ def completion_logprobs(tokenizer: Tokenizer, ids: tuple[int, ...], logprobs: tu
 @dataclass
 class ChoiceState:
     """Everything produced so far for one choice, plus its streaming parsers."""
+
     options: ChoiceOptions
     tokenizer: Tokenizer
     token_ids: list[int] = field(default_factory=list)
@@ -137,8 +165,12 @@ class ChoiceState:
 
     def __post_init__(self) -> None:
         o = self.options
-        self._parser = ChatOutputStreamParser(reasoning_parser=o.reasoning_parser, tool_parser=o.tool_parser,
-                                              tools=o.tools, starts_in_reasoning=o.starts_in_reasoning)
+        self._parser = ChatOutputStreamParser(
+            reasoning_parser=o.reasoning_parser,
+            tool_parser=o.tool_parser,
+            tools=o.tools,
+            starts_in_reasoning=o.starts_in_reasoning,
+        )
 
     def add(self, chunk: GenerateChunk) -> None:
         """Accumulate one engine chunk (call before any `delta_*`)."""
@@ -151,17 +183,32 @@ class ChoiceState:
     # ---- chat ----
     def final_chat(self) -> ChatCompletionChoice:
         o = self.options
-        out = parse_chat_output(self.text, reasoning_parser=o.reasoning_parser, tool_parser=o.tool_parser,
-                                tools=o.tools, starts_in_reasoning=o.starts_in_reasoning)
+        out = parse_chat_output(
+            self.text,
+            reasoning_parser=o.reasoning_parser,
+            tool_parser=o.tool_parser,
+            tools=o.tools,
+            starts_in_reasoning=o.starts_in_reasoning,
+        )
         lp = ChatCompletionLogprobs(content=self.logprob_entries) if o.want_logprobs else None
-        message = ChatMessageOut(content=out.content, reasoning_content=out.reasoning_content,
-                                 tool_calls=list(out.tool_calls) or None)
-        return ChatCompletionChoice(index=o.index, message=message, logprobs=lp,
-                                    finish_reason=chat_finish_reason(self.finish_reason or "stop", bool(out.tool_calls)))
+        message = ChatMessageOut(
+            content=out.content, reasoning_content=out.reasoning_content, tool_calls=list(out.tool_calls) or None
+        )
+        return ChatCompletionChoice(
+            index=o.index,
+            message=message,
+            logprobs=lp,
+            finish_reason=chat_finish_reason(self.finish_reason or "stop", bool(out.tool_calls)),
+        )
 
     def collect_logprobs(self, chunk: GenerateChunk) -> list[ChatTokenLogprob]:
-        entries = chat_logprobs(self.tokenizer, chunk.token_ids, chunk.logprobs, chunk.top_logprobs,
-                                self.options.num_top_logprobs) if self.options.want_logprobs else []
+        entries = (
+            chat_logprobs(
+                self.tokenizer, chunk.token_ids, chunk.logprobs, chunk.top_logprobs, self.options.num_top_logprobs
+            )
+            if self.options.want_logprobs
+            else []
+        )
         self.logprob_entries.extend(entries)
         return entries
 
@@ -180,15 +227,25 @@ class ChoiceState:
         if not self.sent_role:
             delta.role = "assistant"
             self.sent_role = True
-        return ChatCompletionStreamChoice(index=self.options.index, delta=delta, finish_reason=finish,
-                                          logprobs=ChatCompletionLogprobs(content=entries) if entries else None)
+        return ChatCompletionStreamChoice(
+            index=self.options.index,
+            delta=delta,
+            finish_reason=finish,
+            logprobs=ChatCompletionLogprobs(content=entries) if entries else None,
+        )
 
     # ---- completions ----
     def _completion_lp(self, chunk: GenerateChunk, text_offset: int) -> CompletionLogprobs | None:
         if not self.options.want_logprobs:
             return None
-        return completion_logprobs(self.tokenizer, chunk.token_ids, chunk.logprobs, chunk.top_logprobs,
-                                   self.options.num_top_logprobs, text_offset)
+        return completion_logprobs(
+            self.tokenizer,
+            chunk.token_ids,
+            chunk.logprobs,
+            chunk.top_logprobs,
+            self.options.num_top_logprobs,
+            text_offset,
+        )
 
     def add_completion(self, chunk: GenerateChunk) -> CompletionStreamChoice | None:
         """Accumulate and return the stream choice for one chunk (None when nothing new)."""
@@ -204,6 +261,9 @@ class ChoiceState:
         return CompletionStreamChoice(index=self.options.index, text=chunk.text, logprobs=lp, finish_reason=finish)
 
     def final_completion(self) -> CompletionChoice:
-        return CompletionChoice(index=self.options.index, text=self.text,
-                                logprobs=self.completion_lp if self.options.want_logprobs else None,
-                                finish_reason="length" if self.finish_reason == "length" else "stop")
+        return CompletionChoice(
+            index=self.options.index,
+            text=self.text,
+            logprobs=self.completion_lp if self.options.want_logprobs else None,
+            finish_reason="length" if self.finish_reason == "length" else "stop",
+        )

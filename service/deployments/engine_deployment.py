@@ -11,6 +11,7 @@ Serve hooks: `record_replica_metadata` publishes the snapshot grid (the router's
 correction), `check_health` fails when the engine cannot report or lost a rank process, `__del__` drains and shuts the
 engine down after Serve has waited for in-flight requests.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -18,8 +19,9 @@ import logging
 import random
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 from ray import serve
 
@@ -33,29 +35,30 @@ from service.evals.canary_set import PinnedQuestion, is_correct, pinned_question
 
 logger = logging.getLogger("ray.serve")
 
-STATS_INTERVAL_S = 1.0            # how often engine.stats() is exported to the metrics
+STATS_INTERVAL_S = 1.0  # how often engine.stats() is exported to the metrics
 ROUTING_REPORT_MAX_BLOCKS = 4096  # cached prefix hashes sent per routing-stats report
-HEALTH_TIMEOUT_S = 10.0           # the engine thread must answer a health probe within this
-MAX_STREAM_INTERVAL_S = 0.25      # a running stream sends its new tokens at least this often
+HEALTH_TIMEOUT_S = 10.0  # the engine thread must answer a health probe within this
+MAX_STREAM_INTERVAL_S = 0.25  # a running stream sends its new tokens at least this often
 
 
 @dataclass(frozen=True)
 class GenerateChunk:
     """What one request produced since the previous chunk (engine replica -> ingress)."""
+
     request_id: str
-    token_ids: tuple[int, ...]                          # newly generated token ids
-    text: str                                           # newly detokenised text (stop strings removed)
-    logprobs: tuple[float, ...] | None                  # chosen-token logprob per new id, if asked
-    top_logprobs: tuple[dict[int, float], ...] | None   # per new id: token id -> logprob, if asked
-    finish_reason: str | None                           # None while running; "stop" | "length" | "abort"
-    num_prompt_tokens: int                              # prompt length in tokens
-    num_cached_tokens: int                              # prompt tokens served from the prefix cache
-    error: str | None = None                            # set (alone) when the engine refused the request
+    token_ids: tuple[int, ...]  # newly generated token ids
+    text: str  # newly detokenised text (stop strings removed)
+    logprobs: tuple[float, ...] | None  # chosen-token logprob per new id, if asked
+    top_logprobs: tuple[dict[int, float], ...] | None  # per new id: token id -> logprob, if asked
+    finish_reason: str | None  # None while running; "stop" | "length" | "abort"
+    num_prompt_tokens: int  # prompt length in tokens
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    error: str | None = None  # set (alone) when the engine refused the request
 
 
 def _delta_chunk(out: Any, sent_tokens: int, sent_text: str, num_prompt_tokens: int) -> GenerateChunk:
     """The part of a cumulative RequestOutput beyond what was already sent."""
-    new_text = out.text[len(sent_text):] if out.text.startswith(sent_text) else ""
+    new_text = out.text[len(sent_text) :] if out.text.startswith(sent_text) else ""
     token_ids, logprobs, top_logprobs = out.tokens_since(sent_tokens)
     return GenerateChunk(
         request_id=out.request_id,
@@ -65,7 +68,8 @@ def _delta_chunk(out: Any, sent_tokens: int, sent_text: str, num_prompt_tokens: 
         top_logprobs=top_logprobs,
         finish_reason=out.finish_reason,
         num_prompt_tokens=num_prompt_tokens,
-        num_cached_tokens=out.num_cached_tokens)
+        num_cached_tokens=out.num_cached_tokens,
+    )
 
 
 class EngineDeployment:
@@ -74,24 +78,25 @@ class EngineDeployment:
     def __init__(self, app_args: dict[str, Any]):
         self._args = AppArgs.model_validate(app_args)
         config = self._args.engine_config()
-        if config.tp > 1 and config.resolved().device.startswith("cuda"):   # before a rank process starts
+        if config.tp > 1 and config.resolved().device.startswith("cuda"):  # before a rank process starts
             logger.info("tp=%d: rank GPUs %s", config.tp, expose_rank_gpus(config.tp))
         self._engine = AsyncEngine(config)
         self._metrics = EngineMetrics()
         self._canary_metrics = CanaryMetrics()
         self._report_seq = 0
-        self._open_streams = 0   # generate() calls in progress
+        self._open_streams = 0  # generate() calls in progress
         self._stats_task: asyncio.Task | None = None
         self._canary_task: asyncio.Task | None = None
-        self._audits: set[asyncio.Task] = set()   # in-flight audits of sampled real hits
+        self._audits: set[asyncio.Task] = set()  # in-flight audits of sampled real hits
         stats = self._engine.stats()
         self._grid_tokens = int(stats["snapshot_grid_tokens"])
         self._max_model_len = int(stats["max_model_len"])
         self._ensure_stats_loop()
 
     # ---- requests ----
-    async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[GenerateChunk]:
+    async def generate(
+        self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[GenerateChunk]:
         """Stream the request's progress as `GenerateChunk`s; the last has `finish_reason` set."""
         self._ensure_stats_loop()
         request_id = request_id or uuid.uuid4().hex
@@ -102,8 +107,13 @@ class EngineDeployment:
         audit = self._caching and random.random() < self._args.canary.audit_sample_rate
         self._open_streams += 1
         try:
-            async for out in self._engine.generate(list(prompt_token_ids), sampling_params, request_id=request_id,
-                                                   capture_states=audit, min_interval_s=self._stream_interval_s):
+            async for out in self._engine.generate(
+                list(prompt_token_ids),
+                sampling_params,
+                request_id=request_id,
+                capture_states=audit,
+                min_interval_s=self._stream_interval_s,
+            ):
                 chunk = _delta_chunk(out, sent_tokens, sent_text, len(prompt_token_ids))
                 now = time.perf_counter()
                 if chunk.token_ids:
@@ -115,12 +125,12 @@ class EngineDeployment:
                 sent_tokens, sent_text = out.num_output_tokens, sent_text + chunk.text
                 finished = out.finish_reason is not None
                 yield chunk
-        except ValueError as exc:   # refused before any output: empty or too-long prompt, bad ids
+        except ValueError as exc:  # refused before any output: empty or too-long prompt, bad ids
             finished = True
             yield GenerateChunk(request_id, (), "", None, None, None, len(prompt_token_ids), 0, error=str(exc))
         finally:
             self._open_streams -= 1
-            if not finished:        # cancelled (client went away) or failed mid-stream
+            if not finished:  # cancelled (client went away) or failed mid-stream
                 await asyncio.shield(self._engine.abort(request_id))
             self._metrics.observe_request(ttft, gaps, time.perf_counter() - start)
             if audit:
@@ -139,8 +149,12 @@ class EngineDeployment:
         """The engine's counters and gauges (as of its last step), plus this replica's id, actor name and
         resident memory; with `audit`, also who holds the pools and check_integrity's verdict (`pool_audit`)."""
         replica = serve.get_replica_context().replica_id
-        out = {**self._engine.stats(), "replica_id": replica.unique_id, "replica_actor_name": replica.to_full_id_str(),
-               "rss_bytes": resident_memory_bytes()}
+        out = {
+            **self._engine.stats(),
+            "replica_id": replica.unique_id,
+            "replica_actor_name": replica.to_full_id_str(),
+            "rss_bytes": resident_memory_bytes(),
+        }
         if audit:
             out["pool_audit"] = await self._engine.inspect(audit_pools)
         return out
@@ -153,12 +167,15 @@ class EngineDeployment:
         self._ensure_stats_loop()
         self._report_seq += 1
         stats = self._engine.stats()
-        return {"report_seq": self._report_seq, "replica_id": serve.get_replica_context().replica_id.unique_id,
-                "snapshot_grid_tokens": self._grid_tokens,
-                "cached_prefix_hashes": list(await self._engine.cached_prefix_hashes(ROUTING_REPORT_MAX_BLOCKS)),
-                "num_requests_running": stats["num_requests_running"],
-                "num_requests_waiting": stats["num_requests_waiting"],
-                "kv_cache_usage_ratio": stats["kv_cache_usage_ratio"]}
+        return {
+            "report_seq": self._report_seq,
+            "replica_id": serve.get_replica_context().replica_id.unique_id,
+            "snapshot_grid_tokens": self._grid_tokens,
+            "cached_prefix_hashes": list(await self._engine.cached_prefix_hashes(ROUTING_REPORT_MAX_BLOCKS)),
+            "num_requests_running": stats["num_requests_running"],
+            "num_requests_waiting": stats["num_requests_waiting"],
+            "kv_cache_usage_ratio": stats["kv_cache_usage_ratio"],
+        }
 
     async def check_health(self) -> None:
         """A round trip through the engine thread's command queue: fails (or times out) if it is stuck or dead,
@@ -187,6 +204,7 @@ class EngineDeployment:
             captured = (await self._engine.pop_captured_states(request_id)).get("hit")
             if captured is not None:
                 self._record(await audit_hit(self._engine, prompt, captured))
+
         task = asyncio.get_running_loop().create_task(audit())
         self._audits.add(task)
         task.add_done_callback(self._audits.discard)
@@ -205,7 +223,7 @@ class EngineDeployment:
         for question in questions:
             try:
                 check = await pinned_canary(self._engine, question.prompt_ids, question.max_tokens, ignore_eos=False)
-            except Exception:   # a failed canary run is logged; health checks see real engine failures
+            except Exception:  # a failed canary run is logged; health checks see real engine failures
                 logger.exception("accuracy canary run failed")
                 continue
             self._record(check)
@@ -223,7 +241,7 @@ class EngineDeployment:
         """Start the periodic stats export (and the canary) on the replica's event loop, once, from any async hook."""
         try:
             loop = asyncio.get_running_loop()
-        except RuntimeError:   # constructed outside the event loop: the first async hook starts it
+        except RuntimeError:  # constructed outside the event loop: the first async hook starts it
             return
         if self._stats_task is None or self._stats_task.done():
             self._stats_task = loop.create_task(self._export_stats_forever())
@@ -234,6 +252,6 @@ class EngineDeployment:
         while True:
             try:
                 self._metrics.update_from_stats(self._engine.stats())
-            except Exception:   # a failed export must not stop future ones; health checks see real failures
+            except Exception:  # a failed export must not stop future ones; health checks see real failures
                 logger.exception("exporting engine stats failed")
             await asyncio.sleep(STATS_INTERVAL_S)

@@ -7,11 +7,13 @@ takes a concurrency slot and a request credit (429 `rate_limit_exceeded` with `R
 the slot until its response body is fully sent or the client leaves, and settles its token
 reservation with the real count at that moment. Metrics carry key ids (hash prefixes), never keys.
 """
+
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -28,7 +30,7 @@ logger = logging.getLogger("ray.serve")
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 TICKET_STATE_KEY = "hybrid_serve_ticket"
-UNAUTHENTICATED = "unauthenticated"    # metrics' key label for requests without a valid key
+UNAUTHENTICATED = "unauthenticated"  # metrics' key label for requests without a valid key
 
 ASGIApp = Callable[[dict, Callable, Callable], Awaitable[None]]
 
@@ -36,16 +38,18 @@ ASGIApp = Callable[[dict, Callable, Callable], Awaitable[None]]
 @dataclass
 class Ticket:
     """One authenticated /v1 request, kept in the ASGI scope's state for the handler."""
-    key_id: str                                   # hash prefix of the caller's key (or "anonymous")
-    reserved_tokens: int = 0                      # reserved by `admit`
+
+    key_id: str  # hash prefix of the caller's key (or "anonymous")
+    reserved_tokens: int = 0  # reserved by `admit`
     used_tokens: Callable[[], int] | None = None  # the real count so far (prompt + generated), set by `admit`
-    retry_after_s: int | None = None              # set when `admit` refused with 429
-    status: int | None = field(default=None)      # HTTP status sent
+    retry_after_s: int | None = None  # set when `admit` refused with 429
+    status: int | None = field(default=None)  # HTTP status sent
 
 
 @dataclass
 class GateMetrics:
     """Per-key request, refusal and token counters (Ray Serve metrics of the ingress replica)."""
+
     live: dict[str, Any] = field(default_factory=lambda: {d.name: make_metric(d) for d in INGRESS_METRICS})
 
     def request(self, key_id: str, status: int) -> None:
@@ -62,15 +66,19 @@ class GateMetrics:
 def request_shape(n: int, prompts: Sequence[tuple[Sequence[int], Sequence[SamplingParams]]]) -> RequestShape:
     """The shape of a request from its prompts' token ids and their choices' sampling parameters."""
     params = [p for _, ps in prompts for p in ps]
-    return RequestShape(max_tokens=max(p.max_tokens for p in params), n=n,
-                        num_stop_strings=max(len(p.stop) for p in params),
-                        top_logprobs=max(p.top_logprobs for p in params),
-                        prompt_tokens=tuple(len(ids) for ids, _ in prompts), num_choices=len(params))
+    return RequestShape(
+        max_tokens=max(p.max_tokens for p in params),
+        n=n,
+        num_stop_strings=max(len(p.stop) for p in params),
+        top_logprobs=max(p.top_logprobs for p in params),
+        prompt_tokens=tuple(len(ids) for ids, _ in prompts),
+        num_choices=len(params),
+    )
 
 
 def _route_path(scope: dict) -> str:
     path, root = scope.get("path", ""), scope.get("root_path", "")
-    return path[len(root):] or "/" if root and path.startswith(root) else path
+    return path[len(root) :] or "/" if root and path.startswith(root) else path
 
 
 def _error(err: ErrorResponse, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -80,33 +88,42 @@ def _error(err: ErrorResponse, headers: dict[str, str] | None = None) -> JSONRes
 async def _http_exception_as_openai_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    err = ErrorResponse.make(f"{exc.detail}: {request.method} {_route_path(request.scope)}", status=exc.status_code,
-                             code=code)
+    err = ErrorResponse.make(
+        f"{exc.detail}: {request.method} {_route_path(request.scope)}", status=exc.status_code, code=code
+    )
     return _error(err, dict(exc.headers or {}))
 
 
 def _rate_limited(refusal: Refusal) -> ErrorResponse:
     kind = "tokens" if refusal.limit == "tokens_per_minute" else "requests"
-    return ErrorResponse.make(refusal.message, type=kind, status=refusal.status, code="rate_limit_exceeded",
-                              param=None if refusal.status == 429 else "max_tokens")
+    return ErrorResponse.make(
+        refusal.message,
+        type=kind,
+        status=refusal.status,
+        code="rate_limit_exceeded",
+        param=None if refusal.status == 429 else "max_tokens",
+    )
 
 
 class RequestGate:
     """Keys + limits of one ingress replica. `install(app)` adds the middleware; handlers call `admit`."""
 
-    def __init__(self, keys: ApiKeys, limits: LimitArgs, metrics: GateMetrics | None = None,
-                 limiter: KeyLimiter | None = None):
+    def __init__(
+        self, keys: ApiKeys, limits: LimitArgs, metrics: GateMetrics | None = None, limiter: KeyLimiter | None = None
+    ):
         self.keys = keys
         self.limits = limits
         self._limiter = limiter or KeyLimiter(limits)
         self._metrics = metrics
 
     @classmethod
-    def from_args(cls, api_keys_file: str | None, limits: LimitArgs) -> "RequestGate":
+    def from_args(cls, api_keys_file: str | None, limits: LimitArgs) -> RequestGate:
         keys = ApiKeys.load(api_keys_file)
         if not keys.enabled:
-            logger.warning("No API keys configured (api_keys_file / HYBRID_SERVE_API_KEYS): /v1/* is open to "
-                           "anyone who can reach this endpoint.")
+            logger.warning(
+                "No API keys configured (api_keys_file / HYBRID_SERVE_API_KEYS): /v1/* is open to "
+                "anyone who can reach this endpoint."
+            )
         return cls(keys, limits, GateMetrics())
 
     def install(self, app: FastAPI) -> None:
@@ -149,8 +166,11 @@ class RequestGate:
         key_id = self.keys.authenticate(headers.get("authorization"))
         if key_id is None:
             self._count(UNAUTHENTICATED, 401)
-            err = ErrorResponse.make("Incorrect or missing API key: send 'Authorization: Bearer YOUR_KEY'.",
-                                     status=401, code="invalid_api_key")
+            err = ErrorResponse.make(
+                "Incorrect or missing API key: send 'Authorization: Bearer YOUR_KEY'.",
+                status=401,
+                code="invalid_api_key",
+            )
             await _error(err, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
             return
         ticket = Ticket(key_id)
@@ -170,17 +190,21 @@ class RequestGate:
         finally:
             self._limiter.finish(key_id)
             self._settle(ticket)
-            self._count(key_id, ticket.status or 499)   # 499: the client left before any response
+            self._count(key_id, ticket.status or 499)  # 499: the client left before any response
 
     def _recording(self, ticket: Ticket, send: Callable) -> Callable:
         """`send` that records the status and adds Retry-After to a 429 the handler returned."""
+
         async def wrapped(message: dict) -> None:
             if message["type"] == "http.response.start":
                 ticket.status = int(message["status"])
                 if ticket.status == 429 and ticket.retry_after_s:
-                    message = {**message, "headers": [*message.get("headers", []),
-                                                      (b"retry-after", str(ticket.retry_after_s).encode())]}
+                    message = {
+                        **message,
+                        "headers": [*message.get("headers", []), (b"retry-after", str(ticket.retry_after_s).encode())],
+                    }
             await send(message)
+
         return wrapped
 
     def _settle(self, ticket: Ticket) -> None:
@@ -188,7 +212,7 @@ class RequestGate:
             return
         try:
             used = int(ticket.used_tokens())
-        except Exception:   # a failed count must not leak the reservation: settle at the reserved amount
+        except Exception:  # a failed count must not leak the reservation: settle at the reserved amount
             logger.exception("counting a request's tokens failed")
             used = ticket.reserved_tokens
         self._limiter.settle_tokens(ticket.key_id, ticket.reserved_tokens, used)

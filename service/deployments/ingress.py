@@ -10,13 +10,15 @@ model, 413 body over 8 MiB, 503 overloaded or no engine; `service.deployments.ga
 429 / 400 (per-key limits and per-request caps) in front of the handlers. A client that goes away cancels the engine calls, which abort
 the requests in the engine.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import pydantic
 from fastapi import FastAPI, Request
@@ -34,15 +36,25 @@ from service.engine import SamplingParams
 from service.engine.tokenizer import Tokenizer
 from service.openai import reasoning
 from service.openai.protocol import (
-    ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse, CompletionRequest,
-    CompletionResponse, CompletionStreamResponse, ErrorResponse, ModelCard, ModelList, Usage,
-    error_from_validation, random_id, to_sampling_kwargs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    Usage,
+    error_from_validation,
+    random_id,
+    to_sampling_kwargs,
 )
 from service.openai.responses import SSE_DONE, sse_event
 
 logger = logging.getLogger("ray.serve")
 HEALTH_TIMEOUT_S = 5.0
-MAX_BODY_BYTES = 8 * 1024 * 1024   # larger request bodies get 413
+MAX_BODY_BYTES = 8 * 1024 * 1024  # larger request bodies get 413
 
 
 class APIError(Exception):
@@ -64,17 +76,19 @@ def _invalid(message: str, param: str | None, code: str | None = None) -> APIErr
 @dataclass(frozen=True)
 class PreparedPrompt:
     """One tokenized prompt and the sampling parameters of each of its choices."""
-    token_ids: list[int]              # prompt token ids
-    params: list[SamplingParams]      # one per choice (seeds differ when a seed is given)
-    first_choice_index: int           # response index of this prompt's first choice
+
+    token_ids: list[int]  # prompt token ids
+    params: list[SamplingParams]  # one per choice (seeds differ when a seed is given)
+    first_choice_index: int  # response index of this prompt's first choice
 
 
 @dataclass
 class OpenStream:
     """One engine call whose first chunk has arrived."""
+
     choice_index: int
     first: GenerateChunk
-    rest: Any                         # the DeploymentResponseGenerator (already advanced past `first`)
+    rest: Any  # the DeploymentResponseGenerator (already advanced past `first`)
 
 
 @serve.ingress()
@@ -97,27 +111,31 @@ class OpenAIIngress:
         app.add_api_route("/v1/chat/completions", self._guard(self.chat_completions), methods=["POST"])
         app.add_api_route("/v1/completions", self._guard(self.completions), methods=["POST"])
         app.add_api_route("/health", self.health, methods=["GET"])
-        self._gate.install(app)   # API keys on /v1/*, per-key limits on the generation routes
-        document_openai_routes(app)   # request/response/error schemas in /openapi.json
+        self._gate.install(app)  # API keys on /v1/*, per-key limits on the generation routes
+        document_openai_routes(app)  # request/response/error schemas in /openapi.json
         return app
 
     @staticmethod
     def _guard(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
         """Map every failure of a handler to an OpenAI error response (a replica never crashes on input)."""
+
         async def guarded(request: Request) -> Response:
             try:
                 return await handler(request)
             except APIError as exc:
                 return _error_json(exc.response)
             except BackPressureError:
-                return _error_json(ErrorResponse.make("The server is overloaded; retry later.", status=503,
-                                                      code="overloaded"))
+                return _error_json(
+                    ErrorResponse.make("The server is overloaded; retry later.", status=503, code="overloaded")
+                )
             except asyncio.CancelledError:
                 raise
             except Exception:
                 logger.exception("request failed")
-                return _error_json(ErrorResponse.make("Internal error while generating.", status=500,
-                                                      code="internal_error"))
+                return _error_json(
+                    ErrorResponse.make("Internal error while generating.", status=500, code="internal_error")
+                )
+
         return guarded
 
     # ---- simple endpoints ----
@@ -136,16 +154,26 @@ class OpenAIIngress:
     async def _parse(self, request: Request, model: type[pydantic.BaseModel]) -> Any:
         body = await request.body()
         if len(body) > MAX_BODY_BYTES:
-            raise APIError(ErrorResponse.make(f"Request body of {len(body)} bytes exceeds the limit of {MAX_BODY_BYTES}.",
-                                              status=413, code="request_too_large"))
+            raise APIError(
+                ErrorResponse.make(
+                    f"Request body of {len(body)} bytes exceeds the limit of {MAX_BODY_BYTES}.",
+                    status=413,
+                    code="request_too_large",
+                )
+            )
         try:
             parsed = model.model_validate_json(body)
         except pydantic.ValidationError as exc:
             raise APIError(error_from_validation(exc)) from None
         if parsed.model is not None and parsed.model != self._model_name:
-            raise APIError(ErrorResponse.make(f"The model '{parsed.model}' does not exist; this server serves "
-                                              f"'{self._model_name}'.", param="model", status=404,
-                                              code="model_not_found"))
+            raise APIError(
+                ErrorResponse.make(
+                    f"The model '{parsed.model}' does not exist; this server serves '{self._model_name}'.",
+                    param="model",
+                    status=404,
+                    code="model_not_found",
+                )
+            )
         return parsed
 
     def _prepare(self, req: Any, token_ids: list[int], param: str, first_choice_index: int) -> PreparedPrompt:
@@ -154,13 +182,20 @@ class OpenAIIngress:
             raise _invalid(f"'{param}' must not be empty.", param)
         budget = self._max_model_len - len(token_ids)
         if budget < 1:
-            raise _invalid(f"This model's maximum context length is {self._max_model_len} tokens; the {param} has "
-                           f"{len(token_ids)} tokens.", param, code="context_length_exceeded")
+            raise _invalid(
+                f"This model's maximum context length is {self._max_model_len} tokens; the {param} has "
+                f"{len(token_ids)} tokens.",
+                param,
+                code="context_length_exceeded",
+            )
         kwargs = to_sampling_kwargs(req, default_max_tokens=self._gate.default_max_tokens(budget))
         if kwargs["max_tokens"] > budget:
-            raise _invalid(f"max_tokens ({kwargs['max_tokens']}) plus the prompt ({len(token_ids)} tokens) exceeds "
-                           f"the maximum context length of {self._max_model_len} tokens.", "max_tokens",
-                           code="context_length_exceeded")
+            raise _invalid(
+                f"max_tokens ({kwargs['max_tokens']}) plus the prompt ({len(token_ids)} tokens) exceeds "
+                f"the maximum context length of {self._max_model_len} tokens.",
+                "max_tokens",
+                code="context_length_exceeded",
+            )
         kwargs.setdefault("skip_special_tokens", req.skip_special_tokens)
         params = []
         for i in range(req.n):
@@ -173,8 +208,12 @@ class OpenAIIngress:
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
         try:
-            text = self._tokenizer.apply_chat_template(req.template_messages(), tools=req.template_tools(),
-                                                       add_generation_prompt=True, **(req.chat_template_kwargs or {}))
+            text = self._tokenizer.apply_chat_template(
+                req.template_messages(),
+                tools=req.template_tools(),
+                add_generation_prompt=True,
+                **(req.chat_template_kwargs or {}),
+            )
         except ValueError as exc:
             raise _invalid(str(exc), "messages") from None
         return text, self._tokenizer.encode(text)
@@ -216,14 +255,17 @@ class OpenAIIngress:
         if refused is not None:
             for s in streams:
                 s.rest.cancel()
-            raise _invalid(refused, "prompt" if "prompt" in refused else None,
-                           code="context_length_exceeded" if "max_model_len" in refused else None)
+            raise _invalid(
+                refused,
+                "prompt" if "prompt" in refused else None,
+                code="context_length_exceeded" if "max_model_len" in refused else None,
+            )
         return streams
 
     @staticmethod
     async def _merged(streams: list[OpenStream]) -> AsyncIterator[tuple[int, GenerateChunk]]:
         """(choice index, chunk) from all streams as they arrive; cancels every call when left early."""
-        if len(streams) == 1:      # one choice: read its stream directly (no queue, no pump task)
+        if len(streams) == 1:  # one choice: read its stream directly (no queue, no pump task)
             s = streams[0]
             try:
                 yield s.choice_index, s.first
@@ -242,7 +284,7 @@ class OpenAIIngress:
                     async for chunk in s.rest:
                         await queue.put((s.choice_index, chunk))
                 await queue.put((s.choice_index, None))
-            except Exception as exc:   # handed to the consumer, which re-raises it
+            except Exception as exc:  # handed to the consumer, which re-raises it
                 await queue.put((s.choice_index, exc))
 
         tasks = [asyncio.create_task(pump(s)) for s in streams]
@@ -265,13 +307,18 @@ class OpenAIIngress:
     @staticmethod
     def _check_not_aborted(chunk: GenerateChunk) -> None:
         if chunk.finish_reason == "abort":
-            raise APIError(ErrorResponse.make("The engine aborted the request (shutting down?); retry.",
-                                              status=503, code="aborted"))
+            raise APIError(
+                ErrorResponse.make(
+                    "The engine aborted the request (shutting down?); retry.", status=503, code="aborted"
+                )
+            )
 
     def _usage(self, prompts: list[PreparedPrompt], states: list[ChoiceState]) -> Usage:
-        return Usage.make(prompt_tokens=sum(len(p.token_ids) for p in prompts),
-                          completion_tokens=sum(len(s.token_ids) for s in states),
-                          cached_tokens=max((s.num_cached_tokens for s in states), default=0))
+        return Usage.make(
+            prompt_tokens=sum(len(p.token_ids) for p in prompts),
+            completion_tokens=sum(len(s.token_ids) for s in states),
+            cached_tokens=max((s.num_cached_tokens for s in states), default=0),
+        )
 
     # ---- /v1/chat/completions ----
     async def chat_completions(self, request: Request) -> Response:
@@ -279,35 +326,59 @@ class OpenAIIngress:
         prompt_text, ids = self._chat_prompt(req)
         prompt = self._prepare(req, ids, "messages", 0)
         tool_parser = self._args.tool_call_parser if req.tools_enabled else None
-        options = [ChoiceOptions(i, req.top_logprobs or 0, req.logprobs, reasoning_parser=self._args.reasoning_parser,
-                                 tool_parser=tool_parser, tools=tuple(req.tools or ()),
-                                 starts_in_reasoning=reasoning.prompt_starts_in_reasoning(prompt_text))
-                   for i in range(req.n)]
+        options = [
+            ChoiceOptions(
+                i,
+                req.top_logprobs or 0,
+                req.logprobs,
+                reasoning_parser=self._args.reasoning_parser,
+                tool_parser=tool_parser,
+                tools=tuple(req.tools or ()),
+                starts_in_reasoning=reasoning.prompt_starts_in_reasoning(prompt_text),
+            )
+            for i in range(req.n)
+        ]
         states = [ChoiceState(o, self._tokenizer) for o in options]
         self._admit(request, req, [prompt], states)
         request_id = random_id("chatcmpl")
         streams = await self._open([prompt], request_id)
         if req.stream:
-            return StreamingResponse(self._chat_events(req, request_id, [prompt], streams, states),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                self._chat_events(req, request_id, [prompt], streams, states), media_type="text/event-stream"
+            )
         async for index, chunk in self._merged(streams):
             self._check_not_aborted(chunk)
             states[index].add(chunk)
             states[index].collect_logprobs(chunk)
-        response = ChatCompletionResponse(id=request_id, model=self._model_name,
-                                          choices=[s.final_chat() for s in states],
-                                          usage=self._usage([prompt], states))
+        response = ChatCompletionResponse(
+            id=request_id,
+            model=self._model_name,
+            choices=[s.final_chat() for s in states],
+            usage=self._usage([prompt], states),
+        )
         return JSONResponse(response.model_dump(mode="json"))
 
-    async def _chat_events(self, req: ChatCompletionRequest, request_id: str, prompts: list[PreparedPrompt],
-                           streams: list[OpenStream], states: list[ChoiceState]) -> AsyncIterator[str]:
+    async def _chat_events(
+        self,
+        req: ChatCompletionRequest,
+        request_id: str,
+        prompts: list[PreparedPrompt],
+        streams: list[OpenStream],
+        states: list[ChoiceState],
+    ) -> AsyncIterator[str]:
         head = ChatCompletionStreamResponse(id=request_id, model=self._model_name, choices=[])
 
         def event(**fields: Any) -> str:
             return sse_event(ChatCompletionStreamResponse(id=head.id, created=head.created, model=head.model, **fields))
 
-        async for text in self._events(streams, states, lambda: self._usage(prompts, states), event, chat=True,
-                                       include_usage=req.include_usage_in_stream):
+        async for text in self._events(
+            streams,
+            states,
+            lambda: self._usage(prompts, states),
+            event,
+            chat=True,
+            include_usage=req.include_usage_in_stream,
+        ):
             yield text
 
     # ---- /v1/completions ----
@@ -315,8 +386,10 @@ class OpenAIIngress:
         req: CompletionRequest = await self._parse(request, CompletionRequest)
         prompts = self._completion_prompts(req)
         k = req.logprobs or 0
-        states = [ChoiceState(ChoiceOptions(i, k, req.logprobs is not None), self._tokenizer)
-                  for i in range(len(prompts) * req.n)]
+        states = [
+            ChoiceState(ChoiceOptions(i, k, req.logprobs is not None), self._tokenizer)
+            for i in range(len(prompts) * req.n)
+        ]
         self._admit(request, req, prompts, states)
         request_id = random_id("cmpl")
         streams = await self._open(prompts, request_id)
@@ -326,20 +399,38 @@ class OpenAIIngress:
             def event(**fields: Any) -> str:
                 return sse_event(CompletionStreamResponse(id=head.id, created=head.created, model=head.model, **fields))
 
-            return StreamingResponse(self._events(streams, states, lambda: self._usage(prompts, states), event,
-                                                  chat=False, include_usage=req.include_usage_in_stream),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                self._events(
+                    streams,
+                    states,
+                    lambda: self._usage(prompts, states),
+                    event,
+                    chat=False,
+                    include_usage=req.include_usage_in_stream,
+                ),
+                media_type="text/event-stream",
+            )
         async for index, chunk in self._merged(streams):
             self._check_not_aborted(chunk)
             states[index].add_completion(chunk)
-        response = CompletionResponse(id=request_id, model=self._model_name,
-                                      choices=[s.final_completion() for s in states],
-                                      usage=self._usage(prompts, states))
+        response = CompletionResponse(
+            id=request_id,
+            model=self._model_name,
+            choices=[s.final_completion() for s in states],
+            usage=self._usage(prompts, states),
+        )
         return JSONResponse(response.model_dump(mode="json"))
 
     # ---- SSE ----
-    async def _events(self, streams: list[OpenStream], states: list[ChoiceState], usage: Callable[[], Usage],
-                      event: Callable[..., str], chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    async def _events(
+        self,
+        streams: list[OpenStream],
+        states: list[ChoiceState],
+        usage: Callable[[], Usage],
+        event: Callable[..., str],
+        chat: bool,
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
         """SSE text for a chat or completion stream; a failure mid-stream becomes an error event."""
         try:
             async for index, chunk in self._merged(streams):

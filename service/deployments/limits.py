@@ -8,12 +8,13 @@ settled with the real count (prompt + generated tokens) and the difference is gi
 lives in one ingress replica's memory: with several ingress replicas every replica enforces the
 limits on its own share of the traffic.
 """
+
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -23,31 +24,41 @@ MINUTE_S = 60.0
 class LimitArgs(BaseModel):
     """Limits of the ingress (null: no limit). Rates and concurrency apply to each API key separately
     (to all callers together when no keys are configured); caps apply to every request."""
+
     model_config = ConfigDict(extra="forbid")
     requests_per_minute: int | None = Field(
-        None, ge=1, description="per key: generation requests per minute (burst up to this many)")
+        None, ge=1, description="per key: generation requests per minute (burst up to this many)"
+    )
     tokens_per_minute: int | None = Field(
-        None, ge=1, description="per key: tokens per minute; a request reserves prompt + max_tokens (all choices) "
-                                "and is settled with prompt + generated tokens when it ends")
+        None,
+        ge=1,
+        description="per key: tokens per minute; a request reserves prompt + max_tokens (all choices) "
+        "and is settled with prompt + generated tokens when it ends",
+    )
     concurrent_requests: int | None = Field(
-        None, ge=1, description="per key: generation requests (streaming or not) in flight at once")
+        None, ge=1, description="per key: generation requests (streaming or not) in flight at once"
+    )
     max_tokens: int | None = Field(
-        None, ge=1, description="per request: largest max_tokens (also the default when a request sets none)")
+        None, ge=1, description="per request: largest max_tokens (also the default when a request sets none)"
+    )
     max_n: int | None = Field(None, ge=1, description="per request: largest n (choices per prompt)")
     max_stop_strings: int | None = Field(16, ge=0, description="per request: most stop strings")
-    max_top_logprobs: int | None = Field(None, ge=0, description="per request: largest top_logprobs (chat) or logprobs (completions)")
+    max_top_logprobs: int | None = Field(
+        None, ge=0, description="per request: largest top_logprobs (chat) or logprobs (completions)"
+    )
     max_prompt_tokens: int | None = Field(None, ge=1, description="per request: longest prompt in tokens")
 
 
 @dataclass(frozen=True)
 class RequestShape:
     """What one generation request asks for, as the per-request caps and the token reservation see it."""
-    max_tokens: int                    # largest max_tokens over its choices
-    n: int                             # choices per prompt
+
+    max_tokens: int  # largest max_tokens over its choices
+    n: int  # choices per prompt
     num_stop_strings: int
-    top_logprobs: int                  # top alternatives asked per token (0: none)
-    prompt_tokens: tuple[int, ...]     # token count of each prompt
-    num_choices: int                   # choices over all prompts
+    top_logprobs: int  # top alternatives asked per token (0: none)
+    prompt_tokens: tuple[int, ...]  # token count of each prompt
+    num_choices: int  # choices over all prompts
 
     @property
     def reserved_tokens(self) -> int:
@@ -74,6 +85,7 @@ def cap_violation(limits: LimitArgs, shape: RequestShape) -> tuple[str, str, str
 @dataclass
 class TokenBucket:
     """`capacity` credits, refilled at `capacity / 60` per second (monotonic seconds from `clock`)."""
+
     capacity: float
     clock: Callable[[], float]
     level: float = field(init=False)
@@ -108,15 +120,17 @@ class TokenBucket:
 @dataclass(frozen=True)
 class Refusal:
     """Why a request is refused: `status` 429 (retry after `retry_after_s`) or 400 (never fits)."""
-    limit: str                         # the LimitArgs field that refused it
+
+    limit: str  # the LimitArgs field that refused it
     status: int
     message: str
-    retry_after_s: int                 # whole seconds, >= 1 for 429
+    retry_after_s: int  # whole seconds, >= 1 for 429
 
 
 @dataclass
 class KeyState:
     """One key's live state in this ingress replica."""
+
     requests: TokenBucket | None
     tokens: TokenBucket | None
     in_flight: int = 0
@@ -136,7 +150,8 @@ class KeyLimiter:
             lim = self.limits
             state = self._keys[key_id] = KeyState(
                 TokenBucket(lim.requests_per_minute, self._clock) if lim.requests_per_minute else None,
-                TokenBucket(lim.tokens_per_minute, self._clock) if lim.tokens_per_minute else None)
+                TokenBucket(lim.tokens_per_minute, self._clock) if lim.tokens_per_minute else None,
+            )
         return state
 
     def start(self, key_id: str) -> Refusal | None:
@@ -145,13 +160,23 @@ class KeyLimiter:
         state = self._state(key_id)
         cap = self.limits.concurrent_requests
         if cap is not None and state.in_flight >= cap:
-            return Refusal("concurrent_requests", 429, f"Too many requests in flight for this API key (limit "
-                           f"concurrent_requests={cap}); retry when one finishes.", 1)
+            return Refusal(
+                "concurrent_requests",
+                429,
+                f"Too many requests in flight for this API key (limit "
+                f"concurrent_requests={cap}); retry when one finishes.",
+                1,
+            )
         if state.requests is not None:
             wait_s = state.requests.take(1)
             if wait_s > 0:
-                return Refusal("requests_per_minute", 429, f"Rate limit reached for this API key: limit "
-                               f"requests_per_minute={self.limits.requests_per_minute}.", _whole_s(wait_s))
+                return Refusal(
+                    "requests_per_minute",
+                    429,
+                    f"Rate limit reached for this API key: limit "
+                    f"requests_per_minute={self.limits.requests_per_minute}.",
+                    _whole_s(wait_s),
+                )
         state.in_flight += 1
         return None
 
@@ -161,13 +186,23 @@ class KeyLimiter:
         if bucket is None:
             return None
         if tokens > bucket.capacity:
-            return Refusal("tokens_per_minute", 400, f"The request needs {tokens} tokens (prompt + max_tokens for "
-                           f"every choice), more than this server's limit tokens_per_minute="
-                           f"{self.limits.tokens_per_minute}; lower max_tokens or n.", 0)
+            return Refusal(
+                "tokens_per_minute",
+                400,
+                f"The request needs {tokens} tokens (prompt + max_tokens for "
+                f"every choice), more than this server's limit tokens_per_minute="
+                f"{self.limits.tokens_per_minute}; lower max_tokens or n.",
+                0,
+            )
         wait_s = bucket.take(tokens)
         if wait_s > 0:
-            return Refusal("tokens_per_minute", 429, f"Rate limit reached for this API key: limit tokens_per_minute="
-                           f"{self.limits.tokens_per_minute}, this request reserves {tokens}.", _whole_s(wait_s))
+            return Refusal(
+                "tokens_per_minute",
+                429,
+                f"Rate limit reached for this API key: limit tokens_per_minute="
+                f"{self.limits.tokens_per_minute}, this request reserves {tokens}.",
+                _whole_s(wait_s),
+            )
         return None
 
     def settle_tokens(self, key_id: str, reserved: int, used: int) -> None:

@@ -4,6 +4,7 @@ Pure data: the deployments create the live metrics from it, the Helm chart's das
 tests check their queries against it. Names are the Prometheus names as stored: Ray's metrics agent
 exports application metrics as `ray_<name>`, and the chart's PodMonitors strip that prefix, so
 Prometheus (and the dashboard and alerts) see exactly these names."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,10 +13,10 @@ from typing import Literal
 
 @dataclass(frozen=True)
 class MetricDef:
-    name: str                                   # Prometheus name as scraped
+    name: str  # Prometheus name as scraped
     kind: Literal["counter", "gauge", "histogram"]
     help: str
-    labels: tuple[str, ...] = ()                # besides the per-replica labels Ray adds
+    labels: tuple[str, ...] = ()  # besides the per-replica labels Ray adds
     source: Literal["engine", "router", "canary", "ingress"] = "engine"
 
 
@@ -24,8 +25,9 @@ ENGINE_METRICS: tuple[MetricDef, ...] = (
     MetricDef(_P + "prefix_cache_queried_tokens_total", "counter", "Prompt tokens looked up in the prefix cache"),
     MetricDef(_P + "prefix_cache_hit_tokens_total", "counter", "Prompt tokens served from the prefix cache"),
     MetricDef(_P + "mamba_snapshot_hits_total", "counter", "Prefix hits that resumed from a mamba snapshot"),
-    MetricDef(_P + "mamba_snapshot_misses_total", "counter",
-              "Lookups where KV matched deeper than the deepest mamba snapshot"),
+    MetricDef(
+        _P + "mamba_snapshot_misses_total", "counter", "Lookups where KV matched deeper than the deepest mamba snapshot"
+    ),
     MetricDef(_P + "cache_evictions_total", "counter", "Prefix-cache evictions", ("kind",)),
     MetricDef(_P + "kv_cache_usage_ratio", "gauge", "Fraction of KV pages in use"),
     MetricDef(_P + "mamba_cache_usage_ratio", "gauge", "Fraction of mamba state slots in use"),
@@ -39,25 +41,56 @@ ENGINE_METRICS: tuple[MetricDef, ...] = (
 )
 ROUTER_METRICS: tuple[MetricDef, ...] = (
     MetricDef(_P + "router_decisions_total", "counter", "Routing decisions by reason", ("reason",), "router"),
-    MetricDef(_P + "router_predicted_hit_ratio", "histogram",
-              "Predicted prefix-hit fraction of the chosen replica", (), "router"),
+    MetricDef(
+        _P + "router_predicted_hit_ratio",
+        "histogram",
+        "Predicted prefix-hit fraction of the chosen replica",
+        (),
+        "router",
+    ),
 )
 CANARY_METRICS: tuple[MetricDef, ...] = (
     MetricDef(_P + "canary_checks_total", "counter", "Accuracy canary checks run", ("kind",), "canary"),
-    MetricDef(_P + "canary_mismatches_total", "counter",
-              "Canary checks where cached and cold results differ", ("kind",), "canary"),
-    MetricDef(_P + "canary_max_state_rel_error", "gauge",
-              "Largest relative state error of the last canary run", (), "canary"),
-    MetricDef(_P + "canary_token_agreement_ratio", "gauge",
-              "Fraction of greedy tokens equal between cached and cold runs", (), "canary"),
-    MetricDef(_P + "canary_answer_accuracy", "gauge",
-              "Fraction of the pinned questions the last canary round answered correctly (cached runs)", (), "canary"),
+    MetricDef(
+        _P + "canary_mismatches_total",
+        "counter",
+        "Canary checks where cached and cold results differ",
+        ("kind",),
+        "canary",
+    ),
+    MetricDef(
+        _P + "canary_max_state_rel_error", "gauge", "Largest relative state error of the last canary run", (), "canary"
+    ),
+    MetricDef(
+        _P + "canary_token_agreement_ratio",
+        "gauge",
+        "Fraction of greedy tokens equal between cached and cold runs",
+        (),
+        "canary",
+    ),
+    MetricDef(
+        _P + "canary_answer_accuracy",
+        "gauge",
+        "Fraction of the pinned questions the last canary round answered correctly (cached runs)",
+        (),
+        "canary",
+    ),
 )
-INGRESS_METRICS: tuple[MetricDef, ...] = (   # `key`: the API key's id (a hash prefix), never the key
-    MetricDef(_P + "api_requests_total", "counter", "OpenAI API requests by key id and HTTP status",
-              ("key", "status"), "ingress"),
-    MetricDef(_P + "api_limit_refusals_total", "counter", "Requests refused by a per-key limit or per-request cap",
-              ("key", "limit"), "ingress"),
+INGRESS_METRICS: tuple[MetricDef, ...] = (  # `key`: the API key's id (a hash prefix), never the key
+    MetricDef(
+        _P + "api_requests_total",
+        "counter",
+        "OpenAI API requests by key id and HTTP status",
+        ("key", "status"),
+        "ingress",
+    ),
+    MetricDef(
+        _P + "api_limit_refusals_total",
+        "counter",
+        "Requests refused by a per-key limit or per-request cap",
+        ("key", "limit"),
+        "ingress",
+    ),
     MetricDef(_P + "api_tokens_total", "counter", "Tokens used (prompt + generated) by key id", ("key",), "ingress"),
 )
 ALL_METRICS: tuple[MetricDef, ...] = ENGINE_METRICS + ROUTER_METRICS + CANARY_METRICS + INGRESS_METRICS

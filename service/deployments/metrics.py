@@ -9,11 +9,13 @@ histogram observation at its bucket's midpoint, so `_sum` is approximate; bucket
 Ray refuses to increment a counter by 0, so a counter's series appears with its first event (e.g.
 `cache_evictions_total{kind="mamba"}` after the first mamba eviction).
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from ray.serve import metrics as serve_metrics
 
@@ -61,24 +63,28 @@ def make_metric(defn: MetricDef) -> Any:
         return serve_metrics.Counter(defn.name, description=defn.help, tag_keys=tag_keys)
     if defn.kind == "gauge":
         return serve_metrics.Gauge(defn.name, description=defn.help, tag_keys=tag_keys)
-    return serve_metrics.Histogram(defn.name, description=defn.help, boundaries=list(_BUCKETS.get(defn.name, _LATENCY_BUCKETS_S)),
-                                   tag_keys=tag_keys)
+    return serve_metrics.Histogram(
+        defn.name,
+        description=defn.help,
+        boundaries=list(_BUCKETS.get(defn.name, _LATENCY_BUCKETS_S)),
+        tag_keys=tag_keys,
+    )
 
 
 @dataclass
 class EngineMetrics:
     """The engine replica's metrics: engine counters/gauges polled from `engine.stats()` and
     per-request timings observed by the deployment."""
-    live: dict[str, Any] = field(default_factory=lambda: {d.name: make_metric(d) for d in ENGINE_METRICS})
-    last_counts: dict[str, float] = field(default_factory=dict)   # stats key -> last cumulative value exported
 
+    live: dict[str, Any] = field(default_factory=lambda: {d.name: make_metric(d) for d in ENGINE_METRICS})
+    last_counts: dict[str, float] = field(default_factory=dict)  # stats key -> last cumulative value exported
 
     def update_from_stats(self, stats: Mapping[str, Any]) -> None:
         """Export one `engine.stats()` snapshot: counter deltas since the last one, gauges as is."""
         for key, name, labels in _COUNTER_STATS:
             value = float(stats.get(key, 0))
             delta = value - self.last_counts.get(key, 0.0)
-            if delta < 0:          # the engine restarted its counters: count from zero again
+            if delta < 0:  # the engine restarted its counters: count from zero again
                 delta = value
             if delta > 0:
                 self.live[name].inc(delta, tags=dict(labels) or None)
@@ -98,6 +104,7 @@ class EngineMetrics:
 @dataclass
 class RouterMetrics:
     """The prefix-aware router's metrics (live in the process that holds the engine handle)."""
+
     live: dict[str, Any] = field(default_factory=lambda: {d.name: make_metric(d) for d in ROUTER_METRICS})
 
     def record_decision(self, reason: str, predicted_hit_ratio: float) -> None:
@@ -108,6 +115,7 @@ class RouterMetrics:
 @dataclass
 class CanaryMetrics:
     """The accuracy canary's metrics (per engine replica)."""
+
     live: dict[str, Any] = field(default_factory=lambda: {d.name: make_metric(d) for d in CANARY_METRICS})
 
     def record(self, kind: str, mismatch: bool, max_state_rel_error: float, token_agreement: float) -> None:

@@ -6,26 +6,43 @@ which leaves FastAPI's generated document without request bodies; this fills in 
 status, and the Bearer scheme. Clients, generators and API fuzzers (the tests run schemathesis on it)
 read this document.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import FastAPI
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from service.openai.protocol import (
-    ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse, ModelList,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelList,
 )
 
-_ERROR_STATUSES = {"400": "Invalid request, or a per-request cap exceeded", "401": "Missing or wrong API key",
-                   "404": "Unknown model", "413": "Request body too large",
-                   "429": "A per-key limit exceeded (see Retry-After)", "503": "Overloaded or no engine replica"}
+_ERROR_STATUSES = {
+    "400": "Invalid request, or a per-request cap exceeded",
+    "401": "Missing or wrong API key",
+    "404": "Unknown model",
+    "413": "Request body too large",
+    "429": "A per-key limit exceeded (see Retry-After)",
+    "503": "Overloaded or no engine replica",
+}
 # One server-sent event (stream: true): `data` is a JSON chunk (or an OpenAI error object), the last one [DONE].
-_SSE_EVENT = {"type": "object", "required": ["data"],
-              "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
-_EXAMPLES = {ChatCompletionRequest: {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8},
-             CompletionRequest: {"prompt": "The weather is", "max_tokens": 8}}
+_SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+}
+_EXAMPLES = {
+    ChatCompletionRequest: {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8},
+    CompletionRequest: {"prompt": "The weather is", "max_tokens": 8},
+}
 # path -> (method, request model or None, JSON success model, whether the route streams SSE)
 _ROUTES: dict[str, tuple[str, type[BaseModel] | None, type[BaseModel], bool]] = {
     "/v1/chat/completions": ("post", ChatCompletionRequest, ChatCompletionResponse, True),
@@ -50,9 +67,11 @@ def openai_paths() -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
         if streams:
             ok["text/event-stream"] = {"schema": _SSE_EVENT}
         op: dict[str, Any] = {
-            "responses": {"200": {"description": "Success", "content": ok},
-                          **{code: {**error, "description": why} for code, why in _ERROR_STATUSES.items()},
-                          "default": error},
+            "responses": {
+                "200": {"description": "Success", "content": ok},
+                **{code: {**error, "description": why} for code, why in _ERROR_STATUSES.items()},
+                "default": error,
+            },
             "security": [{"bearer": []}],
         }
         if request is not None:

@@ -16,12 +16,14 @@ candidate's by `max_load_imbalance` or more (per-request gate); otherwise (gated
 unmatched replica, or nothing matched) the least-loaded replica wins (ties: fewest requests ever
 dispatched, then fewest indexed blocks, then id).
 """
+
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Hashable, Iterable, Literal, Sequence
+from typing import Literal
 
 # prefix: affinity won; load_gate: the best match was gated by load imbalance; load_score: a matching replica
 # existed but the load term made an unmatched one score higher; miss: no replica matched; no_prompt: not a
@@ -33,29 +35,32 @@ REASONS: tuple[Reason, ...] = ("prefix", "load_gate", "load_score", "miss", "no_
 @dataclass(frozen=True)
 class RouterPolicy:
     """Scoring knobs; mirrors `args.RouterArgs`."""
-    w_prefix: float = 1.0            # weight of the matched/total prefix fraction
-    w_load: float = 0.5              # weight of the normalised in-flight load
-    max_load_imbalance: int = 8      # gate: skip affinity if target has >= this many more in flight than the least loaded
+
+    w_prefix: float = 1.0  # weight of the matched/total prefix fraction
+    w_load: float = 0.5  # weight of the normalised in-flight load
+    max_load_imbalance: int = 8  # gate: skip affinity if target has >= this many more in flight than the least loaded
     index_capacity_blocks: int = 200_000  # LRU capacity of one replica's index, in blocks
-    report_grace_s: float = 30.0     # dispatch-inserted entries younger than this survive a replica report
+    report_grace_s: float = 30.0  # dispatch-inserted entries younger than this survive a replica report
 
 
 @dataclass(frozen=True)
 class ReplicaView:
     """What the scorer knows about one candidate replica at decision time."""
-    replica_key: Hashable            # the replica's id (any hashable; Ray's ReplicaID in the router)
-    matched_blocks: int              # leading prompt blocks present in this replica's index
-    in_flight: int                   # requests dispatched and not yet completed
-    dispatched_total: int            # requests ever dispatched here (tie-break for balance)
-    indexed_blocks: int              # index size (tie-break: emptier cache first)
+
+    replica_key: Hashable  # the replica's id (any hashable; Ray's ReplicaID in the router)
+    matched_blocks: int  # leading prompt blocks present in this replica's index
+    in_flight: int  # requests dispatched and not yet completed
+    dispatched_total: int  # requests ever dispatched here (tie-break for balance)
+    indexed_blocks: int  # index size (tie-break: emptier cache first)
 
 
 @dataclass(frozen=True)
 class Decision:
     """The outcome for one request."""
-    ranking: tuple[Hashable, ...]    # replica keys, most preferred first; ranking[0] is the choice
-    reason: Reason                   # why ranking[0] was chosen
-    predicted_hit_ratio: float       # matched/total blocks of the chosen replica, in [0, 1]
+
+    ranking: tuple[Hashable, ...]  # replica keys, most preferred first; ranking[0] is the choice
+    reason: Reason  # why ranking[0] was chosen
+    predicted_hit_ratio: float  # matched/total blocks of the chosen replica, in [0, 1]
 
 
 class ReplicaPrefixIndex:
@@ -101,7 +106,7 @@ class ReplicaPrefixIndex:
             del self._entries[h]
         for h in reported:
             if h not in self._entries:
-                self._entries[h] = cutoff   # known cached, but not refreshed by a dispatch
+                self._entries[h] = cutoff  # known cached, but not refreshed by a dispatch
                 self._entries.move_to_end(h, last=False)
         while len(self._entries) > self._capacity_blocks:
             self._entries.popitem(last=False)
@@ -111,8 +116,7 @@ def _least_loaded_order(views: Sequence[ReplicaView]) -> list[ReplicaView]:
     return sorted(views, key=lambda v: (v.in_flight, v.dispatched_total, v.indexed_blocks, str(v.replica_key)))
 
 
-def decide(views: Sequence[ReplicaView], total_blocks: int, policy: RouterPolicy,
-           has_prompt: bool = True) -> Decision:
+def decide(views: Sequence[ReplicaView], total_blocks: int, policy: RouterPolicy, has_prompt: bool = True) -> Decision:
     """Rank candidates for one request (see module docstring). `views` must be non-empty."""
     if not views:
         raise ValueError("decide() needs at least one candidate replica")

@@ -8,11 +8,12 @@ updated without remote calls: the index and the in-flight count at dispatch (`on
 the count again at completion, the index from the replicas' periodic routing stats
 (`cached_prefix_hashes`, applied when Serve broadcasts new replica info).
 """
+
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Any, List, Optional
+from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
@@ -22,11 +23,11 @@ from service.engine.cache.block_hash import chained_block_hashes
 
 logger = logging.getLogger("ray.serve")
 
-GENERATE_METHOD = "generate"          # the engine deployment method whose first argument is the prompt's token ids
-_MAX_REMEMBERED_REQUESTS = 65_536     # bound on per-request state kept between choose and dispatch/completion
+GENERATE_METHOD = "generate"  # the engine deployment method whose first argument is the prompt's token ids
+_MAX_REMEMBERED_REQUESTS = 65_536  # bound on per-request state kept between choose and dispatch/completion
 
 
-def prompt_token_ids(pending_request: Optional[PendingRequest]) -> list[int] | None:
+def prompt_token_ids(pending_request: PendingRequest | None) -> list[int] | None:
     """The prompt's token ids of a `generate` call, or None for any other call."""
     if pending_request is None or pending_request.metadata.call_method != GENERATE_METHOD:
         return None
@@ -61,7 +62,7 @@ class PrefixAwareRouter(RequestRouter):
             index = self._indexes[replica_id] = ReplicaPrefixIndex(self._policy.index_capacity_blocks)
         return index
 
-    def update_replicas(self, replicas: List[RunningReplica]) -> None:
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         live = {r.replica_id for r in replicas}
         for gone in [k for k in self._indexes if k not in live]:
@@ -87,7 +88,7 @@ class PrefixAwareRouter(RequestRouter):
         for table in (self._indexes, self._in_flight, self._dispatched_total, self._report_seq):
             table.pop(replica_id, None)
 
-    def _block_size_tokens(self, replicas: List[RunningReplica]) -> int:
+    def _block_size_tokens(self, replicas: list[RunningReplica]) -> int:
         for r in replicas:
             grid = r.replica_metadata.get("snapshot_grid_tokens")
             if grid:
@@ -95,18 +96,23 @@ class PrefixAwareRouter(RequestRouter):
         return self._default_block_size_tokens
 
     # ---- routing ----
-    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
-                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
         ids = prompt_token_ids(pending_request)
         hashes = chained_block_hashes(ids, self._block_size_tokens(candidate_replicas)) if ids else []
-        views = [ReplicaView(replica_key=r.replica_id,
-                             matched_blocks=self._index(r.replica_id).match_blocks(hashes),
-                             in_flight=self._in_flight.get(r.replica_id, 0),
-                             dispatched_total=self._dispatched_total.get(r.replica_id, 0),
-                             indexed_blocks=len(self._index(r.replica_id)))
-                 for r in candidate_replicas]
+        views = [
+            ReplicaView(
+                replica_key=r.replica_id,
+                matched_blocks=self._index(r.replica_id).match_blocks(hashes),
+                in_flight=self._in_flight.get(r.replica_id, 0),
+                dispatched_total=self._dispatched_total.get(r.replica_id, 0),
+                indexed_blocks=len(self._index(r.replica_id)),
+            )
+            for r in candidate_replicas
+        ]
         decision = decide(views, len(hashes), self._policy, has_prompt=ids is not None)
         if pending_request is not None:
             self._remember(self._decisions, id(pending_request), (pending_request, hashes, decision))
@@ -115,7 +121,7 @@ class PrefixAwareRouter(RequestRouter):
         by_id = {r.replica_id: r for r in candidate_replicas}
         return [[by_id[k]] for k in decision.ranking]
 
-    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata: Optional[Any] = None) -> None:
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata: Any | None = None) -> None:
         """Give the chosen replica to exactly the request it was chosen for. (Serve's default matches on
         internal_request_id, which concurrent calls of one HTTP request share, so the second of n choices
         would never be assigned; FIFO matching would hand a prefix-aware choice to another prompt.)"""
@@ -130,7 +136,9 @@ class PrefixAwareRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
         remembered = self._decisions.pop(id(pending_request), None)
-        hashes, decision = (remembered[1], remembered[2]) if remembered and remembered[0] is pending_request else ([], None)
+        hashes, decision = (
+            (remembered[1], remembered[2]) if remembered and remembered[0] is pending_request else ([], None)
+        )
         self._in_flight[replica_id] = self._in_flight.get(replica_id, 0) + 1
         self._dispatched_total[replica_id] = self._dispatched_total.get(replica_id, 0) + 1
         request_id = pending_request.metadata.internal_request_id

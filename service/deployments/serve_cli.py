@@ -1,6 +1,7 @@
 """`hybrid-serve serve`: start (or join) Ray, run the app, print how to call it, block until Ctrl-C,
 then drain and shut down. The engine flags are `EngineConfig`'s settings (one flag per field, named
 after it); the rest are the app's deployment arguments."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,32 +17,58 @@ from service.engine.config import EngineConfig
 from service.engine.settings import add_setting_arguments, settings_from_namespace
 
 APP_NAME = "hybrid-serve"
-_DEPLOYMENT_FLAGS = ("served_model_name", "replicas", "reasoning_parser", "tool_call_parser",  # -> AppArgs
-                     "ingress_replicas", "stream_chunks_per_s")
+_DEPLOYMENT_FLAGS = (
+    "served_model_name",
+    "replicas",
+    "reasoning_parser",
+    "tool_call_parser",  # -> AppArgs
+    "ingress_replicas",
+    "stream_chunks_per_s",
+)
 
 
 def add_cli(subparsers: Any) -> None:
-    p = subparsers.add_parser("serve", help="serve a model behind an OpenAI-compatible endpoint (Ray Serve)",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a model behind an OpenAI-compatible endpoint (Ray Serve)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     add_setting_arguments(p, EngineConfig, "engine settings (EngineConfig)")
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: folder name)")
     p.add_argument("--replicas", type=int, default=None, help="engine replicas")
     p.add_argument("--reasoning-parser", choices=("nemotron_3",), default=None)
     p.add_argument("--tool-call-parser", choices=("qwen3_coder",), default=None)
     p.add_argument("--ingress-replicas", type=int, default=None, help="OpenAI ingress replicas")
-    p.add_argument("--stream-chunks-per-s", type=float, default=None,
-                   help="streamed chunks per second an engine replica sends over all its requests (new tokens "
-                        "are coalesced: a request sends every open-requests / this seconds)")
-    p.add_argument("--router", choices=("prefix_aware", "default"), default="prefix_aware",
-                   help="request router of the engine deployment")
+    p.add_argument(
+        "--stream-chunks-per-s",
+        type=float,
+        default=None,
+        help="streamed chunks per second an engine replica sends over all its requests (new tokens "
+        "are coalesced: a request sends every open-requests / this seconds)",
+    )
+    p.add_argument(
+        "--router",
+        choices=("prefix_aware", "default"),
+        default="prefix_aware",
+        help="request router of the engine deployment",
+    )
     p.add_argument("--api-keys-file", default=None, help=AppArgs.model_fields["api_keys_file"].description)
     for name, info in LimitArgs.model_fields.items():
-        p.add_argument(f"--limit-{name.replace('_', '-')}", dest=f"limit_{name}", type=int, default=info.default,
-                       help=info.description)
+        p.add_argument(
+            f"--limit-{name.replace('_', '-')}",
+            dest=f"limit_{name}",
+            type=int,
+            default=info.default,
+            help=info.description,
+        )
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
-    p.add_argument("--metrics-port", type=int, default=8080,
-                   help="Prometheus port of Ray's metrics agent (when this command starts Ray itself)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=8080,
+        help="Prometheus port of Ray's metrics agent (when this command starts Ray itself)",
+    )
     p.set_defaults(func=run_serve)
 
 
@@ -59,19 +86,21 @@ def app_args_from_cli(ns: argparse.Namespace) -> dict[str, Any]:
 def _usage_text(host: str, port: int, model: str, metrics_port: int | None, keyed: bool) -> str:
     base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     auth = ' -H "Authorization: Bearer $KEY"' if keyed else ""
-    return (f"\nhybrid-serve is up: {base}/v1 (model '{model}')"
-            f"{'; API keys on: set KEY to one of them' if keyed else '; no API keys: the endpoint is open'}\n\n"
-            f"  curl {base}/v1/chat/completions{auth} -H 'Content-Type: application/json' \\\n"
-            f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], "
-            f"\"max_tokens\": 32}}'\n\n"
-            f"  python -c \"import os; from openai import OpenAI; "
-            f"c = OpenAI(base_url='{base}/v1', api_key=os.environ.get('KEY', 'none')); "
-            f"print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hello'}}], "
-            f"max_tokens=32).choices[0].message)\"\n\n"
-            f"  metrics (ray_hybrid_serve_*): "
-            f"{f'http://127.0.0.1:{metrics_port}/metrics' if metrics_port else 'the Ray cluster metrics endpoint'}"
-            f"; health: {base}/health\n"
-            f"Press Ctrl-C to stop.\n")
+    return (
+        f"\nhybrid-serve is up: {base}/v1 (model '{model}')"
+        f"{'; API keys on: set KEY to one of them' if keyed else '; no API keys: the endpoint is open'}\n\n"
+        f"  curl {base}/v1/chat/completions{auth} -H 'Content-Type: application/json' \\\n"
+        f'    -d \'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello"}}], '
+        f'"max_tokens": 32}}\'\n\n'
+        f'  python -c "import os; from openai import OpenAI; '
+        f"c = OpenAI(base_url='{base}/v1', api_key=os.environ.get('KEY', 'none')); "
+        f"print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hello'}}], "
+        f'max_tokens=32).choices[0].message)"\n\n'
+        f"  metrics (ray_hybrid_serve_*): "
+        f"{f'http://127.0.0.1:{metrics_port}/metrics' if metrics_port else 'the Ray cluster metrics endpoint'}"
+        f"; health: {base}/health\n"
+        f"Press Ctrl-C to stop.\n"
+    )
 
 
 def run_serve(ns: argparse.Namespace) -> int:
@@ -84,9 +113,11 @@ def run_serve(ns: argparse.Namespace) -> int:
     joined = bool(os.environ.get("RAY_ADDRESS"))
     if joined:
         ray.init(address=os.environ["RAY_ADDRESS"])
-    else:   # local: enough logical CPUs for every replica plus the ingress, whatever the core count
-        ray.init(num_cpus=max(os.cpu_count() or 1, int(app_args.replicas * app_args.cpus_per_replica) + 2),
-                 _metrics_export_port=ns.metrics_port)
+    else:  # local: enough logical CPUs for every replica plus the ingress, whatever the core count
+        ray.init(
+            num_cpus=max(os.cpu_count() or 1, int(app_args.replicas * app_args.cpus_per_replica) + 2),
+            _metrics_export_port=ns.metrics_port,
+        )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -100,7 +131,7 @@ def run_serve(ns: argparse.Namespace) -> int:
             pass
         print("shutting down: draining in-flight requests ...", flush=True)
     finally:
-        if joined:   # leave the cluster's other applications alone
+        if joined:  # leave the cluster's other applications alone
             serve.delete(APP_NAME)
         else:
             serve.shutdown()

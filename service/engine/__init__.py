@@ -1,4 +1,5 @@
 """hybrid-serve engine: NemotronH on our own torch/Triton engine. Knows neither Ray nor HTTP."""
+
 from service.engine.async_engine import AsyncEngine
 from service.engine.config import EngineConfig, ModelConfig
 from service.engine.engine import Engine

@@ -3,6 +3,7 @@
 The engine is single-threaded: every mutation (add, abort, step, introspection) runs on the engine
 thread; callers talk to it through a command queue and get results through asyncio queues/futures.
 If a step raises, every in-flight request gets the error and is aborted; the loop keeps serving."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,8 +12,9 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
-from typing import AsyncIterator, Callable, Sequence, TypeVar
+from typing import TypeVar
 
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
@@ -40,9 +42,15 @@ class AsyncEngine:
         self._thread.start()
 
     # ---------- public API ----------
-    async def generate(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, bypass_cache: bool = False, capture_states: bool = False,
-                       min_interval_s: Callable[[], float] | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        bypass_cache: bool = False,
+        capture_states: bool = False,
+        min_interval_s: Callable[[], float] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Yields cumulative RequestOutputs; the last has finish_reason set. Raises ValueError on bad input.
         Each output holds everything before it, so only the newest is kept: a reader that falls behind, or that
         asks for `min_interval_s()` seconds between outputs (the first and the last come at once), is woken
@@ -58,14 +66,15 @@ class AsyncEngine:
         sink = _Sink(asyncio.get_running_loop())
         added: Future = Future()
         self._streams[rid] = sink
-        self._submit(lambda: added.set_result(self.engine.add_request(ids, params, rid, bypass_cache, capture_states)),
-                     added)
+        self._submit(
+            lambda: added.set_result(self.engine.add_request(ids, params, rid, bypass_cache, capture_states)), added
+        )
         finished = False
         try:
             try:
                 await asyncio.wrap_future(added)
             except BaseException:
-                finished = True       # never added (or refused): there is nothing to abort
+                finished = True  # never added (or refused): there is nothing to abort
                 raise
             while True:
                 item = await sink.take()
@@ -126,6 +135,7 @@ class AsyncEngine:
             except BaseException as e:  # report to the caller; the loop lives on
                 if fut is not None and not fut.done():
                     fut.set_exception(e)
+
         self._commands.put(guarded)
         self._wake.set()
 
@@ -181,17 +191,18 @@ class AsyncEngine:
 
 class _Sink:
     """One request's newest output (or error), set on its event loop; the reader is woken when it is due."""
+
     __slots__ = ("loop", "item", "ready", "wake_at")
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.item: RequestOutput | BaseException | None = None
         self.ready = asyncio.Event()
-        self.wake_at = 0.0                  # time.monotonic() before which a running output does not wake the reader
+        self.wake_at = 0.0  # time.monotonic() before which a running output does not wake the reader
 
     def publish(self, item: RequestOutput | BaseException) -> None:
         if isinstance(self.item, BaseException):
-            return                          # an error stays until it is read
+            return  # an error stays until it is read
         self.item = item
         if isinstance(item, BaseException) or item.finished or time.monotonic() >= self.wake_at:
             self.ready.set()

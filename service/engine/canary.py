@@ -10,14 +10,15 @@ A pinned prompt may be a question with a known answer (the deployment pins the t
 check then carries the cached run's text, which the caller scores (`answer_accuracy` on the canary metrics).
 
 Both run through the AsyncEngine like any request, so they see the live scheduler, pools and kernels."""
+
 from __future__ import annotations
 
 import asyncio
 import math
 import random
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -27,14 +28,14 @@ from service.engine.request import CapturedState, RequestOutput, SamplingParams
 
 @dataclass(frozen=True)
 class CanaryCheck:
-    kind: str                    # "pinned" | "audit"
-    mismatch: bool               # state or output disagreement beyond tolerance
-    max_state_rel_error: float   # over conv and ssm of every mamba layer; nan if no state was compared
-    token_agreement: float       # fraction of equal greedy tokens, cached vs cold (1.0 for audits)
-    max_logprob_diff: float      # max |logprob cached - logprob cold| over generated tokens (0 for audits)
-    num_cached_tokens: int       # prefix length the cached run resumed from (0: no hit, nothing compared)
+    kind: str  # "pinned" | "audit"
+    mismatch: bool  # state or output disagreement beyond tolerance
+    max_state_rel_error: float  # over conv and ssm of every mamba layer; nan if no state was compared
+    token_agreement: float  # fraction of equal greedy tokens, cached vs cold (1.0 for audits)
+    max_logprob_diff: float  # max |logprob cached - logprob cold| over generated tokens (0 for audits)
+    num_cached_tokens: int  # prefix length the cached run resumed from (0: no hit, nothing compared)
     detail: str = ""
-    text: str = ""               # the cached run's generated text (pinned checks)
+    text: str = ""  # the cached run's generated text (pinned checks)
 
 
 def max_rel_error(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -66,13 +67,19 @@ async def _run(engine: AsyncEngine, prompt: Sequence[int], params: SamplingParam
 
 
 async def cold_prefix_state(engine: AsyncEngine, prefix: Sequence[int]) -> CapturedState:
-    rid, _ = await _run(engine, prefix, SamplingParams(max_tokens=1, temperature=0.0), bypass_cache=True,
-                        capture_states=True)
+    rid, _ = await _run(
+        engine, prefix, SamplingParams(max_tokens=1, temperature=0.0), bypass_cache=True, capture_states=True
+    )
     return (await engine.pop_captured_states(rid))["prompt"]
 
 
-async def pinned_canary(engine: AsyncEngine, prompt: Sequence[int], max_tokens: int = 8,
-                        tolerances: tuple[float, float] | None = None, ignore_eos: bool = True) -> CanaryCheck:
+async def pinned_canary(
+    engine: AsyncEngine,
+    prompt: Sequence[int],
+    max_tokens: int = 8,
+    tolerances: tuple[float, float] | None = None,
+    ignore_eos: bool = True,
+) -> CanaryCheck:
     """`ignore_eos=False` for questions: the reply ends at EOS (cached and cold must end at the same token)."""
     state_tol, lp_tol = tolerances or default_tolerances(engine.engine.dtype)
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos, logprobs=True)
@@ -81,21 +88,30 @@ async def pinned_canary(engine: AsyncEngine, prompt: Sequence[int], max_tokens: 
     hit_rid, hit = await _run(engine, prompt, greedy, capture_states=True)
     _, cold = await _run(engine, prompt, greedy, bypass_cache=True)
     captured = (await engine.pop_captured_states(hit_rid)).get("hit")
-    agreement = (sum(a == b for a, b in zip(hit.token_ids, cold.token_ids))
-                 / max(1, len(cold.token_ids), len(hit.token_ids)))
+    agreement = sum(a == b for a, b in zip(hit.token_ids, cold.token_ids)) / max(
+        1, len(cold.token_ids), len(hit.token_ids)
+    )
     lp_diff = max((abs(a - b) for a, b in zip(hit.logprobs or [], cold.logprobs or [])), default=0.0)
     err = math.nan
     if captured is not None:
-        err = state_rel_error(captured, await cold_prefix_state(engine, prompt[:captured.num_tokens]))
+        err = state_rel_error(captured, await cold_prefix_state(engine, prompt[: captured.num_tokens]))
     mismatch = agreement < 1.0 or lp_diff > lp_tol or (not math.isnan(err) and err > state_tol)
-    return CanaryCheck("pinned", mismatch, err, agreement, lp_diff, hit.num_cached_tokens,
-                       "" if captured is not None else "no snapshot hit (evicted or cache off): outputs compared only",
-                       text=hit.text)
+    return CanaryCheck(
+        "pinned",
+        mismatch,
+        err,
+        agreement,
+        lp_diff,
+        hit.num_cached_tokens,
+        "" if captured is not None else "no snapshot hit (evicted or cache off): outputs compared only",
+        text=hit.text,
+    )
 
 
-async def audit_hit(engine: AsyncEngine, prompt: Sequence[int], captured: CapturedState,
-                    tolerances: tuple[float, float] | None = None) -> CanaryCheck:
+async def audit_hit(
+    engine: AsyncEngine, prompt: Sequence[int], captured: CapturedState, tolerances: tuple[float, float] | None = None
+) -> CanaryCheck:
     """Recompute the prefix of a real request's hit cold and compare the state it resumed from."""
     state_tol, _ = tolerances or default_tolerances(engine.engine.dtype)
-    err = state_rel_error(captured, await cold_prefix_state(engine, prompt[:captured.num_tokens]))
+    err = state_rel_error(captured, await cold_prefix_state(engine, prompt[: captured.num_tokens]))
     return CanaryCheck("audit", err > state_tol, err, 1.0, 0.0, captured.num_tokens)

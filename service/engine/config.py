@@ -5,6 +5,7 @@ settings (`EngineConfig`, the one place an engine setting is declared).
 `layers_block_type` list) and the legacy `mamba_*` aliases; inconsistent configs raise
 `ValueError` naming the field to change.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,18 +21,27 @@ from service.engine.settings import check_settings
 # Layer-type letters used everywhere inside the engine.
 MAMBA, ATTENTION, MOE, MLP = "M", "*", "E", "-"
 _LIST_TO_LETTER = {
-    "mamba": MAMBA, "linear_attention": MAMBA, "attention": ATTENTION, "full_attention": ATTENTION,
-    "moe": MOE, "mlp": MLP,
+    "mamba": MAMBA,
+    "linear_attention": MAMBA,
+    "attention": ATTENTION,
+    "full_attention": ATTENTION,
+    "moe": MOE,
+    "mlp": MLP,
 }
 _LEGACY_ALIASES = {  # legacy key -> canonical key
-    "mamba_d_conv": "conv_kernel", "mamba_expand": "expand", "mamba_chunk_size": "chunk_size",
-    "mamba_conv_bias": "use_conv_bias", "mamba_dt_min": "time_step_min", "mamba_dt_max": "time_step_max",
+    "mamba_d_conv": "conv_kernel",
+    "mamba_expand": "expand",
+    "mamba_chunk_size": "chunk_size",
+    "mamba_conv_bias": "use_conv_bias",
+    "mamba_dt_min": "time_step_min",
+    "mamba_dt_max": "time_step_max",
     "mamba_dt_limit": "time_step_limit",
 }
 
 
-def parse_layer_types(cfg: dict[str, Any], list_key: str = "layers_block_type",
-                       pattern_key: str = "hybrid_override_pattern") -> tuple[str, ...] | None:
+def parse_layer_types(
+    cfg: dict[str, Any], list_key: str = "layers_block_type", pattern_key: str = "hybrid_override_pattern"
+) -> tuple[str, ...] | None:
     """Layer letters from the list encoding (`list_key`) or the pattern string (`pattern_key`).
 
     Returns None when neither key is present (or both are null); the caller decides on a default.
@@ -45,8 +55,7 @@ def parse_layer_types(cfg: dict[str, Any], list_key: str = "layers_block_type",
             raise ValueError(f"{list_key} must be a list of layer type names, got {blocks!r}")
         unknown = sorted({str(b) for b in blocks if b not in _LIST_TO_LETTER})
         if unknown:
-            raise ValueError(f"{list_key} has unknown layer types {unknown}; "
-                             f"use one of {sorted(_LIST_TO_LETTER)}")
+            raise ValueError(f"{list_key} has unknown layer types {unknown}; use one of {sorted(_LIST_TO_LETTER)}")
         letters = tuple(_LIST_TO_LETTER[b] for b in blocks)
         if pattern is not None and "".join(letters) != pattern:
             raise ValueError(f"{pattern_key} and {list_key} disagree; give only one")
@@ -108,9 +117,10 @@ def _resolve_legacy_aliases(raw: dict[str, Any]) -> dict[str, Any]:
 @dataclass(frozen=True)
 class ModelConfig:
     """NemotronH architecture; field names follow the HF config keys."""
+
     vocab_size: int
     hidden_size: int
-    layer_types: tuple[str, ...]          # one letter per layer: M, *, E, -
+    layer_types: tuple[str, ...]  # one letter per layer: M, *, E, -
     layer_norm_epsilon: float
     # attention
     num_attention_heads: int
@@ -124,7 +134,7 @@ class ModelConfig:
     conv_kernel: int
     chunk_size: int
     use_conv_bias: bool
-    use_bias: bool                        # in_proj / out_proj bias of the mamba mixer
+    use_bias: bool  # in_proj / out_proj bias of the mamba mixer
     time_step_min: float
     time_step_limit: tuple[float, float]  # (lo, hi) clamp of dt after softplus
     # dense MLP and MoE
@@ -184,7 +194,7 @@ class ModelConfig:
         return (max(self.time_step_min, self.time_step_limit[0]), self.time_step_limit[1])
 
     @classmethod
-    def from_hf_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """Parse an HF NemotronH config.json dict; defaults are those of transformers' NemotronHConfig."""
         cfg = _resolve_legacy_aliases(raw)
         if cfg.get("hidden_size") is None:
@@ -196,7 +206,7 @@ class ModelConfig:
         eos = cfg.get("eos_token_id", 2)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         n_heads = int(cfg.get("num_attention_heads", 32))
-        n_kv = cfg.get("num_key_value_heads", 8)   # transformers: null means "same as query heads"
+        n_kv = cfg.get("num_key_value_heads", 8)  # transformers: null means "same as query heads"
         head_dim = cfg.get("head_dim", 128)
         c = cls(
             vocab_size=int(cfg.get("vocab_size", 131072)),
@@ -240,7 +250,7 @@ class ModelConfig:
         return c
 
     @classmethod
-    def from_model_path(cls, model_path: str) -> "ModelConfig":
+    def from_model_path(cls, model_path: str) -> ModelConfig:
         path = os.path.join(model_path, "config.json")
         if not os.path.exists(path):
             raise ValueError(f"model_path {model_path!r} has no config.json")
@@ -251,24 +261,35 @@ class ModelConfig:
         def need(ok: bool, msg: str) -> None:
             if not ok:
                 raise ValueError(msg)
+
         need(self.num_layers > 0, "the model needs at least one layer")
         if MAMBA in self.layer_types:
-            need(self.mamba_num_heads % self.n_groups == 0,
-                 f"mamba_num_heads ({self.mamba_num_heads}) must be divisible by n_groups ({self.n_groups})")
+            need(
+                self.mamba_num_heads % self.n_groups == 0,
+                f"mamba_num_heads ({self.mamba_num_heads}) must be divisible by n_groups ({self.n_groups})",
+            )
             need(self.conv_kernel >= 2, f"conv_kernel ({self.conv_kernel}) must be >= 2")
             need(self.chunk_size >= 1, f"chunk_size ({self.chunk_size}) must be >= 1")
         if ATTENTION in self.layer_types:
-            need(self.num_attention_heads % self.num_key_value_heads == 0,
-                 f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
-                 f"num_key_value_heads ({self.num_key_value_heads})")
+            need(
+                self.num_attention_heads % self.num_key_value_heads == 0,
+                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                f"num_key_value_heads ({self.num_key_value_heads})",
+            )
         if MOE in self.layer_types:
-            need(1 <= self.num_experts_per_tok <= self.n_routed_experts,
-                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, n_routed_experts="
-                 f"{self.n_routed_experts}]")
-            need(self.n_routed_experts % self.n_group == 0,
-                 f"n_routed_experts ({self.n_routed_experts}) must be divisible by n_group ({self.n_group})")
-            need(1 <= self.topk_group <= self.n_group,
-                 f"topk_group ({self.topk_group}) must be in [1, n_group={self.n_group}]")
+            need(
+                1 <= self.num_experts_per_tok <= self.n_routed_experts,
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, n_routed_experts="
+                f"{self.n_routed_experts}]",
+            )
+            need(
+                self.n_routed_experts % self.n_group == 0,
+                f"n_routed_experts ({self.n_routed_experts}) must be divisible by n_group ({self.n_group})",
+            )
+            need(
+                1 <= self.topk_group <= self.n_group,
+                f"topk_group ({self.topk_group}) must be in [1, n_group={self.n_group}]",
+            )
 
     def num_parameters(self, include_mtp: bool = False) -> int:
         """Tensor elements in the checkpoint (parameters plus the MoE correction-bias buffers).
@@ -277,8 +298,12 @@ class ModelConfig:
         eh_proj [h, 2h], its `mtp_layer_types` blocks (norm + mixer each) and a final norm.
         """
         h = self.hidden_size
-        per_type = {MAMBA: self._mamba_params(), ATTENTION: self._attention_params(),
-                    MOE: self._moe_params(), MLP: self._relu2_mlp_params(self.intermediate_size)}
+        per_type = {
+            MAMBA: self._mamba_params(),
+            ATTENTION: self._attention_params(),
+            MOE: self._moe_params(),
+            MLP: self._relu2_mlp_params(self.intermediate_size),
+        }
         # embeddings, lm_head, norm_f; NemotronH never ties lm_head (transformers ignores
         # tie_word_embeddings for it: _tied_weights_keys is empty), so both are always stored.
         total = 2 * self.vocab_size * h + h
@@ -310,6 +335,7 @@ class ModelConfig:
         shared = self._relu2_mlp_params(self.moe_shared_expert_intermediate_size)
         return experts + latent_proj + shared + e * h + e  # + router weight and correction bias
 
+
 KERNEL_BACKENDS = ("torch", "triton")
 CACHE_STRATEGIES = ("off", "no_buffer", "extra_buffer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -329,45 +355,68 @@ class EngineConfig:
     Each field's metadata (help, choices, min, pattern, aliases) feeds the `serve` and `generate`
     flags, the Serve app's arguments and the Helm chart's values schema (service/engine/settings.py).
     """
+
     model_path: str = field(metadata={"help": "folder with config.json, safetensors weights and tokenizer"})
-    device: str = setting("auto", "auto (cuda when a GPU is visible, else cpu), cpu, cuda or cuda:N",
-                          pattern=r"auto|cpu|cuda(:[0-9]+)?")
-    dtype: str = setting("auto", "weight/activation dtype; auto: the checkpoint's on CUDA, float32 on CPU",
-                         choices=DTYPES)
-    kernel_backend: str | None = setting(None, "kernels: torch or triton; default: triton on CUDA, torch on CPU",
-                                         choices=KERNEL_BACKENDS)
+    device: str = setting(
+        "auto", "auto (cuda when a GPU is visible, else cpu), cpu, cuda or cuda:N", pattern=r"auto|cpu|cuda(:[0-9]+)?"
+    )
+    dtype: str = setting(
+        "auto", "weight/activation dtype; auto: the checkpoint's on CUDA, float32 on CPU", choices=DTYPES
+    )
+    kernel_backend: str | None = setting(
+        None, "kernels: torch or triton; default: triton on CUDA, torch on CPU", choices=KERNEL_BACKENDS
+    )
     page_size: int = setting(16, "tokens per KV-cache page", min=1)
     max_num_seqs: int = setting(64, "running requests at most", min=1)
     max_num_batched_tokens: int = setting(2048, "token budget of one engine step", min=1)
-    max_model_len: int | None = setting(None, "context length in tokens; default: the model's "
-                                        "max_position_embeddings", min=1)
+    max_model_len: int | None = setting(
+        None, "context length in tokens; default: the model's max_position_embeddings", min=1
+    )
     mamba_cache_strategy: str = setting(
-        "extra_buffer", "hybrid prefix cache: off, no_buffer (needs page_size 1) or extra_buffer",
-        choices=CACHE_STRATEGIES, aliases=("--mamba-scheduler-strategy",))
+        "extra_buffer",
+        "hybrid prefix cache: off, no_buffer (needs page_size 1) or extra_buffer",
+        choices=CACHE_STRATEGIES,
+        aliases=("--mamba-scheduler-strategy",),
+    )
     num_kv_pages: int | None = setting(None, "KV pool size in pages; default: sized from max_num_seqs", min=1)
     num_mamba_slots: int | None = setting(None, "live Mamba state slots; default: max_num_seqs", min=1)
-    max_mamba_snapshots: int | None = setting(None, "Mamba snapshot slots of the prefix cache; "
-                                              "default: 2 x max_num_seqs", min=0)
-    mamba_track_interval: int | None = setting(None, "tokens between decode-time snapshots (a multiple of the "
-                                               "snapshot grid); default: none", min=1)
+    max_mamba_snapshots: int | None = setting(
+        None, "Mamba snapshot slots of the prefix cache; default: 2 x max_num_seqs", min=0
+    )
+    mamba_track_interval: int | None = setting(
+        None, "tokens between decode-time snapshots (a multiple of the snapshot grid); default: none", min=1
+    )
     seed: int = setting(0, "seed of the engine's sampler (a request's own seed takes precedence)")
     debug_integrity: bool = setting(False, "check the cache and pool invariants after every step (slow)")
-    cuda_graphs: bool = setting(True, "replay captured decode-only steps (CUDA with triton kernels; "
-                                "ignored otherwise)")
+    cuda_graphs: bool = setting(True, "replay captured decode-only steps (CUDA with triton kernels; ignored otherwise)")
     async_scheduling: bool = setting(True, "launch the next plain decode step before reading this one's tokens")
     tp: int = setting(1, "tensor-parallel ranks, one GPU each: GPUs per engine replica", min=1)
-    ep: int = setting(1, "1 (each expert split over the tp ranks) or tp (whole experts spread over the same tp "
-                      "ranks; no extra GPUs)", min=1)
-    load_format: str = setting("auto", "where the weights come from: auto reads the checkpoint's safetensors; dummy "
-                               "draws random weights on the device from config.json alone (at the checkpoint's "
-                               "dtype and quantization, deterministic by seed), for benchmarks", choices=LOAD_FORMATS)
-    kv_cache_dtype: str = setting("auto", "KV cache element type: auto (the model dtype) or bf16; fp8 is not "
-                                  "implemented yet and is refused", choices=KV_CACHE_DTYPES)
-    gpu_memory_utilization: float = setting(0.90, "fraction of the GPU's memory the engine may use: on CUDA the KV "
-                                            "pages and Mamba slots fill what the weights and a profiling forward "
-                                            "leave (within max_num_seqs); ignored on CPU", min=0.01)
+    ep: int = setting(
+        1,
+        "1 (each expert split over the tp ranks) or tp (whole experts spread over the same tp ranks; no extra GPUs)",
+        min=1,
+    )
+    load_format: str = setting(
+        "auto",
+        "where the weights come from: auto reads the checkpoint's safetensors; dummy "
+        "draws random weights on the device from config.json alone (at the checkpoint's "
+        "dtype and quantization, deterministic by seed), for benchmarks",
+        choices=LOAD_FORMATS,
+    )
+    kv_cache_dtype: str = setting(
+        "auto",
+        "KV cache element type: auto (the model dtype) or bf16; fp8 is not implemented yet and is refused",
+        choices=KV_CACHE_DTYPES,
+    )
+    gpu_memory_utilization: float = setting(
+        0.90,
+        "fraction of the GPU's memory the engine may use: on CUDA the KV "
+        "pages and Mamba slots fill what the weights and a profiling forward "
+        "leave (within max_num_seqs); ignored on CPU",
+        min=0.01,
+    )
 
-    def resolved(self) -> "EngineConfig":
+    def resolved(self) -> EngineConfig:
         """This config with device "auto" and an unset kernel_backend replaced by what this machine runs."""
         device = self.device
         if device == "auto":
@@ -379,16 +428,24 @@ class EngineConfig:
         """ValueError naming the setting to change; the per-field checks come from the field declarations."""
         check_settings(self)
         if self.mamba_cache_strategy == "no_buffer" and self.page_size != 1:
-            raise ValueError(f"mamba_cache_strategy='no_buffer' needs page_size=1 (got page_size={self.page_size}); "
-                             "use 'extra_buffer' for larger pages")
+            raise ValueError(
+                f"mamba_cache_strategy='no_buffer' needs page_size=1 (got page_size={self.page_size}); "
+                "use 'extra_buffer' for larger pages"
+            )
         if self.mamba_cache_strategy != "off" and self.max_mamba_snapshots == 0:
-            raise ValueError(f"max_mamba_snapshots must be >= 1 with mamba_cache_strategy="
-                             f"{self.mamba_cache_strategy!r} (got 0); use 'off' to disable caching")
+            raise ValueError(
+                f"max_mamba_snapshots must be >= 1 with mamba_cache_strategy="
+                f"{self.mamba_cache_strategy!r} (got 0); use 'off' to disable caching"
+            )
         if self.gpu_memory_utilization > 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_dtype == "fp8":
-            raise ValueError("kv_cache_dtype='fp8': an FP8 KV cache is not implemented yet; use 'auto' or 'bf16' "
-                             "(the checkpoint's k_scale / v_scale are loaded and kept)")
+            raise ValueError(
+                "kv_cache_dtype='fp8': an FP8 KV cache is not implemented yet; use 'auto' or 'bf16' "
+                "(the checkpoint's k_scale / v_scale are loaded and kept)"
+            )
         if self.ep not in (1, self.tp):
-            raise ValueError(f"ep must be 1 (experts split by tp) or equal to tp={self.tp} (whole experts spread "
-                             f"over the tp ranks), got ep={self.ep}")
+            raise ValueError(
+                f"ep must be 1 (experts split by tp) or equal to tp={self.tp} (whole experts spread "
+                f"over the tp ranks), got ep={self.ep}"
+            )

@@ -1,12 +1,12 @@
 """The synchronous engine: `step()` = schedule -> run -> update."""
+
 from __future__ import annotations
 
 import itertools
 import os
 import time
 import uuid
-from typing import Sequence
-
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,15 +26,15 @@ from service.engine.runner.sampler import SamplerOutput
 from service.engine.scheduler.scheduler import Scheduler, SchedulerOutput
 from service.engine.tokenizer import Tokenizer
 
-
-MAX_CAPTURED_REQUESTS = 64   # state copies kept for capture_states requests until popped
+MAX_CAPTURED_REQUESTS = 64  # state copies kept for capture_states requests until popped
 
 
 @dataclass(frozen=True)
 class InFlight:
     """A launched step whose results are not read yet (async scheduling)."""
-    sched: SchedulerOutput        # what was launched (its plan went to every rank)
-    pending: Any                  # the ranks' handle: `result()` -> SamplerOutput, waits for this step only
+
+    sched: SchedulerOutput  # what was launched (its plan went to every rank)
+    pending: Any  # the ranks' handle: `result()` -> SamplerOutput, waits for this step only
 
 
 class Engine:
@@ -46,37 +46,52 @@ class Engine:
         config.validate()
         self.config = config
         self.model_config = ModelConfig.from_model_path(config.model_path)
-        check_shardable(self.model_config, config.tp, config.ep)    # before any rank process starts
+        check_shardable(self.model_config, config.tp, config.ep)  # before any rank process starts
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         has_tok = os.path.exists(os.path.join(config.model_path, "tokenizer.json"))
         self.tokenizer = Tokenizer.from_model_path(config.model_path) if has_tok else None
         self.workers = start_workers(config, self.model_config, self.max_model_len, model)
         # the rank-0 worker when it runs in this process (tp == 1), else None
         self.runner: ModelRunner | None = self.workers.runner
-        self.dtype = resolve_dtype(config, self.model_config)   # weights and KV/conv state (ssm state is fp32)
+        self.dtype = resolve_dtype(config, self.model_config)  # weights and KV/conv state (ssm state is fp32)
         pools = SlotPools(self.workers.pool_sizes, config.page_size)
-        self.cache = CacheManager(pools, config.mamba_cache_strategy, config.page_size,
-                                  self.model_config.chunk_size, config.mamba_track_interval)
-        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.workers.limits if config.async_scheduling else None)
+        self.cache = CacheManager(
+            pools,
+            config.mamba_cache_strategy,
+            config.page_size,
+            self.model_config.chunk_size,
+            config.mamba_track_interval,
+        )
+        self.scheduler = Scheduler(
+            self.cache,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.workers.limits if config.async_scheduling else None,
+        )
         eos = self.tokenizer.eos_token_ids if self.tokenizer else self.model_config.eos_token_id
         self.output = OutputProcessor(self.tokenizer, tuple(eos), self.max_model_len)
-        self.requests: dict[str, Request] = {}   # request_id -> unfinished request
+        self.requests: dict[str, Request] = {}  # request_id -> unfinished request
         self.captured: dict[str, dict[str, CapturedState]] = {}  # request_id -> "hit"|"prompt" -> state copy
         self._order = itertools.count()
-        self._inflight: InFlight | None = None   # launched step whose results are not read yet (async)
-        self._released: list[str] = []           # retired request ids the ranks have not been told of
-        self.num_prompt_tokens = 0               # prompt tokens of admitted requests
-        self.num_generation_tokens = 0           # tokens sampled
-        self.num_steps = 0                       # steps that ran a forward
-        self.num_steps_ahead = 0                 # steps launched before the previous step's tokens were read
-        self.num_preemptions = 0                 # requests preempted (recomputed later) by the scheduler
+        self._inflight: InFlight | None = None  # launched step whose results are not read yet (async)
+        self._released: list[str] = []  # retired request ids the ranks have not been told of
+        self.num_prompt_tokens = 0  # prompt tokens of admitted requests
+        self.num_generation_tokens = 0  # tokens sampled
+        self.num_steps = 0  # steps that ran a forward
+        self.num_steps_ahead = 0  # steps launched before the previous step's tokens were read
+        self.num_preemptions = 0  # requests preempted (recomputed later) by the scheduler
         # phase -> host seconds spent in it over all steps ("execute" includes waiting for the device)
         self.step_seconds = {"schedule": 0.0, "execute": 0.0, "update": 0.0}
 
     # ---------- requests ----------
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, bypass_cache: bool = False, capture_states: bool = False) -> str:
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        bypass_cache: bool = False,
+        capture_states: bool = False,
+    ) -> str:
         """bypass_cache: a cold run that neither reads nor writes the prefix cache. capture_states: keep
         copies of the hit snapshot and of the state after the prompt (see `pop_captured_states`)."""
         params = params or SamplingParams()
@@ -103,15 +118,20 @@ class Engine:
             raise ValueError("prompt is empty: give at least one token")
         capacity = self.cache.pools.pages.num_usable * self.config.page_size
         if len(ids) >= capacity:
-            raise ValueError(f"prompt has {len(ids)} tokens; the KV pool holds {capacity} tokens "
-                             f"(num_kv_pages x page_size): raise num_kv_pages or shorten the prompt")
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; the KV pool holds {capacity} tokens "
+                f"(num_kv_pages x page_size): raise num_kv_pages or shorten the prompt"
+            )
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
-                             f"(prompt plus at least one generated token must fit)")
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                f"(prompt plus at least one generated token must fit)"
+            )
         bad = next((t for t in ids if not 0 <= t < self.model_config.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"prompt contains token id {bad}, outside the vocabulary [0, "
-                             f"{self.model_config.vocab_size})")
+            raise ValueError(
+                f"prompt contains token id {bad}, outside the vocabulary [0, {self.model_config.vocab_size})"
+            )
         return ids
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -149,16 +169,17 @@ class Engine:
                 t1 = time.perf_counter()
                 return self._finish_step(sched, self.workers.execute(sched.plan), t0, t1, time.perf_counter())
             self._inflight = InFlight(sched, self.workers.launch(sched.plan))
-        cur = self._inflight                 # async scheduling: launch the next step before reading this one
+        cur = self._inflight  # async scheduling: launch the next step before reading this one
         nxt = self.scheduler.lookahead(cur.sched, lambda req: self.output.reaches_length(req, 1))
         self._inflight = InFlight(nxt, self.workers.launch(nxt.plan)) if nxt is not None else None
         self.num_steps_ahead += nxt is not None
         t1 = time.perf_counter()
-        sampled = cur.pending.result()       # waits for cur's tokens only; the device goes on with nxt
+        sampled = cur.pending.result()  # waits for cur's tokens only; the device goes on with nxt
         return self._finish_step(cur.sched, sampled, t0, t1, time.perf_counter())
 
-    def _finish_step(self, sched: SchedulerOutput, sampled: SamplerOutput, t0: float, t1: float,
-                     t2: float) -> list[RequestOutput]:
+    def _finish_step(
+        self, sched: SchedulerOutput, sampled: SamplerOutput, t0: float, t1: float, t2: float
+    ) -> list[RequestOutput]:
         outputs = self._update(sched, sampled)
         self.num_preemptions += len(sched.preempted)
         self._flush()
@@ -186,7 +207,7 @@ class Engine:
         outputs, row = [self._retire(r) for r in sched.finished], 0
         for s in sched.scheduled:
             req = s.request
-            if req.finish_reason is not None:    # ended while this step was in flight: its row is dropped
+            if req.finish_reason is not None:  # ended while this step was in flight: its row is dropped
                 row += int(s.sample)
                 continue
             req.num_computed_tokens += s.num_new_tokens
@@ -226,19 +247,25 @@ class Engine:
         """A copy of one slot's state; under tp the ranks' parts are concatenated (conv channels and ssm heads in
         rank order: comparable with another capture of the same engine, not with a tp=1 layout)."""
         while len(self.captured) >= MAX_CAPTURED_REQUESTS and request_id not in self.captured:
-            self.captured.pop(next(iter(self.captured)))       # nobody popped it: drop the oldest
+            self.captured.pop(next(iter(self.captured)))  # nobody popped it: drop the oldest
         parts = self.workers.read_slot(slot)
-        conv, ssm = (parts[0] if len(parts) == 1 else
-                     (torch.cat([c for c, _ in parts], dim=1), torch.cat([s for _, s in parts], dim=1)))
+        conv, ssm = (
+            parts[0]
+            if len(parts) == 1
+            else (torch.cat([c for c, _ in parts], dim=1), torch.cat([s for _, s in parts], dim=1))
+        )
         self.captured.setdefault(request_id, {})[kind] = CapturedState(num_tokens, conv, ssm)
 
-    def pop_captured_states(self, request_id: str) -> dict[str, "CapturedState"]:
-        """"hit": the snapshot a capture_states request resumed from; "prompt": its state after the prompt."""
+    def pop_captured_states(self, request_id: str) -> dict[str, CapturedState]:
+        """ "hit": the snapshot a capture_states request resumed from; "prompt": its state after the prompt."""
         return self.captured.pop(request_id, {})
 
     # ---------- convenience ----------
-    def generate(self, prompts: Sequence[str | Sequence[int]] | str,
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]] | str,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
@@ -254,15 +281,22 @@ class Engine:
         c, pools = self.cache.counters, self.cache.pools
         tree = self.cache.tree
         return {
-            "prefix_cache_queried_tokens": c.queried_tokens, "prefix_cache_hit_tokens": c.hit_tokens,
-            "mamba_snapshot_hits": c.snapshot_hits, "mamba_snapshot_misses": c.snapshot_misses,
+            "prefix_cache_queried_tokens": c.queried_tokens,
+            "prefix_cache_hit_tokens": c.hit_tokens,
+            "mamba_snapshot_hits": c.snapshot_hits,
+            "mamba_snapshot_misses": c.snapshot_misses,
             "cache_evictions_kv": tree.num_evicted_pages if tree else 0,
             "cache_evictions_mamba": tree.num_evicted_snapshots if tree else 0,
-            "kv_cache_usage_ratio": pools.kv_usage(), "mamba_cache_usage_ratio": pools.mamba_usage(),
-            "num_requests_running": len(self.scheduler.running), "num_requests_waiting": len(self.scheduler.waiting),
-            "prompt_tokens": self.num_prompt_tokens, "generation_tokens": self.num_generation_tokens,
-            "snapshot_grid_tokens": self.cache.grid, "max_model_len": self.max_model_len,
-            "num_kv_pages_free": pools.pages.num_free, "num_live_slots_free": pools.live.num_free,
+            "kv_cache_usage_ratio": pools.kv_usage(),
+            "mamba_cache_usage_ratio": pools.mamba_usage(),
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "prompt_tokens": self.num_prompt_tokens,
+            "generation_tokens": self.num_generation_tokens,
+            "snapshot_grid_tokens": self.cache.grid,
+            "max_model_len": self.max_model_len,
+            "num_kv_pages_free": pools.pages.num_free,
+            "num_live_slots_free": pools.live.num_free,
             "num_snapshot_slots_free": pools.snapshots.num_free,
             **self.workers.memory_stats,
         }

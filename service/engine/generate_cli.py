@@ -1,11 +1,11 @@
 """`hybrid-serve generate`: offline generation with the engine (no Ray, no HTTP)."""
+
 from __future__ import annotations
 
 import argparse
 import json
 import logging
 import time
-
 
 from service.engine.config import EngineConfig
 from service.engine.settings import add_setting_arguments, settings_from_namespace
@@ -30,11 +30,19 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from service.engine import Engine, SamplingParams
+
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     engine = Engine(EngineConfig(**settings_from_namespace(args, EngineConfig)))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=tuple(args.stop),
-                            ignore_eos=args.ignore_eos)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.sampling_seed,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
     prompts = args.prompt
     if args.chat:
         if engine.tokenizer is None:

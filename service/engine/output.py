@@ -1,4 +1,5 @@
 """Turns sampled tokens into request progress: append, detokenise, stop checks, outputs."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ from service.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 @dataclass
 class _TextState:
     detok: IncrementalDetokenizer
-    max_stop_len: int          # longest stop string (chars held back while running)
+    max_stop_len: int  # longest stop string (chars held back while running)
 
 
 class OutputProcessor:
@@ -18,7 +19,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
-        self.text: dict[str, _TextState] = {}   # request_id -> detokenizer state
+        self.text: dict[str, _TextState] = {}  # request_id -> detokenizer state
 
     def add_request(self, req: Request) -> None:
         if self.tokenizer is None:
@@ -49,8 +50,10 @@ class OutputProcessor:
 
     def reaches_length(self, req: Request, num_more: int = 0) -> bool:
         """req, with num_more more output tokens, is at max_tokens or max_model_len."""
-        return (len(req.output_token_ids) + num_more >= req.params.max_tokens
-                or req.num_tokens + num_more >= self.max_model_len)
+        return (
+            len(req.output_token_ids) + num_more >= req.params.max_tokens
+            or req.num_tokens + num_more >= self.max_model_len
+        )
 
     @staticmethod
     def _cut_stop(req: Request, before: int, max_len: int) -> bool:
@@ -58,20 +61,25 @@ class OutputProcessor:
         hits = [i for i in (req.text.find(s, start) for s in req.params.stop) if i >= 0]
         if not hits:
             return False
-        req.text = req.text[:min(hits)]
+        req.text = req.text[: min(hits)]
         return True
 
     def make_output(self, req: Request) -> RequestOutput:
         text = req.text
         if req.finish_reason is None and req.params.stop:
-            text = text[:len(text) - _partial_stop_len(text, req.params.stop)]
+            text = text[: len(text) - _partial_stop_len(text, req.params.stop)]
         p = req.params
         return RequestOutput(
-            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, text=text,
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            text=text,
             finish_reason=req.finish_reason.value if req.finish_reason else None,
-            num_cached_tokens=req.num_cached_tokens, num_output_tokens=len(req.output_token_ids),
-            output_token_ids=req.output_token_ids, output_logprobs=req.output_logprobs if p.logprobs else None,
-            output_top_logprobs=req.output_top_logprobs if p.top_logprobs else None)
+            num_cached_tokens=req.num_cached_tokens,
+            num_output_tokens=len(req.output_token_ids),
+            output_token_ids=req.output_token_ids,
+            output_logprobs=req.output_logprobs if p.logprobs else None,
+            output_top_logprobs=req.output_top_logprobs if p.top_logprobs else None,
+        )
 
     def release(self, request_id: str) -> None:
         self.text.pop(request_id, None)

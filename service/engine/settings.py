@@ -11,6 +11,7 @@ Field types: `bool`, `int`, `float`, `str`, or one of them `| None`. Metadata ke
   pattern  (str, optional)       a regular expression the whole string must match
   aliases  (tuple, optional)     more CLI spellings, e.g. another server's flag for the same setting
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,10 +29,11 @@ _JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}
 @dataclass(frozen=True)
 class Setting:
     """One field of a settings dataclass, as the CLI, the validator and the schema see it."""
-    name: str                        # field name (snake_case); the CLI flag is --name-with-dashes
-    type: type                       # bool | int | float | str (the non-None part of the annotation)
-    optional: bool                   # the annotation allows None
-    default: Any                     # dataclasses.MISSING when the field is required
+
+    name: str  # field name (snake_case); the CLI flag is --name-with-dashes
+    type: type  # bool | int | float | str (the non-None part of the annotation)
+    optional: bool  # the annotation allows None
+    default: Any  # dataclasses.MISSING when the field is required
     help: str
     choices: tuple | None = None
     minimum: float | None = None
@@ -72,8 +74,19 @@ def settings_of(cls: type) -> tuple[Setting, ...]:
             raise TypeError(f"setting {cls.__name__}.{f.name} needs metadata={{'help': ...}}")
         scalar, optional = _scalar_of(f.name, hints[f.name])
         m = f.metadata
-        out.append(Setting(f.name, scalar, optional, f.default, m["help"], m.get("choices"), m.get("min"),
-                           m.get("pattern"), tuple(m.get("aliases", ()))))
+        out.append(
+            Setting(
+                f.name,
+                scalar,
+                optional,
+                f.default,
+                m["help"],
+                m.get("choices"),
+                m.get("min"),
+                m.get("pattern"),
+                tuple(m.get("aliases", ())),
+            )
+        )
     return tuple(out)
 
 
@@ -110,8 +123,12 @@ def add_setting_arguments(parser: argparse.ArgumentParser, cls: type, title: str
     """
     group = parser.add_argument_group(title)
     for s in settings_of(cls):
-        kwargs: dict[str, Any] = {"dest": s.name, "help": _help_text(s), "default": argparse.SUPPRESS,
-                                  "required": s.required}
+        kwargs: dict[str, Any] = {
+            "dest": s.name,
+            "help": _help_text(s),
+            "default": argparse.SUPPRESS,
+            "required": s.required,
+        }
         if s.type is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:

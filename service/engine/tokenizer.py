@@ -10,12 +10,14 @@ strings (`bos_token`, `eos_token`, ...) are template variables that template kwa
 using a prefix/read window (as vLLM does): it only re-decodes the tokens after the last point where
 the text was complete, and holds text back while it ends in a partial UTF-8 character.
 """
+
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable, Sequence
 from datetime import datetime
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -38,8 +40,13 @@ def _token_content(value: Any) -> str | None:
     raise ValueError(f"tokenizer_config special token must be a string or {{'content': ...}}, got {value!r}")
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     """jinja's builtin tojson HTML-escapes; chat templates expect plain json.dumps."""
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -54,8 +61,7 @@ def _strftime_now(fmt: str) -> str:
 
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile a chat template in the environment transformers uses for `apply_chat_template`."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -80,7 +86,8 @@ class Tokenizer:
         self._tk = hf_tokenizer
         self._config = tokenizer_config
         self._special_token_strings = {
-            key: content for key in _SPECIAL_TOKEN_KEYS
+            key: content
+            for key in _SPECIAL_TOKEN_KEYS
             if (content := _token_content(tokenizer_config.get(key))) is not None
         }
         self._special_token_ids = self._collect_special_ids()
@@ -93,7 +100,7 @@ class Tokenizer:
         self._chat_template = compile_chat_template(source) if source is not None else None
 
     @classmethod
-    def from_model_path(cls, path: str | os.PathLike[str]) -> "Tokenizer":
+    def from_model_path(cls, path: str | os.PathLike[str]) -> Tokenizer:
         """Load `<path>/tokenizer.json` and (optional) `<path>/tokenizer_config.json`."""
         tokenizer_file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(tokenizer_file):
@@ -176,12 +183,18 @@ class Tokenizer:
             if isinstance(token_id, bool) or not isinstance(token_id, int):
                 raise ValueError(f"{field}: token at position {position} is {token_id!r}, not an integer id")
             if not 0 <= token_id < vocab_size:
-                raise ValueError(f"{field}: token id {token_id} at position {position} is out of range "
-                                 f"[0, {vocab_size})")
+                raise ValueError(
+                    f"{field}: token id {token_id} at position {position} is out of range [0, {vocab_size})"
+                )
 
     # ---- chat -------------------------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                            add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
         """Render `messages` (OpenAI-style dicts) to the prompt string, like transformers does."""
         if self._chat_template is None:
             raise ValueError("chat_template: this model's tokenizer_config.json has no chat template")
@@ -192,12 +205,13 @@ class Tokenizer:
         chat = [_normalize_message(i, m) for i, m in enumerate(messages)]
         variables = {**self._special_token_strings, **template_kwargs}
         try:
-            return self._chat_template.render(messages=chat, tools=tools, documents=None,
-                                              add_generation_prompt=add_generation_prompt, **variables)
+            return self._chat_template.render(
+                messages=chat, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **variables
+            )
         except jinja2.exceptions.TemplateError as exc:
             raise ValueError(f"messages: chat template rejected the conversation: {exc}") from exc
 
-    def detokenizer(self, skip_special_tokens: bool = False) -> "IncrementalDetokenizer":
+    def detokenizer(self, skip_special_tokens: bool = False) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens)
 
 
@@ -213,9 +227,9 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._token_ids: list[int] = []   # every id kept (special ids dropped when skipping them)
-        self._prefix_offset = 0           # window start: ids [prefix, read) are decoded only as context
-        self._read_offset = 0             # ids before this index have had their text emitted
+        self._token_ids: list[int] = []  # every id kept (special ids dropped when skipping them)
+        self._prefix_offset = 0  # window start: ids [prefix, read) are decoded only as context
+        self._read_offset = 0  # ids before this index have had their text emitted
         self._text_parts: list[str] = []  # emitted deltas
 
     @property
@@ -239,8 +253,8 @@ class IncrementalDetokenizer:
     def _pending_delta(self) -> str:
         """Text of the ids after `read_offset`, decoded with the ids from `prefix_offset` as context."""
         decode = self._tokenizer.decode
-        context = decode(self._token_ids[self._prefix_offset:self._read_offset])
-        return decode(self._token_ids[self._prefix_offset:])[len(context):]
+        context = decode(self._token_ids[self._prefix_offset : self._read_offset])
+        return decode(self._token_ids[self._prefix_offset :])[len(context) :]
 
     def _advance(self, delta: str) -> None:
         self._prefix_offset = self._read_offset

@@ -11,11 +11,12 @@ into shared batches of unaligned lengths (long contexts next to short additions)
 Greedy decoding, so every strategy must give identical answers; the accuracy per strategy and task and each
 strategy's hit ratio (cached prompt tokens / prompt tokens) are reported.
 """
+
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from service.evals.harness import Backend, Reply, Sampling, TaskScore, score
 from service.evals.tasks import MAX_TOKENS, Example, addition, conversation, recall_questions, state_questions
@@ -41,18 +42,21 @@ def ab_rounds(num_contexts: int, seed: int = 0) -> list[list[Example]]:
 @dataclass(frozen=True)
 class ABResult:
     strategy: str
-    scores: dict[str, TaskScore]        # task -> score over all rounds
-    hit_ratio: float                    # cached prompt tokens / prompt tokens over the whole workload
-    answers: tuple[str | None, ...]     # every reply's extracted answer, in workload order (greedy: comparable)
+    scores: dict[str, TaskScore]  # task -> score over all rounds
+    hit_ratio: float  # cached prompt tokens / prompt tokens over the whole workload
+    answers: tuple[str | None, ...]  # every reply's extracted answer, in workload order (greedy: comparable)
 
     def rows(self) -> list[str]:
-        return [f"{self.strategy:<13} {s.task:<9} accuracy={s.pass_at_1:.3f} (n={s.num}) "
-                f"hit_ratio={self.hit_ratio:.3f}" for s in self.scores.values()]
+        return [
+            f"{self.strategy:<13} {s.task:<9} accuracy={s.pass_at_1:.3f} (n={s.num}) hit_ratio={self.hit_ratio:.3f}"
+            for s in self.scores.values()
+        ]
 
 
 async def run_ab(backends: Mapping[str, Backend], num_contexts: int = 8, seed: int = 0) -> list[ABResult]:
     """The workload against each backend (named by strategy), one after the other."""
     from service.evals.tasks import extract_answer
+
     rounds = ab_rounds(num_contexts, seed)
     results = []
     for strategy, backend in backends.items():

@@ -4,6 +4,7 @@ Two each of `addition`, `recall` and `state` (the recall and state contexts are 
 resumes from a snapshot several grid points in). The shipped model answers all six correctly without a cache
 (tests/evals/test_canary_answers.py), so on it any answer accuracy below 1 is a regression.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,9 +20,9 @@ CANARY_TASKS = ("addition", "recall", "state")
 @dataclass(frozen=True)
 class PinnedQuestion:
     task: str
-    prompt_ids: tuple[int, ...]   # the chat-templated question (generation prompt included)
-    answer: str                   # the correct final answer
-    max_tokens: int               # reply budget
+    prompt_ids: tuple[int, ...]  # the chat-templated question (generation prompt included)
+    answer: str  # the correct final answer
+    max_tokens: int  # reply budget
 
 
 def pinned_questions(tokenizer: Tokenizer, per_task: int = 2) -> list[PinnedQuestion]:

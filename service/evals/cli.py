@@ -8,6 +8,7 @@ One table row per task (or per strategy and task) on stderr-free stdout, then on
 With `--ab` and `--model-path`, one `hybrid-serve serve` per strategy is started on a free local port, used and
 stopped in turn; `--ab-url strategy=URL` targets endpoints that already run with that strategy instead.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,13 +62,32 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     raise RuntimeError(f"{url} was not ready after {timeout_s:.0f}s")
 
 
-def start_server(model_path: str, strategy: str, extra_args: list[str] = (), timeout_s: float = 600.0
-                 ) -> tuple[subprocess.Popen, str]:
+def start_server(
+    model_path: str, strategy: str, extra_args: list[str] = (), timeout_s: float = 600.0
+) -> tuple[subprocess.Popen, str]:
     """`hybrid-serve serve` (1 replica, this cache strategy) on free local ports; returns (process, base URL)."""
     port, metrics_port = _free_port(), _free_port()
-    cmd = [sys.executable, "-m", "service.cli", "serve", "--model-path", model_path, "--port", str(port),
-           "--metrics-port", str(metrics_port), "--replicas", "1", "--mamba-cache-strategy", strategy,
-           "--reasoning-parser", "nemotron_3", "--tool-call-parser", "qwen3_coder", *extra_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "service.cli",
+        "serve",
+        "--model-path",
+        model_path,
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(metrics_port),
+        "--replicas",
+        "1",
+        "--mamba-cache-strategy",
+        strategy,
+        "--reasoning-parser",
+        "nemotron_3",
+        "--tool-call-parser",
+        "qwen3_coder",
+        *extra_args,
+    ]
     if strategy == "no_buffer":
         cmd += ["--page-size", "1"]
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL)
@@ -103,8 +123,9 @@ async def _eval_ab(args: argparse.Namespace) -> dict[str, Any]:
         else:
             raise SystemExit(f"--ab {strategy}: give --ab-url {strategy}=URL or --model-path to start one")
         try:
-            (result,) = await run_ab({strategy: OpenAIBackend(url, args.model, concurrency=args.concurrency)},
-                                     args.ab_contexts, args.seed)
+            (result,) = await run_ab(
+                {strategy: OpenAIBackend(url, args.model, concurrency=args.concurrency)}, args.ab_contexts, args.seed
+            )
         finally:
             if proc is not None:
                 stop_server(proc)
@@ -112,9 +133,13 @@ async def _eval_ab(args: argparse.Namespace) -> dict[str, Any]:
         results.append(result)
     same = all(r.answers == results[0].answers for r in results)
     print(f"greedy answers identical across strategies: {same}", flush=True)
-    return {"ab": {r.strategy: {"hit_ratio": r.hit_ratio,
-                                "accuracy": {t: s.pass_at_1 for t, s in r.scores.items()}} for r in results},
-            "identical_answers": same}
+    return {
+        "ab": {
+            r.strategy: {"hit_ratio": r.hit_ratio, "accuracy": {t: s.pass_at_1 for t, s in r.scores.items()}}
+            for r in results
+        },
+        "identical_answers": same,
+    }
 
 
 def _csv(choices: tuple[str, ...]):
@@ -124,6 +149,7 @@ def _csv(choices: tuple[str, ...]):
         if bad or not items:
             raise argparse.ArgumentTypeError(f"use a comma list of {', '.join(choices)}; got {value!r}")
         return items
+
     return parse
 
 

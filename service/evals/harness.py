@@ -7,30 +7,32 @@ pass@k (any of the K correct), majority@k (the most frequent extracted answer is
 seen first), no-answer (samples with no extractable answer) and truncated (samples stopped by max_tokens) counts,
 and the prefix-cache hit ratio (cached prompt tokens / prompt tokens, from the API's usage).
 """
+
 from __future__ import annotations
 
 import asyncio
 import json
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 from service.evals.tasks import Example, extract_answer
 
 
 @dataclass(frozen=True)
 class Reply:
-    content: str | None                      # visible answer (reasoning split off), None if empty
-    tool_calls: tuple[dict[str, Any], ...]   # {"name": str, "arguments": dict}
-    finish_reason: str                       # "stop" | "length" | "tool_calls" ...
+    content: str | None  # visible answer (reasoning split off), None if empty
+    tool_calls: tuple[dict[str, Any], ...]  # {"name": str, "arguments": dict}
+    finish_reason: str  # "stop" | "length" | "tool_calls" ...
     prompt_tokens: int
-    cached_tokens: int                       # prompt tokens served from the prefix cache
+    cached_tokens: int  # prompt tokens served from the prefix cache
 
 
 @dataclass(frozen=True)
 class Sampling:
-    samples: int = 1            # K replies per question
-    temperature: float = 0.0    # 0: greedy
+    samples: int = 1  # K replies per question
+    temperature: float = 0.0  # 0: greedy
     max_tokens: int = 64
     seed: int | None = None
 
@@ -43,19 +45,21 @@ class Backend(Protocol):
 @dataclass(frozen=True)
 class TaskScore:
     task: str
-    num: int               # questions
-    samples: int           # K replies per question
-    pass_at_1: float       # mean over questions of (correct replies / K)
-    pass_at_k: float       # fraction of questions with at least one correct reply
-    majority_at_k: float   # fraction of questions whose most frequent answer is correct
-    no_answer: int         # replies with no extractable answer
-    truncated: int         # replies stopped by max_tokens
-    hit_ratio: float       # cached prompt tokens / prompt tokens over all requests
+    num: int  # questions
+    samples: int  # K replies per question
+    pass_at_1: float  # mean over questions of (correct replies / K)
+    pass_at_k: float  # fraction of questions with at least one correct reply
+    majority_at_k: float  # fraction of questions whose most frequent answer is correct
+    no_answer: int  # replies with no extractable answer
+    truncated: int  # replies stopped by max_tokens
+    hit_ratio: float  # cached prompt tokens / prompt tokens over all requests
 
     def row(self) -> str:
-        return (f"{self.task:<10} n={self.num:<4} k={self.samples:<2} pass@1={self.pass_at_1:.3f} "
-                f"pass@k={self.pass_at_k:.3f} maj@k={self.majority_at_k:.3f} no_answer={self.no_answer} "
-                f"truncated={self.truncated} hit_ratio={self.hit_ratio:.3f}")
+        return (
+            f"{self.task:<10} n={self.num:<4} k={self.samples:<2} pass@1={self.pass_at_1:.3f} "
+            f"pass@k={self.pass_at_k:.3f} maj@k={self.majority_at_k:.3f} no_answer={self.no_answer} "
+            f"truncated={self.truncated} hit_ratio={self.hit_ratio:.3f}"
+        )
 
 
 def _majority(answers: list[str | None]) -> str | None:
@@ -89,9 +93,16 @@ def score(task: str, examples: Sequence[Example], replies: Sequence[Sequence[Rep
 class OpenAIBackend:
     """Chat completions over HTTP; `n=K` replies per request, at most `concurrency` requests in flight."""
 
-    def __init__(self, base_url: str, model: str | None = None, api_key: str = "none", concurrency: int = 16,
-                 timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        model: str | None = None,
+        api_key: str = "none",
+        concurrency: int = 16,
+        timeout_s: float = 600.0,
+    ) -> None:
         from openai import AsyncOpenAI
+
         self.client = AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=timeout_s, max_retries=0)
         self.model = model
         self.concurrency = concurrency
@@ -108,15 +119,29 @@ class OpenAIBackend:
             if sampling.seed is not None:
                 kw["seed"] = sampling.seed
             resp = await self.client.chat.completions.create(
-                model=await self._model(), messages=list(ex.messages), n=sampling.samples,
-                temperature=sampling.temperature, max_tokens=sampling.max_tokens, **kw)
+                model=await self._model(),
+                messages=list(ex.messages),
+                n=sampling.samples,
+                temperature=sampling.temperature,
+                max_tokens=sampling.max_tokens,
+                **kw,
+            )
         details = resp.usage.prompt_tokens_details if resp.usage else None
         cached = (details.cached_tokens or 0) if details else 0
         prompt = resp.usage.prompt_tokens if resp.usage else 0
-        return [Reply(c.message.content,
-                      tuple({"name": t.function.name, "arguments": json.loads(t.function.arguments or "{}")}
-                            for t in c.message.tool_calls or []),
-                      c.finish_reason, prompt, cached) for c in sorted(resp.choices, key=lambda c: c.index)]
+        return [
+            Reply(
+                c.message.content,
+                tuple(
+                    {"name": t.function.name, "arguments": json.loads(t.function.arguments or "{}")}
+                    for t in c.message.tool_calls or []
+                ),
+                c.finish_reason,
+                prompt,
+                cached,
+            )
+            for c in sorted(resp.choices, key=lambda c: c.index)
+        ]
 
     async def answer(self, examples: Sequence[Example], sampling: Sampling) -> list[list[Reply]]:
         limit = asyncio.Semaphore(self.concurrency)
@@ -136,22 +161,42 @@ class EngineBackend:
         from service.engine.request import SamplingParams
         from service.openai.chat_output import chat_finish_reason, parse_chat_output
         from service.openai.reasoning import prompt_starts_in_reasoning
+
         tok = self.engine.tokenizer
         prompts = [tok.apply_chat_template(list(ex.messages), tools=list(ex.tools) or None) for ex in examples]
-        params = [SamplingParams(max_tokens=sampling.max_tokens, temperature=sampling.temperature,
-                                 seed=None if sampling.seed is None else sampling.seed + j)
-                  for _ in examples for j in range(sampling.samples)]
+        params = [
+            SamplingParams(
+                max_tokens=sampling.max_tokens,
+                temperature=sampling.temperature,
+                seed=None if sampling.seed is None else sampling.seed + j,
+            )
+            for _ in examples
+            for j in range(sampling.samples)
+        ]
         outs = self.engine.generate([p for p in prompts for _ in range(sampling.samples)], params)
         replies: list[list[Reply]] = []
         for i, (ex, prompt) in enumerate(zip(examples, prompts)):
             row = []
-            for out in outs[i * sampling.samples:(i + 1) * sampling.samples]:
-                parsed = parse_chat_output(out.text, reasoning_parser="nemotron_3", tool_parser="qwen3_coder",
-                                           tools=list(ex.tools) or None,
-                                           starts_in_reasoning=prompt_starts_in_reasoning(prompt))
-                calls = tuple({"name": c.function.name, "arguments": json.loads(c.function.arguments or "{}")}
-                              for c in parsed.tool_calls)
-                row.append(Reply(parsed.content, calls, chat_finish_reason(out.finish_reason, bool(calls)),
-                                 len(out.prompt_token_ids), out.num_cached_tokens))
+            for out in outs[i * sampling.samples : (i + 1) * sampling.samples]:
+                parsed = parse_chat_output(
+                    out.text,
+                    reasoning_parser="nemotron_3",
+                    tool_parser="qwen3_coder",
+                    tools=list(ex.tools) or None,
+                    starts_in_reasoning=prompt_starts_in_reasoning(prompt),
+                )
+                calls = tuple(
+                    {"name": c.function.name, "arguments": json.loads(c.function.arguments or "{}")}
+                    for c in parsed.tool_calls
+                )
+                row.append(
+                    Reply(
+                        parsed.content,
+                        calls,
+                        chat_finish_reason(out.finish_reason, bool(calls)),
+                        len(out.prompt_token_ids),
+                        out.num_cached_tokens,
+                    )
+                )
             replies.append(row)
         return replies

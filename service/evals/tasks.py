@@ -11,24 +11,36 @@ optional tools, the expected answer string and, for training, the reasoning and 
 - `tool`: a tools system prompt and "Use the add tool on 12 and 30."; the reply is a `<tool_call>`.
 Held-out split: `addition` and `comparison` operand pairs with `heldout(a, b)` true never appear in training.
 """
+
 from __future__ import annotations
 
 import random
 import re
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-KEYS = ("apple banana cherry grape lemon mango olive peach pear plum berry melon lime kiwi fig date "
-        "tiger lion horse zebra camel eagle shark whale snake mouse rabbit otter panda koala moose bison "
-        "red blue green black white pink gold silver brown purple orange yellow gray cyan teal navy "
-        "river ocean cloud storm stone sand snow rain wind fire iron glass paper wood salt milk").split()
+KEYS = (
+    "apple banana cherry grape lemon mango olive peach pear plum berry melon lime kiwi fig date "
+    "tiger lion horse zebra camel eagle shark whale snake mouse rabbit otter panda koala moose bison "
+    "red blue green black white pink gold silver brown purple orange yellow gray cyan teal navy "
+    "river ocean cloud storm stone sand snow rain wind fire iron glass paper wood salt milk"
+).split()
 FILLER = tuple("abcdefghijklmnopqrstuvwxyz")
 MARKS = ("#", "@", "%")
-TOOL_ADD = {"type": "function", "function": {
-    "name": "add", "description": "Add two integers.",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                   "required": ["a", "b"]}}}
+TOOL_ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
 TASKS = ("addition", "comparison", "recall", "state", "tool")
 # generation budget per task: the trained replies are 8-40 tokens (tool calls ~45)
 MAX_TOKENS = {"addition": 48, "comparison": 32, "recall": 24, "state": 24, "tool": 80}
@@ -37,11 +49,11 @@ _NUMBER = re.compile(r"-?\d+")
 
 @dataclass(frozen=True)
 class Example:
-    task: str                               # one of TASKS
-    messages: tuple[dict[str, Any], ...]    # OpenAI chat messages; the last one is the user's question
-    answer: str                             # expected final answer (tool: "add(12,30)")
-    reasoning: str                          # what the model is trained to write inside <think>
-    tools: tuple[dict[str, Any], ...] = field(default=())   # OpenAI tools (tool task only)
+    task: str  # one of TASKS
+    messages: tuple[dict[str, Any], ...]  # OpenAI chat messages; the last one is the user's question
+    answer: str  # expected final answer (tool: "add(12,30)")
+    reasoning: str  # what the model is trained to write inside <think>
+    tools: tuple[dict[str, Any], ...] = field(default=())  # OpenAI tools (tool task only)
     tool_call: dict[str, Any] | None = None  # {"name": ..., "arguments": {...}} the reply makes (tool task)
 
 
@@ -52,8 +64,10 @@ def heldout(a: int, b: int) -> bool:
 
 def _operands(rng: random.Random, split: str, min_digits: int, max_digits: int) -> tuple[int, int]:
     while True:
-        a, b = (rng.randint(10 ** (rng.randint(min_digits, max_digits) - 1) if min_digits > 1 else 0,
-                            10 ** max_digits - 1) for _ in range(2))
+        a, b = (
+            rng.randint(10 ** (rng.randint(min_digits, max_digits) - 1) if min_digits > 1 else 0, 10**max_digits - 1)
+            for _ in range(2)
+        )
         if heldout(a, b) == (split == "eval"):
             return a, b
 
@@ -99,8 +113,9 @@ def state_context(rng: random.Random, length: int | None = None) -> tuple[str, d
     """A stream of `length` letters and marks; returns (text, mark -> count)."""
     length = length or rng.randint(200, 260)
     marks_total = rng.randint(0, 3 * 12)
-    symbols = [rng.choice(FILLER) for _ in range(length - marks_total)] + [rng.choice(MARKS)
-                                                                           for _ in range(marks_total)]
+    symbols = [rng.choice(FILLER) for _ in range(length - marks_total)] + [
+        rng.choice(MARKS) for _ in range(marks_total)
+    ]
     rng.shuffle(symbols)
     return "Stream: " + " ".join(symbols) + ".", {m: symbols.count(m) for m in MARKS}
 
@@ -116,8 +131,7 @@ def state(rng: random.Random, split: str = "train", turns: int = 1) -> Example:
     return conversation("state", *state_questions(rng, turns))
 
 
-def conversation(task: str, context: str, qa: list[tuple[str, str, str]], history_reasoning: bool = False
-                 ) -> Example:
+def conversation(task: str, context: str, qa: list[tuple[str, str, str]], history_reasoning: bool = False) -> Example:
     """The context and the first question in one user turn; later questions after the earlier answers
     (assistant turns holding the correct answers, and their reasoning if `history_reasoning`: then the history
     is token for token what the model wrote). The example asks the last question."""
@@ -132,12 +146,23 @@ def conversation(task: str, context: str, qa: list[tuple[str, str, str]], histor
 
 def tool(rng: random.Random, split: str = "train") -> Example:
     a, b = rng.randint(0, 99), rng.randint(0, 99)
-    return Example("tool", ({"role": "user", "content": f"Use the add tool on {a} and {b}."},), f"add({a},{b})",
-                   "call add", tools=(TOOL_ADD,), tool_call={"name": "add", "arguments": {"a": a, "b": b}})
+    return Example(
+        "tool",
+        ({"role": "user", "content": f"Use the add tool on {a} and {b}."},),
+        f"add({a},{b})",
+        "call add",
+        tools=(TOOL_ADD,),
+        tool_call={"name": "add", "arguments": {"a": a, "b": b}},
+    )
 
 
 GENERATORS: dict[str, Callable[..., Example]] = {
-    "addition": addition, "comparison": comparison, "recall": recall, "state": state, "tool": tool}
+    "addition": addition,
+    "comparison": comparison,
+    "recall": recall,
+    "state": state,
+    "tool": tool,
+}
 
 
 def make_examples(task: str, num: int, seed: int, split: str = "eval") -> list[Example]:

@@ -19,10 +19,12 @@ Streaming (one parser per choice)::
 text then stays content. `reasoning_parser=None` leaves everything as content.
 Parser names: reasoning "nemotron_3", tool "qwen3_coder" (`service.deployments.args.AppArgs`).
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from service.openai import reasoning, tool_calls
 from service.openai.responses import DeltaMessage, DeltaToolCall, ToolCall
@@ -46,16 +48,20 @@ class ParsedChatOutput:
     unknown_tool_names: tuple[str, ...]  # names of calls to functions not in the request's tools
 
 
-def parse_chat_output(text: str, *, reasoning_parser: str | None, tool_parser: str | None,
-                      tools: Sequence[Any] | None, starts_in_reasoning: bool) -> ParsedChatOutput:
+def parse_chat_output(
+    text: str,
+    *,
+    reasoning_parser: str | None,
+    tool_parser: str | None,
+    tools: Sequence[Any] | None,
+    starts_in_reasoning: bool,
+) -> ParsedChatOutput:
     _check_names(reasoning_parser, tool_parser)
-    reasoning_text, content = (reasoning.parse(text, starts_in_reasoning) if reasoning_parser
-                               else (None, text or None))
+    reasoning_text, content = reasoning.parse(text, starts_in_reasoning) if reasoning_parser else (None, text or None)
     calls: list[ToolCall] = []
     if tool_parser and content:
         content, calls = tool_calls.parse(content, tools)
-    return ParsedChatOutput(reasoning_text, content, tuple(calls),
-                            tuple(tool_calls.unknown_tool_names(calls, tools)))
+    return ParsedChatOutput(reasoning_text, content, tuple(calls), tuple(tool_calls.unknown_tool_names(calls, tools)))
 
 
 def chat_finish_reason(engine_reason: str, has_tool_calls: bool) -> str:
@@ -83,8 +89,14 @@ def _merge_tool_events(events: Sequence[tool_calls.DeltaEvent]) -> list[DeltaToo
 class ChatOutputStreamParser:
     """Streaming twin of `parse_chat_output`: `feed(delta) -> DeltaMessage | None`, then `finish()`."""
 
-    def __init__(self, *, reasoning_parser: str | None, tool_parser: str | None, tools: Sequence[Any] | None,
-                 starts_in_reasoning: bool) -> None:
+    def __init__(
+        self,
+        *,
+        reasoning_parser: str | None,
+        tool_parser: str | None,
+        tools: Sequence[Any] | None,
+        starts_in_reasoning: bool,
+    ) -> None:
         _check_names(reasoning_parser, tool_parser)
         self._reasoning = reasoning.ReasoningStreamParser(starts_in_reasoning) if reasoning_parser else None
         self._tools = tool_calls.ToolCallStreamParser(tools) if tool_parser else None
@@ -113,5 +125,6 @@ class ChatOutputStreamParser:
             calls = _merge_tool_events(events)
         if not (reasoning_delta or content or calls):
             return None
-        return DeltaMessage(reasoning_content=reasoning_delta or None, content=content or None,
-                            tool_calls=calls or None)
+        return DeltaMessage(
+            reasoning_content=reasoning_delta or None, content=content or None, tool_calls=calls or None
+        )

@@ -29,6 +29,7 @@ Decisions (all errors are 400 with `param` set to the offending field):
 - Completions `prompt` may be a string, a list of strings, a list of token ids or a list of lists of token
   ids; `prompts()` normalises it. With several prompts, choice index = prompt_index * n + sample_index.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,11 +39,34 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from service.openai.responses import (  # noqa: F401  (re-exported: one import site for the ingress)
-    ChatCompletionChoice, ChatCompletionLogprobs, ChatCompletionResponse, ChatCompletionStreamChoice,
-    ChatCompletionStreamResponse, ChatMessageOut, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
-    CompletionResponse, CompletionStreamChoice, CompletionStreamResponse, CompletionTokensDetails,
-    DeltaFunctionCall, DeltaMessage, DeltaToolCall, ErrorInfo, ErrorResponse, FunctionCall, ModelCard,
-    ModelList, PromptTokensDetails, SSE_DONE, ToolCall, TopLogprob, Usage, random_id, sse_event,
+    SSE_DONE,
+    ChatCompletionChoice,
+    ChatCompletionLogprobs,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessageOut,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
+    CompletionTokensDetails,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    ErrorInfo,
+    ErrorResponse,
+    FunctionCall,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    ToolCall,
+    TopLogprob,
+    Usage,
+    random_id,
+    sse_event,
 )
 
 MAX_LOGPROBS = 20  # upper bound for `logprobs` (completions) and `top_logprobs` (chat)
@@ -59,6 +83,7 @@ class ParamError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------- errors
+
 
 def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
     """('messages', 0, 'content') -> 'messages[0].content'; drops pydantic's union-branch labels
@@ -107,6 +132,7 @@ def error_from_validation(exc: pydantic.ValidationError) -> ErrorResponse:
 
 # ---------------------------------------------------------------------------------------- request parts
 
+
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -140,6 +166,7 @@ class ToolCallIn(_Lenient):
 
 class ChatMessage(_Lenient):
     """One input message. `content` is a string or a list of text parts (other part types are refused)."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
@@ -158,7 +185,7 @@ class ChatMessage(_Lenient):
         return v
 
     @model_validator(mode="after")
-    def _role_rules(self) -> "ChatMessage":
+    def _role_rules(self) -> ChatMessage:
         if self.role == "tool" and self.tool_call_id is None:
             raise ParamError("tool_call_id", "a 'tool' message needs 'tool_call_id'")
         if self.role != "assistant" and self.content is None:
@@ -185,10 +212,16 @@ class ChatMessage(_Lenient):
             out["reasoning_content"] = self.reasoning_content
         if self.tool_calls:
             out["tool_calls"] = [
-                {"id": tc.id, "type": "function", "function": {
-                    "name": tc.function.name,
-                    "arguments": json.loads(tc.function.arguments) if tc.function.arguments.strip() else {}}}
-                for tc in self.tool_calls]
+                {
+                    "id": tc.id,
+                    "type": "function",
+                    "function": {
+                        "name": tc.function.name,
+                        "arguments": json.loads(tc.function.arguments) if tc.function.arguments.strip() else {},
+                    },
+                }
+                for tc in self.tool_calls
+            ]
         return out
 
 
@@ -230,6 +263,7 @@ class ResponseFormat(_Lenient):
 
 # -------------------------------------------------------------------------------------------- requests
 
+
 def _zero_or_none(v: float | None, what: str) -> float | None:
     if v not in (None, 0, 0.0):
         raise ValueError(f"{what} is not supported by this server; only 0 is accepted")
@@ -238,6 +272,7 @@ def _zero_or_none(v: float | None, what: str) -> float | None:
 
 class _SamplingRequest(_Lenient):
     """Fields shared by chat and text completions."""
+
     model: str | None = None  # None: the served model
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)  # default 1.0
@@ -284,7 +319,7 @@ class _SamplingRequest(_Lenient):
         return v
 
     @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> "_SamplingRequest":
+    def _stream_options_need_stream(self) -> _SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "stream_options can only be set when stream is true")
         return self
@@ -305,6 +340,7 @@ class _SamplingRequest(_Lenient):
 
 class ChatCompletionRequest(_SamplingRequest):
     """Body of `POST /v1/chat/completions`."""
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False  # return chosen-token logprobs (null: false)
@@ -328,16 +364,17 @@ class ChatCompletionRequest(_SamplingRequest):
         return v
 
     @model_validator(mode="after")
-    def _cross_field(self) -> "ChatCompletionRequest":
+    def _cross_field(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs needs logprobs to be true")
         names = [t.function.name for t in self.tools or []]
         if self.tool_choice == "required" and not names:
             raise ParamError("tool_choice", "tool_choice 'required' needs a non-empty 'tools' list")
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
-            raise ParamError("tool_choice.function.name",
-                             f"tool_choice names function {self.tool_choice.function.name!r}, "
-                             f"which is not in 'tools' ({names})")
+            raise ParamError(
+                "tool_choice.function.name",
+                f"tool_choice names function {self.tool_choice.function.name!r}, which is not in 'tools' ({names})",
+            )
         return self
 
     @property
@@ -376,6 +413,7 @@ PromptT = str | list[str] | list[pydantic.NonNegativeInt] | list[list[pydantic.N
 
 class CompletionRequest(_SamplingRequest):
     """Body of `POST /v1/completions`."""
+
     prompt: PromptT
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # number of top logprobs; 0 = chosen only
@@ -386,8 +424,9 @@ class CompletionRequest(_SamplingRequest):
     @field_validator("prompt")
     @classmethod
     def _prompt_nonempty(cls, v: PromptT) -> PromptT:
-        if (isinstance(v, (str, list)) and len(v) == 0) or (isinstance(v, list) and any(
-                isinstance(p, (str, list)) and len(p) == 0 for p in v)):
+        if (isinstance(v, (str, list)) and len(v) == 0) or (
+            isinstance(v, list) and any(isinstance(p, (str, list)) and len(p) == 0 for p in v)
+        ):
             raise ValueError("prompt must not be empty")
         return v
 
@@ -428,8 +467,9 @@ class CompletionRequest(_SamplingRequest):
         return list(p)  # type: ignore[arg-type]
 
 
-def to_sampling_kwargs(request: ChatCompletionRequest | CompletionRequest, *,
-                       default_max_tokens: int | None = None) -> dict[str, Any]:
+def to_sampling_kwargs(
+    request: ChatCompletionRequest | CompletionRequest, *, default_max_tokens: int | None = None
+) -> dict[str, Any]:
     """Keyword arguments for `service.engine.request.SamplingParams`, with exactly the keys
     max_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, logprobs,
     top_logprobs, skip_special_tokens.

@@ -27,6 +27,7 @@ Streaming use (per choice)::
 A possible tag prefix (e.g. a trailing "</thi" or "\\n") is held back until it is decided, so the
 concatenated deltas always equal `parse(full_text)`.
 """
+
 from __future__ import annotations
 
 THINK_START = "<think>"
@@ -62,7 +63,7 @@ def parse(text: str, starts_in_reasoning: bool) -> tuple[str | None, str | None]
     """Non-streaming: (reasoning_content, content), each None when empty."""
     in_reasoning = starts_in_reasoning
     if text.startswith(THINK_START):
-        text, in_reasoning = _strip_one(text[len(THINK_START):], leading=True), True
+        text, in_reasoning = _strip_one(text[len(THINK_START) :], leading=True), True
     if not in_reasoning:
         return None, text or None
     pos, kind = _find_end(text)
@@ -70,7 +71,7 @@ def parse(text: str, starts_in_reasoning: bool) -> tuple[str | None, str | None]
         return text or None, None
     reasoning = _strip_one(text[:pos], trailing=True)
     if kind == THINK_END:
-        content = _strip_one(text[pos + len(THINK_END):], leading=True)
+        content = _strip_one(text[pos + len(THINK_END) :], leading=True)
     else:
         content = text[pos:]
     return reasoning or None, content or None
@@ -110,7 +111,7 @@ class ReasoningStreamParser:
                 self._strip_newline = False
             if self._state == "start":
                 if self._buf.startswith(THINK_START):
-                    self._buf = self._buf[len(THINK_START):]
+                    self._buf = self._buf[len(THINK_START) :]
                     self._state, self._strip_newline = "reasoning", True
                     continue
                 if THINK_START.startswith(self._buf):  # still a possible `<think>` (or empty)
@@ -130,12 +131,12 @@ class ReasoningStreamParser:
         if kind is None:
             keep = _held_suffix_len(self._buf)
             reasoning.append(self._buf[: len(self._buf) - keep])
-            self._buf = self._buf[len(self._buf) - keep:]
+            self._buf = self._buf[len(self._buf) - keep :]
             return False
         reasoning.append(_strip_one(self._buf[:pos], trailing=True))
         self._state = "content"
         if kind == THINK_END:
-            self._buf = self._buf[pos + len(THINK_END):]
+            self._buf = self._buf[pos + len(THINK_END) :]
             self._strip_newline = True
         else:
             self._buf = self._buf[pos:]

@@ -11,6 +11,7 @@ Wire format:
 
 Logprob values are clamped to >= -9999.0 (JSON has no -inf; vLLM does the same).
 """
+
 from __future__ import annotations
 
 import math
@@ -49,9 +50,15 @@ def sse_event(chunk: BaseModel) -> str:
 
 # ---------------------------------------------------------------------------------------------- errors
 
-_DEFAULT_ERROR_TYPE = {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
-                       422: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
-                       503: "service_unavailable"}
+_DEFAULT_ERROR_TYPE = {
+    400: "invalid_request_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
 
 
 class ErrorInfo(BaseModel):
@@ -63,18 +70,21 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     """`{"error": {"message", "type", "param", "code"}}`; `status_code` is the HTTP status (not serialised)."""
+
     error: ErrorInfo
     status_code: int = Field(400, exclude=True)
 
     @classmethod
-    def make(cls, message: str, type: str | None = None, param: str | None = None, status: int = 400,
-             code: str | None = None) -> "ErrorResponse":
+    def make(
+        cls, message: str, type: str | None = None, param: str | None = None, status: int = 400, code: str | None = None
+    ) -> ErrorResponse:
         """`type` defaults from the status: 4xx -> "invalid_request_error", 503 -> "service_unavailable"."""
         kind = type or _DEFAULT_ERROR_TYPE.get(status, "invalid_request_error" if status < 500 else "server_error")
         return cls(error=ErrorInfo(message=message, type=kind, param=param, code=code), status_code=status)
 
 
 # ----------------------------------------------------------------------------------------------- usage
+
 
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
@@ -92,17 +102,26 @@ class Usage(BaseModel):
     completion_tokens_details: CompletionTokensDetails | None = None
 
     @classmethod
-    def make(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
-             reasoning_tokens: int | None = None) -> "Usage":
+    def make(
+        cls,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cached_tokens: int | None = None,
+        reasoning_tokens: int | None = None,
+    ) -> Usage:
         return cls(
-            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
             prompt_tokens_details=None if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens),
-            completion_tokens_details=(None if reasoning_tokens is None
-                                       else CompletionTokensDetails(reasoning_tokens=reasoning_tokens)))
+            completion_tokens_details=(
+                None if reasoning_tokens is None else CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
+            ),
+        )
 
 
 # -------------------------------------------------------------------------------------------- logprobs
+
 
 class TopLogprob(BaseModel):
     token: str
@@ -127,10 +146,14 @@ class ChatTokenLogprob(BaseModel):
         return _clamp(v)
 
     @classmethod
-    def make(cls, token: str, logprob: float, top: list[tuple[str, float]] = ()) -> "ChatTokenLogprob":
+    def make(cls, token: str, logprob: float, top: list[tuple[str, float]] = ()) -> ChatTokenLogprob:
         """`top`: (token, logprob) pairs, most likely first."""
-        return cls(token=token, logprob=logprob, bytes=list(token.encode("utf-8")),
-                   top_logprobs=[TopLogprob(token=t, logprob=lp, bytes=list(t.encode("utf-8"))) for t, lp in top])
+        return cls(
+            token=token,
+            logprob=logprob,
+            bytes=list(token.encode("utf-8")),
+            top_logprobs=[TopLogprob(token=t, logprob=lp, bytes=list(t.encode("utf-8"))) for t, lp in top],
+        )
 
 
 class ChatCompletionLogprobs(BaseModel):
@@ -139,6 +162,7 @@ class ChatCompletionLogprobs(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     """Legacy completions logprobs: parallel lists, one entry per generated token."""
+
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float] = Field(default_factory=list)
     top_logprobs: list[dict[str, float]] = Field(default_factory=list)  # token -> logprob
@@ -232,6 +256,7 @@ class ChatCompletionStreamResponse(BaseModel):
 
 # ---------------------------------------------------------------------------------------- completions
 
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -266,6 +291,7 @@ class CompletionStreamResponse(BaseModel):
 
 
 # --------------------------------------------------------------------------------------------- models
+
 
 class ModelCard(BaseModel):
     id: str  # served model name

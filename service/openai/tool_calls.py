@@ -37,13 +37,15 @@ name is complete, then one `arguments` fragment per parameter as soon as it is c
 `, "b": "x"`), then the closing `}` (or `{}` for no parameters). `DeltaEvent.to_delta_tool_call()` gives
 the OpenAI `DeltaToolCall`.
 """
+
 from __future__ import annotations
 
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from service.openai.responses import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall, tool_call_id
 
@@ -59,6 +61,7 @@ _TYPE_ORDER = ("null", "boolean", "integer", "number", "object", "array")  # "st
 
 
 # ------------------------------------------------------------------------------------------ schemas
+
 
 def tool_schemas(tools: Sequence[Any] | None) -> dict[str, dict[str, Any]]:
     """name -> JSON schema of the arguments object, from the request's `tools` (pydantic `ChatTool`s or
@@ -165,7 +168,7 @@ def _find_header(text: str, start: int) -> tuple[str, int] | None:
     k = text.find(">", j + len(FN_OPEN))
     if k < 0 or 0 <= close < k:
         return None
-    return text[j + len(FN_OPEN):k].strip(), k + 1
+    return text[j + len(FN_OPEN) : k].strip(), k + 1
 
 
 def unknown_tool_names(calls: Sequence[ToolCall], tools: Sequence[Any] | None) -> list[str]:
@@ -175,6 +178,7 @@ def unknown_tool_names(calls: Sequence[ToolCall], tools: Sequence[Any] | None) -
 
 
 # ------------------------------------------------------------------------------------- non-streaming
+
 
 def _parse_body(text: str, p: int, fn_schema: dict[str, Any] | None) -> tuple[dict[str, Any], int]:
     """Parameters of one call starting at `p` (after the header); returns (arguments, end position)."""
@@ -194,12 +198,12 @@ def _parse_body(text: str, p: int, fn_schema: dict[str, Any] | None) -> tuple[di
         k = text.find(">", idx + len(P_OPEN))
         if k < 0:
             return args, len(text)
-        key = text[idx + len(P_OPEN):k].strip()
+        key = text[idx + len(P_OPEN) : k].strip()
         t, end_kind = _earliest(text, _VALUE_END_TAGS, k + 1)
         if end_kind is None:
             return args, len(text)
         if key not in args:
-            args[key] = convert_value(_strip_newlines(text[k + 1:t]), _param_schema(fn_schema, key))
+            args[key] = convert_value(_strip_newlines(text[k + 1 : t]), _param_schema(fn_schema, key))
         p = t + len(P_CLOSE) if end_kind == P_CLOSE else t
 
 
@@ -234,9 +238,11 @@ def parse(text: str, tools: Sequence[Any] | None) -> tuple[str | None, list[Tool
 
 # ----------------------------------------------------------------------------------------- streaming
 
+
 @dataclass(frozen=True)
 class DeltaEvent:
     """One piece of streamed output: either content or a fragment of tool call `tool_index`."""
+
     content: str = ""  # text outside tool calls ("" on tool-call events)
     tool_index: int | None = None  # 0-based index of the call in this message; None for content
     tool_call_id: str | None = None  # first event of a call only
@@ -248,8 +254,12 @@ class DeltaEvent:
         """OpenAI streaming shape; the first event carries id, type and name (arguments "")."""
         assert self.tool_index is not None, "content events have no tool call"
         if self.name is not None:
-            return DeltaToolCall(index=self.tool_index, id=self.tool_call_id, type="function",
-                                 function=DeltaFunctionCall(name=self.name, arguments=self.arguments))
+            return DeltaToolCall(
+                index=self.tool_index,
+                id=self.tool_call_id,
+                type="function",
+                function=DeltaFunctionCall(name=self.name, arguments=self.arguments),
+            )
         return DeltaToolCall(index=self.tool_index, function=DeltaFunctionCall(arguments=self.arguments))
 
 
@@ -276,8 +286,13 @@ class ToolCallStreamParser:
     def feed(self, delta: str) -> list[DeltaEvent]:
         self._buf += delta
         events: list[DeltaEvent] = []
-        step = {"text": self._step_text, "open": self._step_open, "func": self._step_func,
-                "param": self._step_param, "after_func": self._step_after_func}
+        step = {
+            "text": self._step_text,
+            "open": self._step_open,
+            "func": self._step_func,
+            "param": self._step_param,
+            "after_func": self._step_after_func,
+        }
         while step[self._state](events):
             pass
         return events
@@ -314,26 +329,32 @@ class ToolCallStreamParser:
             seg = self._buf[:i]
             body = seg.rstrip()
             self._content(events, body)
-            self._pending_ws = seg[len(body):]
-            self._buf, self._state = self._buf[i + len(TC_OPEN):], "open"
+            self._pending_ws = seg[len(body) :]
+            self._buf, self._state = self._buf[i + len(TC_OPEN) :], "open"
             return True
         keep = 0
         for k in range(min(len(TC_OPEN) - 1, len(self._buf)), 0, -1):
             if self._buf.endswith(TC_OPEN[:k]):
                 keep = k
                 break
-        head, tail = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
+        head, tail = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep :]
         body = head.rstrip()
         self._content(events, body)
-        self._buf = head[len(body):] + tail
+        self._buf = head[len(body) :] + tail
         return False
 
     def _step_open(self, events: list[DeltaEvent]) -> bool:
         header = _find_header(self._buf, 0)
         if header is not None:
             self._name, end = header
-            events.append(DeltaEvent(tool_index=self._num_calls, tool_call_id=tool_call_id(), name=self._name,
-                                     known_function=self._name in self._schemas))
+            events.append(
+                DeltaEvent(
+                    tool_index=self._num_calls,
+                    tool_call_id=tool_call_id(),
+                    name=self._name,
+                    known_function=self._name in self._schemas,
+                )
+            )
             self._num_calls += 1
             self._keys = set()
             self._buf, self._pending_ws, self._state = self._buf[end:], "", "func"
@@ -354,14 +375,14 @@ class ToolCallStreamParser:
             k = self._buf.find(">", idx + len(P_OPEN))
             if k < 0:
                 return False
-            self._key = self._buf[idx + len(P_OPEN):k].strip()
-            self._buf, self._state, self._scan_from = self._buf[k + 1:], "param", 0
+            self._key = self._buf[idx + len(P_OPEN) : k].strip()
+            self._buf, self._state, self._scan_from = self._buf[k + 1 :], "param", 0
             return True
         self._close_call(events)
         if kind == FN_CLOSE:
-            self._buf, self._state = self._buf[idx + len(FN_CLOSE):], "after_func"
+            self._buf, self._state = self._buf[idx + len(FN_CLOSE) :], "after_func"
         else:
-            self._buf, self._state, self._after_call = self._buf[idx + len(TC_CLOSE):], "text", True
+            self._buf, self._state, self._after_call = self._buf[idx + len(TC_CLOSE) :], "text", True
         return True
 
     def _step_param(self, events: list[DeltaEvent]) -> bool:
@@ -370,20 +391,21 @@ class ToolCallStreamParser:
             self._scan_from = len(self._buf)
             return False
         if self._key not in self._keys:
-            value = convert_value(_strip_newlines(self._buf[:t]), _param_schema(self._schemas.get(self._name),
-                                                                                 self._key))
+            value = convert_value(
+                _strip_newlines(self._buf[:t]), _param_schema(self._schemas.get(self._name), self._key)
+            )
             sep = ", " if self._keys else "{"
             frag = f"{sep}{json.dumps(self._key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
             events.append(DeltaEvent(tool_index=self._num_calls - 1, arguments=frag))
             self._keys.add(self._key)
-        self._buf = self._buf[t + len(P_CLOSE):] if kind == P_CLOSE else self._buf[t:]
+        self._buf = self._buf[t + len(P_CLOSE) :] if kind == P_CLOSE else self._buf[t:]
         self._state = "func"
         return True
 
     def _step_after_func(self, events: list[DeltaEvent]) -> bool:
         rest = self._buf.lstrip()
         if rest.startswith(TC_CLOSE):
-            self._buf = rest[len(TC_CLOSE):]
+            self._buf = rest[len(TC_CLOSE) :]
         elif TC_CLOSE.startswith(rest):  # maybe `</tool_call>` still coming
             return False
         self._state, self._after_call = "text", True

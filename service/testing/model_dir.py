@@ -14,6 +14,7 @@ output layer, every attention projection, the latent MoE projections, and for Na
 Mamba layer that directly precedes an attention layer stay BF16; the embeddings, conv1d and router are never
 quantized here. KV cache quantization is left off unless asked for.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,7 @@ from service.engine.model.quant import QuantConfig
 from service.testing.tiny import tokenizer_config, train_tokenizer
 
 PUBLISHED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "published")
-PUBLISHED = {"nano": "nano_30b_a3b.json", "super": "super_120b_a12b.json"}   # --config name -> file
+PUBLISHED = {"nano": "nano_30b_a3b.json", "super": "super_120b_a12b.json"}  # --config name -> file
 
 
 def published_config(name_or_path: str) -> dict[str, Any]:
@@ -62,8 +63,10 @@ def covering_tokenizer(vocab_size: int) -> Tokenizer:
     """The embedded BPE tokenizer with its vocabulary filled up to exactly `vocab_size` ids (every id decodes)."""
     base = Tokenizer.from_str(_embedded_tokenizer_json())
     if base.get_vocab_size(with_added_tokens=True) > vocab_size:
-        raise ValueError(f"vocab_size {vocab_size} is smaller than the embedded tokenizer's "
-                         f"{base.get_vocab_size(with_added_tokens=True)} tokens")
+        raise ValueError(
+            f"vocab_size {vocab_size} is smaller than the embedded tokenizer's "
+            f"{base.get_vocab_size(with_added_tokens=True)} tokens"
+        )
     spec = json.loads(base.to_str())
     vocab: dict[str, int] = spec["model"]["vocab"]
     taken = set(vocab) | {t["content"] for t in spec["added_tokens"]}
@@ -74,8 +77,9 @@ def covering_tokenizer(vocab_size: int) -> Tokenizer:
         vocab[token] = token_id
     tokenizer = Tokenizer.from_str(json.dumps(spec))
     if tokenizer.get_vocab_size(with_added_tokens=True) != vocab_size:
-        raise AssertionError(f"tokenizer has {tokenizer.get_vocab_size(with_added_tokens=True)} ids, "
-                             f"wanted {vocab_size}")
+        raise AssertionError(
+            f"tokenizer has {tokenizer.get_vocab_size(with_added_tokens=True)} ids, wanted {vocab_size}"
+        )
     return tokenizer
 
 
@@ -92,8 +96,13 @@ def fp8_exclusions(config: dict[str, Any]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def make_model_dir(out_dir: str, config: str = "nano", quantization: str = "none", kv_cache_fp8: bool = False,
-                   overrides: dict[str, Any] | None = None) -> str:
+def make_model_dir(
+    out_dir: str,
+    config: str = "nano",
+    quantization: str = "none",
+    kv_cache_fp8: bool = False,
+    overrides: dict[str, Any] | None = None,
+) -> str:
     """Writes the folder (created if missing) and returns its path. overrides: config.json keys to replace."""
     if quantization not in ("none", "fp8"):
         raise ValueError(f"quantization must be 'none' or 'fp8', got {quantization!r}")
@@ -103,12 +112,19 @@ def make_model_dir(out_dir: str, config: str = "nano", quantization: str = "none
     os.makedirs(out_dir, exist_ok=True)
     tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
     tok_cfg = {**tokenizer_config(tokenizer), "model_max_length": int(cfg.get("max_position_embeddings", 4096))}
-    files: dict[str, Any] = {"config.json": cfg, "tokenizer_config.json": tok_cfg, "generation_config.json": {
-        "bos_token_id": cfg.get("bos_token_id"), "eos_token_id": cfg.get("eos_token_id"),
-        "pad_token_id": cfg.get("pad_token_id")}}
+    files: dict[str, Any] = {
+        "config.json": cfg,
+        "tokenizer_config.json": tok_cfg,
+        "generation_config.json": {
+            "bos_token_id": cfg.get("bos_token_id"),
+            "eos_token_id": cfg.get("eos_token_id"),
+            "pad_token_id": cfg.get("pad_token_id"),
+        },
+    }
     if quantization == "fp8":
-        files["hf_quant_config.json"] = QuantConfig("FP8", "FP8" if kv_cache_fp8 else None,
-                                                    fp8_exclusions(cfg)).to_hf_quant_config()
+        files["hf_quant_config.json"] = QuantConfig(
+            "FP8", "FP8" if kv_cache_fp8 else None, fp8_exclusions(cfg)
+        ).to_hf_quant_config()
     elif os.path.exists(os.path.join(out_dir, "hf_quant_config.json")):
         os.remove(os.path.join(out_dir, "hf_quant_config.json"))
     for name, payload in files.items():
@@ -125,11 +141,17 @@ def _run_cli(args: argparse.Namespace) -> int:
 
 def add_cli(subparsers: Any) -> None:
     """Register `make-model-dir OUT --config nano|super|PATH [--quantization none|fp8] [--kv-cache-fp8]`."""
-    p = subparsers.add_parser("make-model-dir", help="write a weightless model folder (published config + our "
-                              "tokenizer) to serve with --load-format dummy")
+    p = subparsers.add_parser(
+        "make-model-dir",
+        help="write a weightless model folder (published config + our tokenizer) to serve with --load-format dummy",
+    )
     p.add_argument("out", metavar="OUT", help="output folder (created if missing)")
     p.add_argument("--config", default="nano", help="'nano', 'super' or the path of an HF config.json")
-    p.add_argument("--quantization", default="none", choices=("none", "fp8"),
-                   help="fp8: also write a ModelOpt FP8 hf_quant_config.json (the published recipe's exclusions)")
+    p.add_argument(
+        "--quantization",
+        default="none",
+        choices=("none", "fp8"),
+        help="fp8: also write a ModelOpt FP8 hf_quant_config.json (the published recipe's exclusions)",
+    )
     p.add_argument("--kv-cache-fp8", action="store_true", help="with --quantization fp8: kv_cache_quant_algo FP8")
     p.set_defaults(func=_run_cli)

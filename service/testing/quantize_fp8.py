@@ -11,6 +11,7 @@
    tokenizer / generation files of `src`.
 `hybrid-serve quantize-fp8 SRC OUT [--exclude PATTERN ...]` runs it with random-token calibration prompts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,19 @@ from service.engine.kernels.moe import relu2
 from service.engine.model.quant import QuantConfig, fused_parts
 from service.engine.model.weights import checkpoint_files
 
-LINEAR_LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj", "up_proj", "down_proj",
-                 "fc1_latent_proj", "fc2_latent_proj", "lm_head")
+LINEAR_LEAVES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "in_proj",
+    "out_proj",
+    "up_proj",
+    "down_proj",
+    "fc1_latent_proj",
+    "fc2_latent_proj",
+    "lm_head",
+)
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
 
@@ -40,7 +52,7 @@ class ActivationRecorder:
     """Largest |input| per weight tensor (keyed by the weight's data pointer; per expert for stacked experts)."""
 
     def __init__(self) -> None:
-        self.amax: dict[tuple[int, int], float] = {}     # (weight data_ptr, expert or -1) -> max |x|
+        self.amax: dict[tuple[int, int], float] = {}  # (weight data_ptr, expert or -1) -> max |x|
 
     def see(self, weight: torch.Tensor, x: torch.Tensor, expert: int = -1) -> None:
         if x.numel():
@@ -56,7 +68,9 @@ class ActivationRecorder:
         return self.linear(normed, weight, bias), new_residual
 
     def gated_norm_linear(self, y, z, norm_weight, group_size, eps, weight, bias=None):
-        return self.linear(norm.gated_group_rms_norm_ref(y, z, norm_weight, group_size, eps, weight.dtype), weight, bias)
+        return self.linear(
+            norm.gated_group_rms_norm_ref(y, z, norm_weight, group_size, eps, weight.dtype), weight, bias
+        )
 
     def moe_experts(self, x, up, down, topk_weights, topk_ids, *, shared_up=None, shared_down=None):
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
@@ -72,16 +86,28 @@ class ActivationRecorder:
         return out.to(x.dtype)
 
     def kernels(self) -> Kernels:
-        return dataclasses.replace(torch_kernels(), name="torch", linear=self.linear,
-                                   add_rms_norm_linear=self.add_rms_norm_linear,
-                                   gated_norm_linear=self.gated_norm_linear, moe_experts=self.moe_experts)
+        return dataclasses.replace(
+            torch_kernels(),
+            name="torch",
+            linear=self.linear,
+            add_rms_norm_linear=self.add_rms_norm_linear,
+            gated_norm_linear=self.gated_norm_linear,
+            moe_experts=self.moe_experts,
+        )
 
 
 def calibrate(src: str, calibration: list[list[int]]) -> dict[str, float]:
     """Checkpoint module name (`backbone.layers.3.mixer.in_proj`, `...experts.5.up_proj`) -> max |input| seen."""
     from service.engine import Engine, EngineConfig, SamplingParams
-    engine = Engine(EngineConfig(model_path=src, dtype="float32", max_num_seqs=max(1, len(calibration)),
-                                 max_model_len=max(map(len, calibration)) + 8))
+
+    engine = Engine(
+        EngineConfig(
+            model_path=src,
+            dtype="float32",
+            max_num_seqs=max(1, len(calibration)),
+            max_model_len=max(map(len, calibration)) + 8,
+        )
+    )
     recorder = ActivationRecorder()
     engine.runner.model.kernels = recorder.kernels()
     engine.generate(calibration, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
@@ -92,11 +118,11 @@ def calibrate(src: str, calibration: list[list[int]]) -> dict[str, float]:
         for (ptr, expert), amax in recorder.amax.items():
             if ptr != p.data_ptr():
                 continue
-            if expert >= 0:                                        # ...experts.up_proj -> ...experts.{e}.up_proj
+            if expert >= 0:  # ...experts.up_proj -> ...experts.{e}.up_proj
                 base, proj = name.rsplit(".", 1)
                 out[f"{base}.{expert}.{proj}"] = amax
             else:
-                for part in fused.get(name, [name[:-len(".weight")]]):
+                for part in fused.get(name, [name[: -len(".weight")]]):
                     out[part] = amax
     return out
 
@@ -114,8 +140,9 @@ def _per_expert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _qkv_amax(tensors: dict[str, torch.Tensor], canonical: dict[str, str], quantized: set[str]
-              ) -> dict[str, torch.Tensor]:
+def _qkv_amax(
+    tensors: dict[str, torch.Tensor], canonical: dict[str, str], quantized: set[str]
+) -> dict[str, torch.Tensor]:
     """q_proj / k_proj / v_proj module -> max |W| over the three of its attention layer: they share one weight
     scale, as the engine fuses them into one projection (no requantization at load)."""
     amax: dict[str, torch.Tensor] = {}
@@ -137,8 +164,7 @@ def _quantized_modules(names: list[str], quant: QuantConfig) -> set[str]:
     return out
 
 
-def quantize_checkpoint(src: str, dst: str, exclude_modules: tuple[str, ...],
-                        calibration: list[list[int]]) -> str:
+def quantize_checkpoint(src: str, dst: str, exclude_modules: tuple[str, ...], calibration: list[list[int]]) -> str:
     """Writes the FP8 checkpoint of `src` into `dst` (see the module docstring); returns dst."""
     quant = QuantConfig("FP8", None, tuple(exclude_modules))
     amax = calibrate(src, calibration)
@@ -148,7 +174,7 @@ def quantize_checkpoint(src: str, dst: str, exclude_modules: tuple[str, ...],
             for raw in f.keys():
                 tensors[raw] = f.get_tensor(raw)
     tensors = _per_expert(tensors)
-    canonical = {raw: ("backbone." + raw[len("model."):] if raw.startswith("model.") else raw) for raw in tensors}
+    canonical = {raw: ("backbone." + raw[len("model.") :] if raw.startswith("model.") else raw) for raw in tensors}
     quantized = _quantized_modules(list(canonical.values()), quant)
     shared_amax = _qkv_amax(tensors, canonical, quantized)
     out: dict[str, torch.Tensor] = {}
@@ -182,8 +208,14 @@ def random_calibration(vocab_size: int, num_prompts: int = 8, length: int = 64, 
 def _run_cli(args: argparse.Namespace) -> int:
     with open(os.path.join(args.src, "config.json")) as f:
         vocab = int(json.load(f)["vocab_size"])
-    print(quantize_checkpoint(args.src, args.out, tuple(args.exclude),
-                              random_calibration(vocab, args.calibration_prompts, args.calibration_len)))
+    print(
+        quantize_checkpoint(
+            args.src,
+            args.out,
+            tuple(args.exclude),
+            random_calibration(vocab, args.calibration_prompts, args.calibration_len),
+        )
+    )
     return 0
 
 
@@ -192,8 +224,12 @@ def add_cli(subparsers: Any) -> None:
     p = subparsers.add_parser("quantize-fp8", help="write a ModelOpt-format FP8 copy of an unquantized checkpoint")
     p.add_argument("src", metavar="SRC", help="unquantized checkpoint folder")
     p.add_argument("out", metavar="OUT", help="output folder (created if missing)")
-    p.add_argument("--exclude", action="append", default=["lm_head"],
-                   help="module-name pattern kept unquantized (repeat; default: lm_head)")
+    p.add_argument(
+        "--exclude",
+        action="append",
+        default=["lm_head"],
+        help="module-name pattern kept unquantized (repeat; default: lm_head)",
+    )
     p.add_argument("--calibration-prompts", type=int, default=8, help="random-token calibration prompts")
     p.add_argument("--calibration-len", type=int, default=64, help="tokens per calibration prompt")
     p.set_defaults(func=_run_cli)

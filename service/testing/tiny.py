@@ -15,6 +15,7 @@ with three deliberate differences so that every path visibly matters in a 64-wid
   the original Mamba-2 code does;
 - the MoE `e_score_correction_bias` is normal(0, 0.1), which changes the top-k for ~half the tokens.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,13 +34,21 @@ from service.engine.config import parse_layer_types
 # (content, special): special tokens are dropped by skip_special_tokens; the reasoning/tool markers
 # are added tokens that stay in decoded text, so reasoning and tool-call parsers can see them.
 SPECIAL_TOKENS: tuple[tuple[str, bool], ...] = (
-    ("<unk>", True), ("<s>", True), ("</s>", True), ("<|pad|>", True),
-    ("<|im_start|>", True), ("<|im_end|>", True),
-    ("<think>", False), ("</think>", False), ("<tool_call>", False), ("</tool_call>", False),
-    ("<tool_response>", False), ("</tool_response>", False),
+    ("<unk>", True),
+    ("<s>", True),
+    ("</s>", True),
+    ("<|pad|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<think>", False),
+    ("</think>", False),
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<tool_response>", False),
+    ("</tool_response>", False),
 )
-TOKENIZER_VOCAB_SIZE = 1000       # target BPE vocab incl. special tokens and the 256-byte alphabet
-_CORPUS_SEED = 1234               # the tokenizer is the same for every weight seed
+TOKENIZER_VOCAB_SIZE = 1000  # target BPE vocab incl. special tokens and the 256-byte alphabet
+_CORPUS_SEED = 1234  # the tokenizer is the same for every weight seed
 
 # ChatML in the Nemotron-3 style. Written with explicit string pieces so trim/lstrip_blocks never
 # change the output. Tool-call arguments must be JSON objects (dicts), not JSON strings.
@@ -115,8 +124,10 @@ CHAT_TEMPLATE = (
 
 # ---- synthetic tokenizer corpus -----------------------------------------------------------------
 _NAMES = "alice bob carol dave erin frank grace heidi ivan judy mallory oscar peggy trent victor wendy".split()
-_NOUNS = ("cat dog house river mountain city number answer question model token cache state layer "
-          "expert engine request server table file list value result weather robot garden window").split()
+_NOUNS = (
+    "cat dog house river mountain city number answer question model token cache state layer "
+    "expert engine request server table file list value result weather robot garden window"
+).split()
 _VERBS = "sees finds builds reads writes checks moves counts sends keeps opens closes likes helps".split()
 _ADJS = "small large quick lazy bright dark happy careful simple strange green blue old new".split()
 _CITIES = "Paris London Tokyo Berlin Madrid Rome Oslo Lima Cairo Seoul".split()
@@ -125,10 +136,12 @@ _EXTRA_WORDS = "café naïve résumé über Zürich façade 東京 北京 数据
 
 def _sentence(rng: random.Random) -> str:
     name, noun, noun2 = rng.choice(_NAMES).title(), rng.choice(_NOUNS), rng.choice(_NOUNS)
-    forms = (f"The {rng.choice(_ADJS)} {noun} {rng.choice(_VERBS)} the {noun2}.",
-             f"{name} {rng.choice(_VERBS)} a {rng.choice(_ADJS)} {noun} in {rng.choice(_CITIES)}.",
-             f"Why does the {noun} need a {rng.choice(_ADJS)} {noun2}?",
-             f"{name} said: \"I like the {noun}, and the {rng.choice(_EXTRA_WORDS)} too.\"")
+    forms = (
+        f"The {rng.choice(_ADJS)} {noun} {rng.choice(_VERBS)} the {noun2}.",
+        f"{name} {rng.choice(_VERBS)} a {rng.choice(_ADJS)} {noun} in {rng.choice(_CITIES)}.",
+        f"Why does the {noun} need a {rng.choice(_ADJS)} {noun2}?",
+        f'{name} said: "I like the {noun}, and the {rng.choice(_EXTRA_WORDS)} too."',
+    )
     return rng.choice(forms)
 
 
@@ -140,27 +153,43 @@ def _arithmetic(rng: random.Random) -> str:
 
 
 def _json_snippet(rng: random.Random) -> str:
-    record = {"name": rng.choice(_NAMES), "age": rng.randint(1, 99), "city": rng.choice(_CITIES),
-              "tags": rng.sample(_ADJS, 2), "active": rng.random() < 0.5, "score": round(rng.random(), 2)}
+    record = {
+        "name": rng.choice(_NAMES),
+        "age": rng.randint(1, 99),
+        "city": rng.choice(_CITIES),
+        "tags": rng.sample(_ADJS, 2),
+        "active": rng.random() < 0.5,
+        "score": round(rng.random(), 2),
+    }
     return json.dumps(record, indent=rng.choice([None, 2]))
 
 
 def _python_snippet(rng: random.Random) -> str:
     fn, arg = rng.choice(_VERBS).rstrip("s"), rng.choice(_NOUNS)
-    return (f"def {fn}_{arg}({arg}, count={rng.randint(1, 9)}):\n"
-            f"    for i in range(count):\n        {arg} = {arg} + i\n"
-            f"    if {arg} > {rng.randint(10, 99)}:\n        return None\n    return {arg}\n")
+    return (
+        f"def {fn}_{arg}({arg}, count={rng.randint(1, 9)}):\n"
+        f"    for i in range(count):\n        {arg} = {arg} + i\n"
+        f"    if {arg} > {rng.randint(10, 99)}:\n        return None\n    return {arg}\n"
+    )
 
 
 def _chat_snippet(rng: random.Random) -> str:
     city, unit = rng.choice(_CITIES), rng.choice(["celsius", "fahrenheit"])
     question, answer = _arithmetic(rng).split(" = ")
-    parts = ["user", f"What is the weather in {city}?", "assistant",
-             f"Let me check the weather in {city} first.",
-             f"<function=get_weather>\n<parameter=city>\n{city}\n</parameter>\n"
-             f"<parameter=unit>\n{unit}\n</parameter>\n</function>",
-             "tool", json.dumps({"city": city, "temperature": rng.randint(-10, 35), "unit": unit}),
-             "user", f"{question} = ?", "assistant", f"{question} = {answer}"]
+    parts = [
+        "user",
+        f"What is the weather in {city}?",
+        "assistant",
+        f"Let me check the weather in {city} first.",
+        f"<function=get_weather>\n<parameter=city>\n{city}\n</parameter>\n"
+        f"<parameter=unit>\n{unit}\n</parameter>\n</function>",
+        "tool",
+        json.dumps({"city": city, "temperature": rng.randint(-10, 35), "unit": unit}),
+        "user",
+        f"{question} = ?",
+        "assistant",
+        f"{question} = {answer}",
+    ]
     return "\n".join(parts)
 
 
@@ -177,8 +206,7 @@ def train_tokenizer() -> Tokenizer:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=TOKENIZER_VOCAB_SIZE,
-        special_tokens=[AddedToken(content, special=special, normalized=False)
-                        for content, special in SPECIAL_TOKENS],
+        special_tokens=[AddedToken(content, special=special, normalized=False) for content, special in SPECIAL_TOKENS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -187,7 +215,8 @@ def train_tokenizer() -> Tokenizer:
     tokenizer.add_special_tokens([AddedToken(c, special=True, normalized=False) for c, s in SPECIAL_TOKENS if s])
     tokenizer.add_tokens([AddedToken(c, special=False, normalized=False) for c, s in SPECIAL_TOKENS if not s])
     tokenizer.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tokenizer.token_to_id("<s>"))])
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tokenizer.token_to_id("<s>"))]
+    )
     return tokenizer
 
 
@@ -196,8 +225,13 @@ def tokenizer_config(tokenizer: Tokenizer) -> dict[str, Any]:
     decoder = {}
     for content, special in SPECIAL_TOKENS:
         decoder[str(tokenizer.token_to_id(content))] = {
-            "content": content, "lstrip": False, "normalized": False, "rstrip": False,
-            "single_word": False, "special": special}
+            "content": content,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": special,
+        }
     return {
         "added_tokens_decoder": decoder,
         "bos_token": "<s>",
@@ -216,23 +250,60 @@ def tiny_config(tokenizer: Tokenizer, **overrides: Any) -> dict[str, Any]:
     """config.json for the tiny model; `overrides` replace (or add) HF config keys."""
     vocab_size = -(-tokenizer.get_vocab_size(with_added_tokens=True) // 8) * 8
     config: dict[str, Any] = {
-        "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "torch_dtype": "float32",
-        "vocab_size": vocab_size, "hidden_size": 64, "hybrid_override_pattern": "M*MEM-M*E",
-        "layer_norm_epsilon": 1e-5, "max_position_embeddings": 4096, "tie_word_embeddings": False,
-        "bos_token_id": tokenizer.token_to_id("<s>"), "eos_token_id": tokenizer.token_to_id("<|im_end|>"),
+        "architectures": ["NemotronHForCausalLM"],
+        "model_type": "nemotron_h",
+        "torch_dtype": "float32",
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "hybrid_override_pattern": "M*MEM-M*E",
+        "layer_norm_epsilon": 1e-5,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "bos_token_id": tokenizer.token_to_id("<s>"),
+        "eos_token_id": tokenizer.token_to_id("<|im_end|>"),
         "pad_token_id": tokenizer.token_to_id("<|pad|>"),
-        "mamba_num_heads": 8, "mamba_head_dim": 8, "n_groups": 2, "ssm_state_size": 16, "conv_kernel": 4,
-        "chunk_size": 16, "expand": 1, "use_conv_bias": True, "mamba_hidden_act": "silu",
-        "mamba_proj_bias": False, "time_step_min": 0.001, "time_step_max": 0.1, "time_step_floor": 1e-4,
-        "time_step_limit": [0.0, 1e9], "mamba_ssm_cache_dtype": "float32",
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "attention_bias": False,
-        "attention_dropout": 0.0, "sliding_window": None,
-        "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-        "moe_shared_expert_intermediate_size": 32, "n_shared_experts": 1, "moe_latent_size": None,
-        "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0,
-        "intermediate_size": 128, "mlp_hidden_act": "relu2", "mlp_bias": False, "use_bias": False,
-        "num_nextn_predict_layers": 0, "initializer_range": 0.1, "rescale_prenorm_residual": True,
-        "residual_in_fp32": False, "hidden_dropout": 0.0, "use_cache": True, "num_logits_to_keep": 1,
+        "mamba_num_heads": 8,
+        "mamba_head_dim": 8,
+        "n_groups": 2,
+        "ssm_state_size": 16,
+        "conv_kernel": 4,
+        "chunk_size": 16,
+        "expand": 1,
+        "use_conv_bias": True,
+        "mamba_hidden_act": "silu",
+        "mamba_proj_bias": False,
+        "time_step_min": 0.001,
+        "time_step_max": 0.1,
+        "time_step_floor": 1e-4,
+        "time_step_limit": [0.0, 1e9],
+        "mamba_ssm_cache_dtype": "float32",
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "sliding_window": None,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "moe_shared_expert_intermediate_size": 32,
+        "n_shared_experts": 1,
+        "moe_latent_size": None,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0,
+        "intermediate_size": 128,
+        "mlp_hidden_act": "relu2",
+        "mlp_bias": False,
+        "use_bias": False,
+        "num_nextn_predict_layers": 0,
+        "initializer_range": 0.1,
+        "rescale_prenorm_residual": True,
+        "residual_in_fp32": False,
+        "hidden_dropout": 0.0,
+        "use_cache": True,
+        "num_logits_to_keep": 1,
     }
     if "layers_block_type" in overrides and "hybrid_override_pattern" not in overrides:
         del config["hybrid_override_pattern"]
@@ -287,15 +358,22 @@ def _mamba_weights(cfg: dict[str, Any], gen: torch.Generator, num_layers: int) -
 def _attention_weights(cfg: dict[str, Any], gen: torch.Generator) -> dict[str, torch.Tensor]:
     h, d, std = cfg["hidden_size"], cfg["head_dim"], cfg["initializer_range"]
     q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-    return {"q_proj.weight": _normal(gen, q, h, std=std), "k_proj.weight": _normal(gen, kv, h, std=std),
-            "v_proj.weight": _normal(gen, kv, h, std=std), "o_proj.weight": _normal(gen, h, q, std=std)}
+    return {
+        "q_proj.weight": _normal(gen, q, h, std=std),
+        "k_proj.weight": _normal(gen, kv, h, std=std),
+        "v_proj.weight": _normal(gen, kv, h, std=std),
+        "o_proj.weight": _normal(gen, h, q, std=std),
+    }
 
 
-def _mlp_weights(cfg: dict[str, Any], gen: torch.Generator, d_in: int, d_ff: int,
-                 prefix: str = "") -> dict[str, torch.Tensor]:
+def _mlp_weights(
+    cfg: dict[str, Any], gen: torch.Generator, d_in: int, d_ff: int, prefix: str = ""
+) -> dict[str, torch.Tensor]:
     std = cfg["initializer_range"]
-    out = {f"{prefix}up_proj.weight": _normal(gen, d_ff, d_in, std=std),
-           f"{prefix}down_proj.weight": _normal(gen, d_in, d_ff, std=std)}
+    out = {
+        f"{prefix}up_proj.weight": _normal(gen, d_ff, d_in, std=std),
+        f"{prefix}down_proj.weight": _normal(gen, d_in, d_ff, std=std),
+    }
     if cfg["mlp_bias"]:
         out[f"{prefix}up_proj.bias"] = torch.zeros(d_ff)
         out[f"{prefix}down_proj.bias"] = torch.zeros(d_in)
@@ -306,14 +384,20 @@ def _moe_weights(cfg: dict[str, Any], gen: torch.Generator) -> dict[str, torch.T
     h, experts, std = cfg["hidden_size"], cfg["n_routed_experts"], cfg["initializer_range"]
     latent = cfg.get("moe_latent_size")
     d_in = latent if latent is not None else h
-    out = {"gate.weight": _normal(gen, experts, h, std=std),
-           "gate.e_score_correction_bias": _normal(gen, experts, std=0.1)}
+    out = {
+        "gate.weight": _normal(gen, experts, h, std=std),
+        "gate.e_score_correction_bias": _normal(gen, experts, std=0.1),
+    }
     for j in range(experts):
         out.update(_mlp_weights(cfg, gen, d_in, cfg["moe_intermediate_size"], prefix=f"experts.{j}."))
     out.update(_mlp_weights(cfg, gen, h, cfg["moe_shared_expert_intermediate_size"], prefix="shared_experts."))
     if latent is not None:
-        out.update({"fc1_latent_proj.weight": _normal(gen, latent, h, std=std),
-                    "fc2_latent_proj.weight": _normal(gen, h, latent, std=std)})
+        out.update(
+            {
+                "fc1_latent_proj.weight": _normal(gen, latent, h, std=std),
+                "fc2_latent_proj.weight": _normal(gen, h, latent, std=std),
+            }
+        )
     return out
 
 
@@ -349,10 +433,16 @@ def make_tiny_model(out_dir: str | os.PathLike[str], seed: int = 0, **overrides:
     config = tiny_config(tokenizer, **overrides)
     weights = random_weights(config, seed)
     tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
-    generation_config = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
-                         "pad_token_id": config["pad_token_id"]}
-    for name, payload in (("tokenizer_config.json", tokenizer_config(tokenizer)), ("config.json", config),
-                          ("generation_config.json", generation_config)):
+    generation_config = {
+        "bos_token_id": config["bos_token_id"],
+        "eos_token_id": config["eos_token_id"],
+        "pad_token_id": config["pad_token_id"],
+    }
+    for name, payload in (
+        ("tokenizer_config.json", tokenizer_config(tokenizer)),
+        ("config.json", config),
+        ("generation_config.json", generation_config),
+    ):
         with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
             json.dump(payload, f, indent=2, ensure_ascii=False)
             f.write("\n")

@@ -3,6 +3,7 @@
 The folder: `config.json` + `model.safetensors` (transformers' `save_pretrained`), `tokenizer.json`,
 `tokenizer_config.json` (the tiny model's chat template), `generation_config.json` and `manifest.json`
 (model config, data recipe, seed, steps, final losses, held-out greedy accuracy, wall time, device)."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,13 +19,15 @@ from typing import Any
 
 import torch
 
-from service.testing.tiny import tokenizer_config
 from service.engine.tokenizer import Tokenizer
+from service.testing.tiny import tokenizer_config
 from service.training.data import TOKENIZER_VOCAB_SIZE, train_tokenizer
 from service.training.train import MODEL_OVERRIDES, TrainConfig, heldout_accuracy, train
 
-DATA_RECIPE = ("service/evals/tasks.py generators, train split (addition/comparison operand pairs with "
-               "heldout(a, b) excluded); step i's batch from random.Random(f'{seed}/{i}'); loss on replies only")
+DATA_RECIPE = (
+    "service/evals/tasks.py generators, train split (addition/comparison operand pairs with "
+    "heldout(a, b) excluded); step i's batch from random.Random(f'{seed}/{i}'); loss on replies only"
+)
 
 
 def write_folder(out: str, model: Any, tokenizer_json: Any, manifest: dict[str, Any]) -> None:
@@ -32,10 +35,12 @@ def write_folder(out: str, model: Any, tokenizer_json: Any, manifest: dict[str, 
     model.to("cpu").save_pretrained(out, safe_serialization=True)
     tokenizer_json.save(os.path.join(out, "tokenizer.json"))
     cfg = model.config
-    generation = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
-                  "pad_token_id": cfg.pad_token_id}
-    for name, payload in (("tokenizer_config.json", tokenizer_config(tokenizer_json)),
-                          ("generation_config.json", generation), ("manifest.json", manifest)):
+    generation = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id}
+    for name, payload in (
+        ("tokenizer_config.json", tokenizer_config(tokenizer_json)),
+        ("generation_config.json", generation),
+        ("manifest.json", manifest),
+    ):
         with open(os.path.join(out, name), "w", encoding="utf-8") as f:
             json.dump(payload, f, indent=2, ensure_ascii=False)
             f.write("\n")
@@ -52,19 +57,32 @@ def run(out: str, cfg: TrainConfig, device: str, data_workers: int, threads: int
     result = train(cfg, tokenizer, device, data_workers, should_stop=stop.is_set)
     train_s = time.monotonic() - start
     accuracy = heldout_accuracy(result.model, tokenizer, cfg.eval_num, device)
-    rerun = f"hybrid-serve train-tiny-model OUT --seed {cfg.seed} --steps {cfg.steps} --batch-size {cfg.batch_size} " \
-            f"--lr {cfg.lr} --mix " + ",".join(f"{k}={v}" for k, v in cfg.mix.items()) \
-        + (f" --init-from {cfg.init_from}" if cfg.init_from else "") \
+    rerun = (
+        f"hybrid-serve train-tiny-model OUT --seed {cfg.seed} --steps {cfg.steps} --batch-size {cfg.batch_size} "
+        f"--lr {cfg.lr} --mix "
+        + ",".join(f"{k}={v}" for k, v in cfg.mix.items())
+        + (f" --init-from {cfg.init_from}" if cfg.init_from else "")
         + (f" --stop-at {result.steps_done}" if result.steps_done < cfg.steps else "")
+    )
     manifest = {
-        "train_config": dataclasses.asdict(cfg), "steps_done": result.steps_done, "reproduce": rerun,
+        "train_config": dataclasses.asdict(cfg),
+        "steps_done": result.steps_done,
+        "reproduce": rerun,
         "model_overrides": MODEL_OVERRIDES,
         "tokenizer": {"vocab_size": tokenizer.vocab_size, "bpe_target_vocab": TOKENIZER_VOCAB_SIZE},
-        "data_recipe": DATA_RECIPE, "final_loss": result.final_loss,
-        "heldout_greedy_accuracy": {"num_per_task": cfg.eval_num, "eval_seed": 0, "by_task": accuracy,
-                                    "method": "teacher-forced: every reply token is the argmax"},
-        "train_wall_s": round(train_s, 1), "device": device if device == "cpu" else torch.cuda.get_device_name(),
-        "threads": threads, "torch": torch.__version__, "python": platform.python_version(),
+        "data_recipe": DATA_RECIPE,
+        "final_loss": result.final_loss,
+        "heldout_greedy_accuracy": {
+            "num_per_task": cfg.eval_num,
+            "eval_seed": 0,
+            "by_task": accuracy,
+            "method": "teacher-forced: every reply token is the argmax",
+        },
+        "train_wall_s": round(train_s, 1),
+        "device": device if device == "cpu" else torch.cuda.get_device_name(),
+        "threads": threads,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
     }
     previous = os.path.join(cfg.init_from or "", "manifest.json")
     if cfg.init_from and os.path.isfile(previous):
@@ -75,15 +93,34 @@ def run(out: str, cfg: TrainConfig, device: str, data_workers: int, threads: int
 
 
 def _run_cli(args: argparse.Namespace) -> int:
-    mix = TrainConfig().mix if args.mix is None else {
-        task: float(share) for task, share in (item.split("=") for item in args.mix.split(","))}
-    cfg = TrainConfig(seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr, stop_at=args.stop_at,
-                      init_from=args.init_from, mix=mix, warmup_steps=min(TrainConfig().warmup_steps, args.steps // 10))
+    mix = (
+        TrainConfig().mix
+        if args.mix is None
+        else {task: float(share) for task, share in (item.split("=") for item in args.mix.split(","))}
+    )
+    cfg = TrainConfig(
+        seed=args.seed,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        stop_at=args.stop_at,
+        init_from=args.init_from,
+        mix=mix,
+        warmup_steps=min(TrainConfig().warmup_steps, args.steps // 10),
+    )
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     manifest = run(args.out, cfg, device, args.data_workers, args.threads)
-    print(json.dumps({"out": args.out, "final_loss": manifest["final_loss"],
-                      "accuracy": manifest["heldout_greedy_accuracy"]["by_task"],
-                      "steps_done": manifest["steps_done"], "train_wall_s": manifest["train_wall_s"]}))
+    print(
+        json.dumps(
+            {
+                "out": args.out,
+                "final_loss": manifest["final_loss"],
+                "accuracy": manifest["heldout_greedy_accuracy"]["by_task"],
+                "steps_done": manifest["steps_done"],
+                "train_wall_s": manifest["train_wall_s"],
+            }
+        )
+    )
     return 0
 
 
@@ -104,8 +141,12 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step")
     p.add_argument("--lr", type=float, default=d.lr, help="peak AdamW learning rate")
     p.add_argument("--init-from", default=None, help="continue from this checkpoint folder (same architecture)")
-    p.add_argument("--mix", default=None, help="task shares, e.g. state=0.7,recall=0.1,addition=0.1,comparison=0.05,"
-                   "tool=0.05 (default: the built-in mix)")
+    p.add_argument(
+        "--mix",
+        default=None,
+        help="task shares, e.g. state=0.7,recall=0.1,addition=0.1,comparison=0.05,"
+        "tool=0.05 (default: the built-in mix)",
+    )
     p.add_argument("--stop-at", type=int, default=None, help="stop after N steps (the schedule spans --steps)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the initial weights and the data")
     p.add_argument("--device", default="auto", help="torch device: auto (cuda if available), cpu, cuda")

@@ -9,17 +9,19 @@ A training sequence is the chat template's rendering of an example's conversatio
 model learns (`<think>\\n{reasoning}\\n</think>\\n{answer}<|im_end|>`, or a `<tool_call>` block); the loss covers
 the reply only.
 """
+
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
 
 import torch
-from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer as HFTokenizer
 
-from service.testing.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS
 from service.engine.tokenizer import Tokenizer, compile_chat_template
 from service.evals.tasks import GENERATORS, Example
+from service.testing.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS
 
 TOKENIZER_VOCAB_SIZE = 768
 _CORPUS_SEED = 4321
@@ -36,8 +38,9 @@ def reply_text(example: Example) -> str:
 
 
 def prompt_text(tokenizer: Tokenizer, example: Example) -> str:
-    return tokenizer.apply_chat_template(list(example.messages), tools=list(example.tools) or None,
-                                         add_generation_prompt=True)
+    return tokenizer.apply_chat_template(
+        list(example.messages), tools=list(example.tools) or None, add_generation_prompt=True
+    )
 
 
 def train_tokenizer() -> HFTokenizer:
@@ -48,27 +51,37 @@ def train_tokenizer() -> HFTokenizer:
     for _ in range(300):
         for make in GENERATORS.values():
             ex = make(rng)
-            corpus.append(template.render(messages=list(ex.messages), tools=list(ex.tools) or None,
-                                          add_generation_prompt=True) + reply_text(ex))
+            corpus.append(
+                template.render(messages=list(ex.messages), tools=list(ex.tools) or None, add_generation_prompt=True)
+                + reply_text(ex)
+            )
     tk = HFTokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    tk.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tk.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB_SIZE, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=[AddedToken(c, special=s, normalized=False) for c, s in SPECIAL_TOKENS])
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[AddedToken(c, special=s, normalized=False) for c, s in SPECIAL_TOKENS],
+    )
     tk.train_from_iterator(corpus, trainer)
     tk.add_special_tokens([AddedToken(c, special=True, normalized=False) for c, s in SPECIAL_TOKENS if s])
     tk.add_tokens([AddedToken(c, special=False, normalized=False) for c, s in SPECIAL_TOKENS if not s])
     tk.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tk.token_to_id("<s>"))])
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tk.token_to_id("<s>"))]
+    )
     return tk
 
 
 @dataclass(frozen=True)
 class Batch:
-    input_ids: torch.Tensor   # [B, T] int64, right-padded with pad_id
-    labels: torch.Tensor      # [B, T] int64, the next token at each position; -100 outside replies and padding
+    input_ids: torch.Tensor  # [B, T] int64, right-padded with pad_id
+    labels: torch.Tensor  # [B, T] int64, the next token at each position; -100 outside replies and padding
 
 
 def encode(tokenizer: Tokenizer, example: Example) -> tuple[list[int], int]:
@@ -85,5 +98,5 @@ def make_batch(tokenizer: Tokenizer, examples: list[Example], pad_id: int) -> Ba
     for i, (ids, n_prompt) in enumerate(rows):
         input_ids[i, : len(ids)] = torch.tensor(ids)
         # position t predicts token t+1; the reply's tokens are ids[n_prompt:]
-        labels[i, n_prompt - 1: len(ids) - 1] = torch.tensor(ids[n_prompt:])
+        labels[i, n_prompt - 1 : len(ids) - 1] = torch.tensor(ids[n_prompt:])
     return Batch(input_ids, labels)

@@ -7,28 +7,45 @@ initial weights and step i's batch comes from `random.Random(f"{seed}/{i}")` alo
 workers). Greedy accuracy is measured teacher-forced: a reply counts as correct when the argmax at every reply
 position is the reply's next token, which is exactly when greedy decoding would write that reply.
 """
+
 from __future__ import annotations
 
 import math
 import random
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
-from service.testing.tiny import tiny_config
 from service.engine.tokenizer import Tokenizer
 from service.evals.tasks import GENERATORS, Example, make_examples
+from service.testing.tiny import tiny_config
 from service.training.data import Batch, make_batch
 
 # Every layer kind (Mamba-2, attention, latent MoE); ~0.8M parameters, ~3 MB in fp32.
 MODEL_OVERRIDES: dict[str, Any] = dict(
-    hidden_size=128, hybrid_override_pattern="ME*ME*ME", mamba_num_heads=8, mamba_head_dim=16, n_groups=2,
-    ssm_state_size=16, chunk_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=128, moe_latent_size=64,
-    moe_shared_expert_intermediate_size=128, initializer_range=0.02, time_step_limit=[0.0, 1e9],
-    time_step_min=0.001, time_step_max=0.1, max_position_embeddings=4096,
+    hidden_size=128,
+    hybrid_override_pattern="ME*ME*ME",
+    mamba_num_heads=8,
+    mamba_head_dim=16,
+    n_groups=2,
+    ssm_state_size=16,
+    chunk_size=16,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=128,
+    moe_latent_size=64,
+    moe_shared_expert_intermediate_size=128,
+    initializer_range=0.02,
+    time_step_limit=[0.0, 1e9],
+    time_step_min=0.001,
+    time_step_max=0.1,
+    max_position_embeddings=4096,
 )
 EVAL_TASKS = ("addition", "comparison", "recall", "state", "tool")
 
@@ -37,21 +54,23 @@ EVAL_TASKS = ("addition", "comparison", "recall", "state", "tool")
 class TrainConfig:
     seed: int = 0
     steps: int = 4000
-    batch_size: int = 32                       # sequences per step (one task per step)
-    lr: float = 2e-3                           # peak AdamW learning rate
+    batch_size: int = 32  # sequences per step (one task per step)
+    lr: float = 2e-3  # peak AdamW learning rate
     warmup_steps: int = 200
     weight_decay: float = 0.01
     # task -> share of steps; `multi_turn_share` of recall/state batches ask a second question after an answer
-    mix: dict[str, float] = field(default_factory=lambda: {
-        "addition": 0.3, "comparison": 0.08, "recall": 0.27, "state": 0.3, "tool": 0.05})
+    mix: dict[str, float] = field(
+        default_factory=lambda: {"addition": 0.3, "comparison": 0.08, "recall": 0.27, "state": 0.3, "tool": 0.05}
+    )
     multi_turn_share: float = 0.2
-    eval_num: int = 200                        # held-out questions per task for the manifest's accuracy
-    stop_at: int | None = None                 # stop after this many steps (the schedule still spans `steps`)
-    init_from: str | None = None               # start from this checkpoint folder's weights instead of random
+    eval_num: int = 200  # held-out questions per task for the manifest's accuracy
+    stop_at: int | None = None  # stop after this many steps (the schedule still spans `steps`)
+    init_from: str | None = None  # start from this checkpoint folder's weights instead of random
 
 
 def build_model(tokenizer: Tokenizer, seed: int) -> Any:
     from transformers import NemotronHConfig, NemotronHForCausalLM
+
     torch.manual_seed(seed)
     hf_cfg = tiny_config(_SizesView(tokenizer), **MODEL_OVERRIDES)
     hf_cfg = {k: v for k, v in hf_cfg.items() if k not in ("architectures", "model_type", "torch_dtype")}
@@ -105,28 +124,40 @@ class _Steps(torch.utils.data.IterableDataset):
 
 @dataclass(frozen=True)
 class TrainResult:
-    model: Any                       # the trained transformers model, in eval mode
-    steps_done: int                  # optimizer steps taken (< cfg.steps if stopped early)
-    final_loss: dict[str, float]     # task -> mean loss over its steps in the last 10% of the steps taken
+    model: Any  # the trained transformers model, in eval mode
+    steps_done: int  # optimizer steps taken (< cfg.steps if stopped early)
+    final_loss: dict[str, float]  # task -> mean loss over its steps in the last 10% of the steps taken
 
 
-def train(cfg: TrainConfig, tokenizer: Tokenizer, device: str = "cpu", data_workers: int = 0,
-          should_stop: Callable[[], bool] = lambda: False, log: Callable[[str], None] = print) -> TrainResult:
+def train(
+    cfg: TrainConfig,
+    tokenizer: Tokenizer,
+    device: str = "cpu",
+    data_workers: int = 0,
+    should_stop: Callable[[], bool] = lambda: False,
+    log: Callable[[str], None] = print,
+) -> TrainResult:
     """Train from scratch; stops early at `cfg.stop_at` steps or once `should_stop()` (checked every step)."""
     if cfg.init_from is not None:
         from transformers import NemotronHForCausalLM
+
         model = NemotronHForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32)
     else:
         model = build_model(tokenizer, cfg.seed)
     model.to(device).train()
     is_decayed = {n: p.dim() >= 2 and "embeddings" not in n for n, p in model.named_parameters()}
-    opt = torch.optim.AdamW([
-        {"params": [p for n, p in model.named_parameters() if is_decayed[n]], "weight_decay": cfg.weight_decay},
-        {"params": [p for n, p in model.named_parameters() if not is_decayed[n]], "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(0.9, 0.98))
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for n, p in model.named_parameters() if is_decayed[n]], "weight_decay": cfg.weight_decay},
+            {"params": [p for n, p in model.named_parameters() if not is_decayed[n]], "weight_decay": 0.0},
+        ],
+        lr=cfg.lr,
+        betas=(0.9, 0.98),
+    )
     # the loader's workers interleave in order (in-order iteration), so step i always gets batch i
-    loader = torch.utils.data.DataLoader(_Steps(cfg, tokenizer), batch_size=None, num_workers=data_workers,
-                                         prefetch_factor=4 if data_workers else None)
+    loader = torch.utils.data.DataLoader(
+        _Steps(cfg, tokenizer), batch_size=None, num_workers=data_workers, prefetch_factor=4 if data_workers else None
+    )
     losses: list[tuple[str, float]] = []
     start = time.monotonic()
     steps_done = 0
@@ -134,8 +165,9 @@ def train(cfg: TrainConfig, tokenizer: Tokenizer, device: str = "cpu", data_work
         if should_stop() or (cfg.stop_at is not None and step >= cfg.stop_at):
             break
         logits = model(input_ids=batch.input_ids.to(device)).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch.labels.to(device).flatten(),
-                                                 ignore_index=-100)
+        loss = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1).float(), batch.labels.to(device).flatten(), ignore_index=-100
+        )
         for group in opt.param_groups:
             group["lr"] = lr_at(cfg, step)
         opt.zero_grad(set_to_none=True)
@@ -145,33 +177,37 @@ def train(cfg: TrainConfig, tokenizer: Tokenizer, device: str = "cpu", data_work
         steps_done = step + 1
         if step % 50 == 0 or step == cfg.steps - 1:
             losses.append((task, loss.item()))
-            log(f"step {step} {task} loss {losses[-1][1]:.4f} lr {lr_at(cfg, step):.2e} "
-                f"{time.monotonic() - start:.1f}s")
+            log(
+                f"step {step} {task} loss {losses[-1][1]:.4f} lr {lr_at(cfg, step):.2e} {time.monotonic() - start:.1f}s"
+            )
         else:
             losses.append((task, loss.detach()))
     model.eval()
     recent: dict[str, list[float]] = {}
-    for task, value in losses[int(0.9 * len(losses)):]:
+    for task, value in losses[int(0.9 * len(losses)) :]:
         recent.setdefault(task, []).append(float(value))
     return TrainResult(model, steps_done, {t: round(sum(v) / len(v), 5) for t, v in sorted(recent.items())})
 
 
 @torch.no_grad()
-def teacher_forced_accuracy(model: Any, tokenizer: Tokenizer, examples: list[Example], device: str = "cpu",
-                            batch_size: int = 50) -> float:
+def teacher_forced_accuracy(
+    model: Any, tokenizer: Tokenizer, examples: list[Example], device: str = "cpu", batch_size: int = 50
+) -> float:
     """Fraction of examples whose whole reply is the greedy continuation of their prompt."""
     pad_id = tokenizer.token_to_id("<|pad|>")
     correct = 0
     for i in range(0, len(examples), batch_size):
-        batch = make_batch(tokenizer, examples[i: i + batch_size], pad_id)
+        batch = make_batch(tokenizer, examples[i : i + batch_size], pad_id)
         pred = model(input_ids=batch.input_ids.to(device)).logits.argmax(-1).cpu()
         mask = batch.labels != -100
         correct += int(((pred == batch.labels) | ~mask).all(dim=1).sum())
     return correct / len(examples)
 
 
-def heldout_accuracy(model: Any, tokenizer: Tokenizer, num: int, device: str = "cpu", seed: int = 0
-                     ) -> dict[str, float]:
+def heldout_accuracy(
+    model: Any, tokenizer: Tokenizer, num: int, device: str = "cpu", seed: int = 0
+) -> dict[str, float]:
     """Teacher-forced greedy accuracy on `num` held-out questions of every task (eval split, `seed`)."""
-    return {task: teacher_forced_accuracy(model, tokenizer, make_examples(task, num, seed), device)
-            for task in EVAL_TASKS}
+    return {
+        task: teacher_forced_accuracy(model, tokenizer, make_examples(task, num, seed), device) for task in EVAL_TASKS
+    }

@@ -4,6 +4,7 @@ Apps are deployed under their own route prefix (`/<name>/v1`). `main_app` is the
 use (2 engine replicas, both parsers); the router experiment deploys two small-cache apps once and
 keeps them until the end of the session (the metrics test reads their eviction counters).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,23 +15,28 @@ import openai
 import pytest
 import ray
 from ray import serve
-from tests.deployments.serve_testkit import (
-    ROUTER_CACHE_ARGS, ROUTER_GROUPS, ROUTER_PER_GROUP, ROUTER_PREFIX_TOKENS, ROUTER_SUFFIX_TOKENS, free_port,
-    replica_stats,
-)
 
 from loadtests.workloads import shared_prefix_workload
 from service.deployments.app import build_app
 from service.testing.tiny import make_tiny_model
+from tests.deployments.serve_testkit import (
+    ROUTER_CACHE_ARGS,
+    ROUTER_GROUPS,
+    ROUTER_PER_GROUP,
+    ROUTER_PREFIX_TOKENS,
+    ROUTER_SUFFIX_TOKENS,
+    free_port,
+    replica_stats,
+)
 
 REQUEST_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
 class Cluster:
-    http_port: int        # Serve's HTTP proxy on 127.0.0.1
-    metrics_port: int     # Ray's metrics agent (Prometheus text) on this node
-    gcs_address: str      # for processes that join the cluster (RAY_ADDRESS)
+    http_port: int  # Serve's HTTP proxy on 127.0.0.1
+    metrics_port: int  # Ray's metrics agent (Prometheus text) on this node
+    gcs_address: str  # for processes that join the cluster (RAY_ADDRESS)
 
     @property
     def metrics_url(self) -> str:
@@ -39,8 +45,8 @@ class Cluster:
 
 @dataclass(frozen=True)
 class App:
-    name: str             # Serve application name (also its route prefix)
-    base_url: str         # OpenAI base URL, ends in /v1
+    name: str  # Serve application name (also its route prefix)
+    base_url: str  # OpenAI base URL, ends in /v1
     model_path: str
 
 
@@ -52,8 +58,13 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="session")
 def cluster() -> Cluster:
     http_port, metrics_port = free_port(), free_port()
-    ray.init(num_cpus=16, include_dashboard=False, _metrics_export_port=metrics_port,
-             _system_config={"metrics_report_interval_ms": 1000}, logging_level="WARNING")
+    ray.init(
+        num_cpus=16,
+        include_dashboard=False,
+        _metrics_export_port=metrics_port,
+        _system_config={"metrics_report_interval_ms": 1000},
+        logging_level="WARNING",
+    )
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
     yield Cluster(http_port, metrics_port, ray.get_runtime_context().gcs_address)
     serve.shutdown()
@@ -68,10 +79,18 @@ def deploy(cluster: Cluster, name: str, args: dict[str, Any]) -> App:
 
 @pytest.fixture(scope="session")
 def main_app(cluster: Cluster, tiny_model_path: str) -> App:
-    return deploy(cluster, "main", {"model_path": tiny_model_path, "replicas": 2,
-                                    "reasoning_parser": "nemotron_3", "tool_call_parser": "qwen3_coder",
-                                    # no background canary work while the fault tests compare pool usage
-                                    "canary": {"enabled": False}})
+    return deploy(
+        cluster,
+        "main",
+        {
+            "model_path": tiny_model_path,
+            "replicas": 2,
+            "reasoning_parser": "nemotron_3",
+            "tool_call_parser": "qwen3_coder",
+            # no background canary work while the fault tests compare pool usage
+            "canary": {"enabled": False},
+        },
+    )
 
 
 @pytest.fixture(scope="session")
@@ -85,49 +104,76 @@ def http(main_app: App) -> httpx.Client:
         yield c
 
 
-
 @dataclass(frozen=True)
 class RouterRun:
     app: App
-    hit_tokens: int                    # engine-measured prefix-cache hit tokens, summed over replicas
-    requests_per_replica: list[int]    # from each replica's prompt-token counter
+    hit_tokens: int  # engine-measured prefix-cache hit tokens, summed over replicas
+    requests_per_replica: list[int]  # from each replica's prompt-token counter
 
 
 @pytest.fixture(scope="session")
 def router_runs(cluster: Cluster, tiny_model_path: str) -> dict[str, RouterRun]:
-    workload = shared_prefix_workload(ROUTER_GROUPS, ROUTER_PER_GROUP, ROUTER_PREFIX_TOKENS, ROUTER_SUFFIX_TOKENS,
-                                      token_id_range=(20, 900), order="interleaved", seed=1)
+    workload = shared_prefix_workload(
+        ROUTER_GROUPS,
+        ROUTER_PER_GROUP,
+        ROUTER_PREFIX_TOKENS,
+        ROUTER_SUFFIX_TOKENS,
+        token_id_range=(20, 900),
+        order="interleaved",
+        seed=1,
+    )
     prompt_len = ROUTER_PREFIX_TOKENS + ROUTER_SUFFIX_TOKENS
     runs = {}
     for kind in ("prefix_aware", "default"):
-        app = deploy(cluster, f"router-{kind.replace('_', '-')}",
-                     {"model_path": tiny_model_path, **ROUTER_CACHE_ARGS, "router": {"kind": kind},
-                      "canary": {"enabled": False}})   # the test counts every request a replica served
+        app = deploy(
+            cluster,
+            f"router-{kind.replace('_', '-')}",
+            {
+                "model_path": tiny_model_path,
+                **ROUTER_CACHE_ARGS,
+                "router": {"kind": kind},
+                "canary": {"enabled": False},
+            },
+        )  # the test counts every request a replica served
         with httpx.Client(base_url=app.base_url, timeout=REQUEST_TIMEOUT_S) as c:
             for req in workload:
-                resp = c.post("/completions", json={"model": "tiny", "prompt": req.prompt_token_ids, "max_tokens": 1,
-                                                     "temperature": 0})
+                resp = c.post(
+                    "/completions",
+                    json={"model": "tiny", "prompt": req.prompt_token_ids, "max_tokens": 1, "temperature": 0},
+                )
                 assert resp.status_code == 200, resp.text
         stats = replica_stats(app.name, 2).values()
-        runs[kind] = RouterRun(app, sum(s["prefix_cache_hit_tokens"] for s in stats),
-                               sorted(s["prompt_tokens"] // prompt_len for s in stats))
+        runs[kind] = RouterRun(
+            app,
+            sum(s["prefix_cache_hit_tokens"] for s in stats),
+            sorted(s["prompt_tokens"] // prompt_len for s in stats),
+        )
     return runs
 
 
 @pytest.fixture(scope="session")
 def canary_app(cluster, tiny_model_path):
     """One replica running the accuracy canary every second and auditing every request."""
-    app = deploy(cluster, "canary", {"model_path": tiny_model_path, "replicas": 1,
-                                     "canary": {"interval_s": 1.0, "audit_sample_rate": 1.0}})
+    app = deploy(
+        cluster,
+        "canary",
+        {"model_path": tiny_model_path, "replicas": 1, "canary": {"interval_s": 1.0, "audit_sample_rate": 1.0}},
+    )
     with httpx.Client(base_url=app.base_url, timeout=60) as c:
         prefix = list(range(100, 100 + 70))
-        for tail in (list(range(700, 705)), list(range(800, 809))):   # the second request hits the first's prefix
-            assert c.post("/completions", json={"model": "tiny", "prompt": prefix + tail, "max_tokens": 2}).status_code == 200
+        for tail in (list(range(700, 705)), list(range(800, 809))):  # the second request hits the first's prefix
+            assert (
+                c.post("/completions", json={"model": "tiny", "prompt": prefix + tail, "max_tokens": 2}).status_code
+                == 200
+            )
     return app
 
 
 @pytest.fixture(scope="session")
 def small_app(cluster, tiny_model_path):
     """One replica that takes one request at a time (handle queue bound: 4): easy to overload."""
-    return deploy(cluster, "small", {"model_path": tiny_model_path, "replicas": 1, "max_ongoing_requests": 1,
-                                     "canary": {"enabled": False}})
+    return deploy(
+        cluster,
+        "small",
+        {"model_path": tiny_model_path, "replicas": 1, "max_ongoing_requests": 1, "canary": {"enabled": False}},
+    )

@@ -1,9 +1,11 @@
 """Helpers shared by the deployment tests (imported as `serve_testkit`)."""
+
 from __future__ import annotations
 
 import socket
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ray import serve
 
@@ -33,7 +35,9 @@ def replica_stats(app_name: str, num_replicas: int, timeout_s: float = 30.0) -> 
     return seen
 
 
-def wait_until(predicate: Callable[[], Any], timeout_s: float, interval_s: float = 0.25, what: str = "condition") -> Any:
+def wait_until(
+    predicate: Callable[[], Any], timeout_s: float, interval_s: float = 0.25, what: str = "condition"
+) -> Any:
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()

@@ -2,6 +2,7 @@
 401 without or with a wrong key, 200 with a right one; 429 + Retry-After when one key exceeds each limit
 while another key is served; per-request caps -> 400 naming the limit; per-key counters on Ray's metrics
 endpoint with key ids only; the open app (no keys) logs its warning once."""
+
 from __future__ import annotations
 
 import glob
@@ -11,15 +12,23 @@ import os
 import httpx
 import openai
 import pytest
-from tests.deployments.conftest import deploy
 from prometheus_client.parser import text_string_to_metric_families
-from tests.deployments.serve_testkit import wait_until
 
 from service.deployments.auth import key_id
+from tests.deployments.conftest import deploy
+from tests.deployments.serve_testkit import wait_until
 
 KEYS = {name: f"sk-hybrid-{name}-0123456789abcdef" for name in ("rpm", "tpm", "conc", "caps", "other")}
-LIMITS = {"requests_per_minute": 8, "tokens_per_minute": 1000, "concurrent_requests": 2, "max_tokens": 600,
-          "max_n": 2, "max_stop_strings": 2, "max_top_logprobs": 2, "max_prompt_tokens": 200}
+LIMITS = {
+    "requests_per_minute": 8,
+    "tokens_per_minute": 1000,
+    "concurrent_requests": 2,
+    "max_tokens": 600,
+    "max_n": 2,
+    "max_stop_strings": 2,
+    "max_top_logprobs": 2,
+    "max_prompt_tokens": 200,
+}
 TIMEOUT_S = 60.0
 
 
@@ -27,8 +36,17 @@ TIMEOUT_S = 60.0
 def auth_app(cluster, tiny_model_path, tmp_path_factory):
     keys_file = tmp_path_factory.mktemp("secrets") / "api-keys"
     keys_file.write_text("# one key per line\n" + "\n".join(KEYS.values()) + "\n")
-    return deploy(cluster, "auth", {"model_path": tiny_model_path, "replicas": 1, "canary": {"enabled": False},
-                                    "api_keys_file": str(keys_file), "limits": LIMITS})
+    return deploy(
+        cluster,
+        "auth",
+        {
+            "model_path": tiny_model_path,
+            "replicas": 1,
+            "canary": {"enabled": False},
+            "api_keys_file": str(keys_file),
+            "limits": LIMITS,
+        },
+    )
 
 
 def _client(app, name: str | None) -> httpx.Client:
@@ -86,11 +104,14 @@ class HeldStream:
     """A streaming request held open after its first event until `close()` (the client leaves)."""
 
     def __init__(self, c: httpx.Client, max_tokens: int):
-        self._cm = c.stream("POST", "/completions", json={"prompt": "hold the line", "max_tokens": max_tokens,
-                                                          "ignore_eos": True, "stream": True})
+        self._cm = c.stream(
+            "POST",
+            "/completions",
+            json={"prompt": "hold the line", "max_tokens": max_tokens, "ignore_eos": True, "stream": True},
+        )
         resp = self._cm.__enter__()
         assert resp.status_code == 200, resp.read()
-        self._lines = resp.iter_lines()   # referenced: dropping the iterator would close the connection
+        self._lines = resp.iter_lines()  # referenced: dropping the iterator would close the connection
         assert next(line for line in self._lines if line.startswith("data: {"))
 
     def close(self) -> None:
@@ -99,16 +120,19 @@ class HeldStream:
 
 def test_tokens_per_minute_reserve_and_settle(auth_app):
     with _client(auth_app, "tpm") as c:
-        held = HeldStream(c, 590)     # reserves its prompt + 590 of 1000
+        held = HeldStream(c, 590)  # reserves its prompt + 590 of 1000
         resp = c.post("/completions", json={"prompt": "second", "max_tokens": 590})
         assert resp.status_code == 429, resp.text
         err = _error(resp)
         assert err["code"] == "rate_limit_exceeded" and err["type"] == "tokens"
         assert "tokens_per_minute=1000" in err["message"] and int(resp.headers["retry-after"]) >= 1
         _served_normally(auth_app)
-        held.close()                  # leaves after a few tokens: settled with the real count
-        wait_until(lambda: c.post("/completions", json={"prompt": "third", "max_tokens": 590}).status_code == 200,
-                   timeout_s=20, what="the unused reservation given back")
+        held.close()  # leaves after a few tokens: settled with the real count
+        wait_until(
+            lambda: c.post("/completions", json={"prompt": "third", "max_tokens": 590}).status_code == 200,
+            timeout_s=20,
+            what="the unused reservation given back",
+        )
         never = c.post("/completions", json={"prompt": "x", "max_tokens": 600, "n": 2})
         assert never.status_code == 400 and "tokens_per_minute=1000" in _error(never)["message"]
 
@@ -122,19 +146,33 @@ def test_concurrent_requests(auth_app):
         _served_normally(auth_app)
         for stream in held:
             stream.close()
-        wait_until(lambda: c.post("/completions", json={"prompt": "after", "max_tokens": 1}).status_code == 200,
-                   timeout_s=20, what="the concurrency slots released")
+        wait_until(
+            lambda: c.post("/completions", json={"prompt": "after", "max_tokens": 1}).status_code == 200,
+            timeout_s=20,
+            what="the concurrency slots released",
+        )
 
 
-@pytest.mark.parametrize("path,body,param,limit", [
-    ("/completions", {"prompt": "x", "max_tokens": 601}, "max_tokens", "max_tokens=600"),
-    ("/completions", {"prompt": "x", "max_tokens": 2, "n": 3}, "n", "max_n=2"),
-    ("/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
-                           "stop": ["a", "b", "c"]}, "stop", "max_stop_strings=2"),
-    ("/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "logprobs": True,
-                           "top_logprobs": 3}, "top_logprobs", "max_top_logprobs=2"),
-    ("/completions", {"prompt": list(range(20, 221)), "max_tokens": 2}, "prompt", "max_prompt_tokens=200"),
-])
+@pytest.mark.parametrize(
+    "path,body,param,limit",
+    [
+        ("/completions", {"prompt": "x", "max_tokens": 601}, "max_tokens", "max_tokens=600"),
+        ("/completions", {"prompt": "x", "max_tokens": 2, "n": 3}, "n", "max_n=2"),
+        (
+            "/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "stop": ["a", "b", "c"]},
+            "stop",
+            "max_stop_strings=2",
+        ),
+        (
+            "/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "logprobs": True, "top_logprobs": 3},
+            "top_logprobs",
+            "max_top_logprobs=2",
+        ),
+        ("/completions", {"prompt": list(range(20, 221)), "max_tokens": 2}, "prompt", "max_prompt_tokens=200"),
+    ],
+)
 def test_per_request_caps_get_400_naming_the_limit(auth_app, path, body, param, limit):
     with _client(auth_app, "caps") as c:
         resp = c.post(path, json=body)
@@ -145,8 +183,9 @@ def test_per_request_caps_get_400_naming_the_limit(auth_app, path, body, param, 
 
 def test_unset_max_tokens_defaults_to_the_cap(auth_app):
     with _client(auth_app, "caps") as c:
-        resp = c.post("/chat/completions", json={"messages": [{"role": "user", "content": "go on"}],
-                                                 "ignore_eos": True})
+        resp = c.post(
+            "/chat/completions", json={"messages": [{"role": "user", "content": "go on"}], "ignore_eos": True}
+        )
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 600
 
 
@@ -157,12 +196,20 @@ def test_per_key_metrics_and_logs_hold_no_key_material(cluster, auth_app):
 
     def samples() -> list:
         text = httpx.get(cluster.metrics_url, timeout=10).text
-        return [s for f in text_string_to_metric_families(text) for s in f.samples
-                if s.name.startswith("ray_hybrid_serve_api_") and s.labels.get("application") == "auth"]
+        return [
+            s
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name.startswith("ray_hybrid_serve_api_") and s.labels.get("application") == "auth"
+        ]
 
-    found = wait_until(lambda: (lambda got: got if {s.labels.get("key") for s in got} >= {key_id(KEYS["rpm"]),
-                                                                                         "unauthenticated"} else None)(
-        samples()), timeout_s=30, what="per-key API counters on the metrics endpoint")
+    found = wait_until(
+        lambda: (
+            lambda got: got if {s.labels.get("key") for s in got} >= {key_id(KEYS["rpm"]), "unauthenticated"} else None
+        )(samples()),
+        timeout_s=30,
+        what="per-key API counters on the metrics endpoint",
+    )
     by_name = {(s.name, s.labels["key"], s.labels.get("status") or s.labels.get("limit")): s.value for s in found}
     assert by_name[("ray_hybrid_serve_api_requests_total", key_id(KEYS["rpm"]), "429")] >= 1
     assert by_name[("ray_hybrid_serve_api_limit_refusals_total", key_id(KEYS["rpm"]), "requests_per_minute")] >= 1
@@ -175,12 +222,18 @@ def test_per_key_metrics_and_logs_hold_no_key_material(cluster, auth_app):
 
 def _serve_logs() -> list[str]:
     import ray
+
     session = ray._private.worker._global_node.get_session_dir_path()
     return glob.glob(os.path.join(session, "logs", "serve", "*.log"))
 
 
 def test_open_app_warns_once(main_app, client):
     assert client.models.list().data, "no keys configured: the endpoint is open"
-    warnings = [line for p in _serve_logs() if "replica_main_openai" in os.path.basename(p)
-                for line in open(p, errors="replace") if "No API keys configured" in line]
+    warnings = [
+        line
+        for p in _serve_logs()
+        if "replica_main_openai" in os.path.basename(p)
+        for line in open(p, errors="replace")
+        if "No API keys configured" in line
+    ]
     assert len(warnings) == 1, warnings

@@ -1,5 +1,6 @@
 """Engine chunks -> OpenAI chat/completion choices, checked with the `openai` package's own response types
 (no Ray): reasoning, content and typed tool calls, streamed one character at a time and in one piece."""
+
 from __future__ import annotations
 
 import json
@@ -12,15 +13,35 @@ from service.deployments.choices import ChoiceOptions, ChoiceState, token_text_a
 from service.deployments.engine_deployment import GenerateChunk
 from service.engine.tokenizer import Tokenizer
 from service.openai.protocol import (
-    ChatCompletionResponse, ChatCompletionStreamResponse, ChatTool, CompletionResponse,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatTool,
+    CompletionResponse,
 )
 
-TOOLS = (ChatTool.model_validate({"type": "function", "function": {
-    "name": "get_weather", "parameters": {"type": "object", "properties": {
-        "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"}}}}}),)
-MODEL_TEXT = ("The user wants the weather.\n</think>\nLet me look that up.\n<tool_call>\n<function=get_weather>\n"
-              "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
-              "<parameter=metric>\ntrue\n</parameter>\n</function>\n</tool_call>")
+TOOLS = (
+    ChatTool.model_validate(
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "city": {"type": "string"},
+                        "days": {"type": "integer"},
+                        "metric": {"type": "boolean"},
+                    },
+                },
+            },
+        }
+    ),
+)
+MODEL_TEXT = (
+    "The user wants the weather.\n</think>\nLet me look that up.\n<tool_call>\n<function=get_weather>\n"
+    "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
+    "<parameter=metric>\ntrue\n</parameter>\n</function>\n</tool_call>"
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,15 +54,20 @@ def _chunk(text: str, finish: str | None, ids: tuple[int, ...] = ()) -> Generate
 
 
 def _state(tokenizer: Tokenizer) -> ChoiceState:
-    return ChoiceState(ChoiceOptions(0, 0, False, reasoning_parser="nemotron_3", tool_parser="qwen3_coder",
-                                     tools=TOOLS, starts_in_reasoning=True), tokenizer)
+    return ChoiceState(
+        ChoiceOptions(
+            0, 0, False, reasoning_parser="nemotron_3", tool_parser="qwen3_coder", tools=TOOLS, starts_in_reasoning=True
+        ),
+        tokenizer,
+    )
 
 
 def test_chat_tool_call_streamed_per_character_matches_full(tokenizer):
     full_state = _state(tokenizer)
     full_state.add(_chunk(MODEL_TEXT, "stop"))
-    full = ChatCompletion.model_validate_json(ChatCompletionResponse(
-        model="tiny", choices=[full_state.final_chat()]).model_dump_json())
+    full = ChatCompletion.model_validate_json(
+        ChatCompletionResponse(model="tiny", choices=[full_state.final_chat()]).model_dump_json()
+    )
     message = full.choices[0].message
     assert full.choices[0].finish_reason == "tool_calls"
     assert message.model_extra["reasoning_content"] == "The user wants the weather."
@@ -56,24 +82,31 @@ def test_chat_tool_call_streamed_per_character_matches_full(tokenizer):
         state.add(c)
         choice = state.delta_chat(c)
         if choice is not None:
-            chunks.append(ChatCompletionChunk.model_validate_json(
-                ChatCompletionStreamResponse(model="tiny", choices=[choice]).model_dump_json(exclude_none=True)))
+            chunks.append(
+                ChatCompletionChunk.model_validate_json(
+                    ChatCompletionStreamResponse(model="tiny", choices=[choice]).model_dump_json(exclude_none=True)
+                )
+            )
     deltas = [c.choices[0].delta for c in chunks]
     assert deltas[0].role == "assistant" and all(d.role is None for d in deltas[1:])
     assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == "The user wants the weather."
     assert "".join(d.content or "" for d in deltas) == "Let me look that up."
     calls = [tc for d in deltas for tc in d.tool_calls or []]
     assert calls[0].function.name == "get_weather" and calls[0].id and calls[0].index == 0
-    assert json.loads("".join(tc.function.arguments or "" for tc in calls)) == {"city": "Paris", "days": 3,
-                                                                                 "metric": True}
+    assert json.loads("".join(tc.function.arguments or "" for tc in calls)) == {
+        "city": "Paris",
+        "days": 3,
+        "metric": True,
+    }
     assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
 
 
 def test_chat_without_parsers_is_plain_content(tokenizer):
     state = ChoiceState(ChoiceOptions(1, 0, False), tokenizer)
     state.add(_chunk("<think>raw</think> text", "length"))
-    choice = ChatCompletion.model_validate_json(ChatCompletionResponse(
-        model="tiny", choices=[state.final_chat()]).model_dump_json()).choices[0]
+    choice = ChatCompletion.model_validate_json(
+        ChatCompletionResponse(model="tiny", choices=[state.final_chat()]).model_dump_json()
+    ).choices[0]
     assert choice.index == 1 and choice.finish_reason == "length"
     assert choice.message.content == "<think>raw</think> text" and choice.message.tool_calls is None
 
@@ -84,10 +117,12 @@ def test_completion_logprobs_shapes_and_byte_tokens(tokenizer):
     state = ChoiceState(ChoiceOptions(0, 2, True), tokenizer)
     for i, t in enumerate(ids):
         text = tokenizer.decode([t])
-        state.add_completion(GenerateChunk("r", (t,), text, (-0.5,), (top[i],), "length" if i == len(ids) - 1 else None,
-                                           3, 0))
-    resp = Completion.model_validate_json(CompletionResponse(model="tiny", choices=[state.final_completion()])
-                                          .model_dump_json())
+        state.add_completion(
+            GenerateChunk("r", (t,), text, (-0.5,), (top[i],), "length" if i == len(ids) - 1 else None, 3, 0)
+        )
+    resp = Completion.model_validate_json(
+        CompletionResponse(model="tiny", choices=[state.final_completion()]).model_dump_json()
+    )
     lp = resp.choices[0].logprobs
     assert "".join(lp.tokens) == resp.choices[0].text == "The cat sees the dog"
     assert lp.token_logprobs == [-0.5] * len(ids) and all(len(d) == 2 for d in lp.top_logprobs)

@@ -1,5 +1,6 @@
 """Faults: bad input gets OpenAI 400/404 bodies and never hurts a replica; a client that leaves mid-stream
 aborts its request (pool usage back to baseline); 64 concurrent streams all complete."""
+
 from __future__ import annotations
 
 import asyncio
@@ -22,16 +23,19 @@ def _error_body(resp: httpx.Response) -> dict:
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
-@pytest.mark.parametrize("path,body,param,code", [
-    ("/chat/completions", {**CHAT, "temperature": -1}, "temperature", None),
-    ("/chat/completions", {**CHAT, "n": 0}, "n", None),
-    ("/chat/completions", {**CHAT, "messages": []}, "messages", None),
-    ("/chat/completions", {**CHAT, "top_logprobs": 3}, "top_logprobs", None),
-    ("/chat/completions", {**CHAT, "max_tokens": 5000}, "max_tokens", "context_length_exceeded"),
-    ("/completions", {"model": "tiny", "prompt": [5] * 5000}, "prompt", "context_length_exceeded"),
-    ("/completions", {"model": "tiny", "prompt": [10 ** 7]}, "prompt", None),
-    ("/completions", {"model": "tiny", "prompt": "x", "echo": True}, "echo", None),
-])
+@pytest.mark.parametrize(
+    "path,body,param,code",
+    [
+        ("/chat/completions", {**CHAT, "temperature": -1}, "temperature", None),
+        ("/chat/completions", {**CHAT, "n": 0}, "n", None),
+        ("/chat/completions", {**CHAT, "messages": []}, "messages", None),
+        ("/chat/completions", {**CHAT, "top_logprobs": 3}, "top_logprobs", None),
+        ("/chat/completions", {**CHAT, "max_tokens": 5000}, "max_tokens", "context_length_exceeded"),
+        ("/completions", {"model": "tiny", "prompt": [5] * 5000}, "prompt", "context_length_exceeded"),
+        ("/completions", {"model": "tiny", "prompt": [10**7]}, "prompt", None),
+        ("/completions", {"model": "tiny", "prompt": "x", "echo": True}, "echo", None),
+    ],
+)
 def test_invalid_parameters_get_400_with_openai_error(http, path, body, param, code):
     resp = http.post(path, json=body)
     assert resp.status_code == 400, resp.text
@@ -59,12 +63,14 @@ def test_oversized_body_gets_413(http):
 
 
 def _pool_usage(stats: dict[str, dict]) -> dict[str, tuple[float, float, float]]:
-    return {rid: (s["kv_cache_usage_ratio"], s["mamba_cache_usage_ratio"], s["num_requests_running"])
-            for rid, s in stats.items()}
+    return {
+        rid: (s["kv_cache_usage_ratio"], s["mamba_cache_usage_ratio"], s["num_requests_running"])
+        for rid, s in stats.items()
+    }
 
 
 def test_disconnect_mid_stream_returns_pool_usage_to_baseline(http, main_app):
-    prompt = list(range(300, 300 + 101))   # off the snapshot grid
+    prompt = list(range(300, 300 + 101))  # off the snapshot grid
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 3000, "ignore_eos": True, "stream": True}
     assert http.post("/completions", json={**body, "max_tokens": 1, "stream": False}).status_code == 200
     baseline_stats = replica_stats(main_app.name, 2)
@@ -79,10 +85,13 @@ def test_disconnect_mid_stream_returns_pool_usage_to_baseline(http, main_app):
                 assert "error" not in json.loads(line[6:])
                 events += 1
             if events == 3:
-                break   # leaving the block closes the connection mid-stream
+                break  # leaving the block closes the connection mid-stream
     assert events == 3
-    wait_until(lambda: _pool_usage(replica_stats(main_app.name, 2)) == baseline, timeout_s=20,
-               what="engine pool usage back at its baseline")
+    wait_until(
+        lambda: _pool_usage(replica_stats(main_app.name, 2)) == baseline,
+        timeout_s=20,
+        what="engine pool usage back at its baseline",
+    )
     generated = sum(s["generation_tokens"] for s in replica_stats(main_app.name, 2).values()) - generated_before
     assert 3 <= generated < 3000, "the request was not aborted in the engine"
 
@@ -90,10 +99,15 @@ def test_disconnect_mid_stream_returns_pool_usage_to_baseline(http, main_app):
 def test_64_concurrent_streams_complete(main_app):
     async def run() -> list[tuple[str | None, int]]:
         async with openai.AsyncOpenAI(base_url=main_app.base_url, api_key="none", timeout=120, max_retries=0) as c:
+
             async def one(i: int) -> tuple[str | None, int]:
                 stream = await c.chat.completions.create(
-                    model="tiny", messages=[{"role": "user", "content": f"Request {i}: count the stones."}],
-                    max_tokens=16, stream=True, stream_options={"include_usage": True})
+                    model="tiny",
+                    messages=[{"role": "user", "content": f"Request {i}: count the stones."}],
+                    max_tokens=16,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
                 finish, completion_tokens = None, 0
                 async for chunk in stream:
                     if chunk.choices and chunk.choices[0].finish_reason:
@@ -101,6 +115,7 @@ def test_64_concurrent_streams_complete(main_app):
                     if chunk.usage:
                         completion_tokens = chunk.usage.completion_tokens
                 return finish, completion_tokens
+
             return await asyncio.gather(*(one(i) for i in range(64)))
 
     results = asyncio.run(asyncio.wait_for(run(), timeout=180))

@@ -1,5 +1,6 @@
 """Keys and limits without a server: key files and the environment, constant-time lookup by hash, token
 buckets on a hand-driven clock, reservation settlement, per-request caps."""
+
 from __future__ import annotations
 
 import hashlib
@@ -72,21 +73,24 @@ def test_token_reservation_is_settled_with_the_real_count():
     assert limiter.reserve_tokens("a", 500) is None
     refusal = limiter.reserve_tokens("a", 200)
     assert refusal.status == 429 and refusal.limit == "tokens_per_minute" and refusal.retry_after_s == 10
-    limiter.settle_tokens("a", reserved=500, used=120)     # 380 come back
+    limiter.settle_tokens("a", reserved=500, used=120)  # 380 come back
     assert limiter.reserve_tokens("a", 480) is None
-    limiter.settle_tokens("a", reserved=480, used=580)     # overdraw by 100: 0 - 100 left
+    limiter.settle_tokens("a", reserved=480, used=580)  # overdraw by 100: 0 - 100 left
     assert limiter.reserve_tokens("a", 1).retry_after_s == 11
     never = limiter.reserve_tokens("a", 601)
     assert never.status == 400 and "tokens_per_minute=600" in never.message
 
 
-@pytest.mark.parametrize("shape_kw,param,limit", [
-    ({"max_tokens": 65}, "max_tokens", "max_tokens"),
-    ({"n": 3, "num_choices": 3}, "n", "max_n"),
-    ({"num_stop_strings": 5}, "stop", "max_stop_strings"),
-    ({"top_logprobs": 4}, "top_logprobs", "max_top_logprobs"),
-    ({"prompt_tokens": (10, 101)}, "prompt", "max_prompt_tokens"),
-])
+@pytest.mark.parametrize(
+    "shape_kw,param,limit",
+    [
+        ({"max_tokens": 65}, "max_tokens", "max_tokens"),
+        ({"n": 3, "num_choices": 3}, "n", "max_n"),
+        ({"num_stop_strings": 5}, "stop", "max_stop_strings"),
+        ({"top_logprobs": 4}, "top_logprobs", "max_top_logprobs"),
+        ({"prompt_tokens": (10, 101)}, "prompt", "max_prompt_tokens"),
+    ],
+)
 def test_per_request_caps_name_the_limit(shape_kw, param, limit):
     limits = LimitArgs(max_tokens=64, max_n=2, max_stop_strings=4, max_top_logprobs=3, max_prompt_tokens=100)
     base = dict(max_tokens=64, n=2, num_stop_strings=4, top_logprobs=3, prompt_tokens=(100,), num_choices=2)
@@ -101,9 +105,21 @@ def test_serve_flags_reach_the_app_args(tmp_path):
     from service.deployments.args import AppArgs
     from service.deployments.serve_cli import app_args_from_cli
 
-    ns = build_parser().parse_args(["serve", "--model-path", str(tmp_path), "--api-keys-file", "/run/keys",
-                                    "--limit-requests-per-minute", "60", "--limit-max-n", "2",
-                                    "--limit-max-stop-strings", "4"])
+    ns = build_parser().parse_args(
+        [
+            "serve",
+            "--model-path",
+            str(tmp_path),
+            "--api-keys-file",
+            "/run/keys",
+            "--limit-requests-per-minute",
+            "60",
+            "--limit-max-n",
+            "2",
+            "--limit-max-stop-strings",
+            "4",
+        ]
+    )
     args = AppArgs.model_validate(app_args_from_cli(ns))
     assert args.api_keys_file == "/run/keys"
     assert args.limits == LimitArgs(requests_per_minute=60, max_n=2, max_stop_strings=4)

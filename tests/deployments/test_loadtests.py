@@ -1,5 +1,6 @@
 """The async benchmark client against the live endpoint: shared-prefix and multi-turn workloads run,
 measure latencies and see the prefix cache through `usage.prompt_tokens_details.cached_tokens`."""
+
 from __future__ import annotations
 
 import json
@@ -24,9 +25,28 @@ def test_workloads_share_prefixes_per_group():
 
 @pytest.mark.parametrize("workload", ["shared_prefix", "multi_turn"])
 def test_bench_client_runs_against_the_server(main_app, capsys, workload):
-    rc = bench_client.main(["--base-url", main_app.base_url, "--workload", workload, "--groups", "2", "--per-group", "3",
-                            "--prefix-words", "120", "--sessions", "2", "--turns", "3", "--concurrency", "4",
-                            "--max-tokens", "4"])
+    rc = bench_client.main(
+        [
+            "--base-url",
+            main_app.base_url,
+            "--workload",
+            workload,
+            "--groups",
+            "2",
+            "--per-group",
+            "3",
+            "--prefix-words",
+            "120",
+            "--sessions",
+            "2",
+            "--turns",
+            "3",
+            "--concurrency",
+            "4",
+            "--max-tokens",
+            "4",
+        ]
+    )
     summary = json.loads(capsys.readouterr().out)
     assert rc == 0 and summary["num_errors"] == 0 and summary["num_requests"] == 6
     assert summary["ttft"]["p50"] > 0 and summary["e2e"]["p99"] >= summary["e2e"]["p50"]

@@ -1,14 +1,14 @@
 """Every engine and router metric (docs/design.md: Metrics) on Ray's metrics endpoint, parsed with prometheus_client's
 text parser; prefix-cache hit tokens grow after repeated prompts."""
+
 from __future__ import annotations
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from tests.deployments.serve_testkit import wait_until
 
 from service.deployments.metric_defs import CANARY_METRICS, ENGINE_METRICS, ROUTER_METRICS
 from service.deployments.metrics import scraped_name
-
+from tests.deployments.serve_testkit import wait_until
 
 
 def scrape(url: str) -> dict[str, list]:
@@ -40,7 +40,9 @@ def _make_snapshot_miss(http) -> None:
 
 def test_every_engine_and_router_metric_is_exported(cluster, main_app, http, router_runs, canary_app):
     _make_snapshot_miss(http)
-    assert http.post("/completions", json={"model": "tiny", "prompt": "count", "max_tokens": 4}).status_code == 200  # ITL
+    assert (
+        http.post("/completions", json={"model": "tiny", "prompt": "count", "max_tokens": 4}).status_code == 200
+    )  # ITL
     # the mismatch counter only appears once a mismatch happens (Ray refuses inc(0)); checked below
     canary = [d for d in CANARY_METRICS if not d.name.endswith("canary_mismatches_total")]
     wanted = {s: d for d in ENGINE_METRICS + ROUTER_METRICS + tuple(canary) for s in _expected_samples(d)}
@@ -56,8 +58,10 @@ def test_every_engine_and_router_metric_is_exported(cluster, main_app, http, rou
         samples = wait_until(complete_scrape, timeout_s=60, interval_s=1, what="all metrics")
     except AssertionError:
         got = scrape(cluster.metrics_url)
-        raise AssertionError(f"missing {sorted(wanted.keys() - got.keys())}; hybrid_serve samples: "
-                             f"{sorted(k for k in got if 'hybrid' in k)}") from None
+        raise AssertionError(
+            f"missing {sorted(wanted.keys() - got.keys())}; hybrid_serve samples: "
+            f"{sorted(k for k in got if 'hybrid' in k)}"
+        ) from None
     for name, defn in wanted.items():
         for sample in samples[name]:
             assert set(defn.labels) <= set(sample.labels), (name, sample.labels)
@@ -80,5 +84,9 @@ def test_hit_tokens_grow_after_repeated_prompts(cluster, main_app, http):
         resp = http.post("/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
         cached += resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached > 0
-    wait_until(lambda: _hit_tokens(scrape(cluster.metrics_url), main_app.name) >= before + cached, timeout_s=30,
-               interval_s=1, what="hit-token counter to grow")
+    wait_until(
+        lambda: _hit_tokens(scrape(cluster.metrics_url), main_app.name) >= before + cached,
+        timeout_s=30,
+        interval_s=1,
+        what="hit-token counter to grow",
+    )

@@ -1,6 +1,7 @@
 """The OpenAI endpoint through the real `openai` client, against real Ray Serve on 127.0.0.1.
 
 Token counts are checked against `transformers`' tokenizer loaded from the same model folder."""
+
 from __future__ import annotations
 
 import pytest
@@ -27,8 +28,7 @@ def test_models_lists_the_served_model(client, main_app):
 
 def test_chat_non_streaming_usage_matches_tokenizer(client, hf_tokenizer):
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a city."}]
-    resp = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
-                                          logprobs=True)
+    resp = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0, logprobs=True)
     choice = resp.choices[0]
     assert resp.object == "chat.completion" and choice.finish_reason in ("stop", "length")
     assert resp.usage.prompt_tokens == _chat_prompt_len(hf_tokenizer, messages)
@@ -44,8 +44,14 @@ def test_chat_non_streaming_usage_matches_tokenizer(client, hf_tokenizer):
 def test_chat_streaming_equals_non_streaming(client, hf_tokenizer):
     messages = [{"role": "user", "content": "Tell me about the weather in the garden."}]
     full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
-    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     reasoning = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks if c.choices)
@@ -61,8 +67,13 @@ def test_chat_streaming_equals_non_streaming(client, hf_tokenizer):
 
 def test_enable_thinking_false_gives_plain_content(client, hf_tokenizer):
     messages = [{"role": "user", "content": "Say something."}]
-    resp = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
-                                          extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    resp = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
     assert resp.usage.prompt_tokens == _chat_prompt_len(hf_tokenizer, messages, enable_thinking=False)
     message = resp.choices[0].message
     assert message.model_extra.get("reasoning_content") is None and message.content
@@ -77,7 +88,7 @@ def test_completion_logprobs_are_consistent(client, hf_tokenizer):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == resp.usage.completion_tokens == 6
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert 1 <= len(top) <= 3 and chosen <= 0.0
-        assert chosen == pytest.approx(max(top.values()), abs=1e-5)   # greedy picks the most likely token
+        assert chosen == pytest.approx(max(top.values()), abs=1e-5)  # greedy picks the most likely token
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
 
 
@@ -86,29 +97,42 @@ def test_n_two_choices_and_seeded_repeat(client):
     first = client.completions.create(**kwargs)
     again = client.completions.create(**kwargs)
     assert [c.index for c in first.choices] == [0, 1]
-    assert [c.text for c in first.choices] == [c.text for c in again.choices]   # seeds make it reproducible
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]  # seeds make it reproducible
     assert first.usage.completion_tokens == 16
 
 
 def test_stop_string_truncates_and_reports_stop(client):
-    base = client.completions.create(model="tiny", prompt="The question is", max_tokens=24, temperature=0,
-                                     extra_body={"ignore_eos": True})
+    base = client.completions.create(
+        model="tiny", prompt="The question is", max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+    )
     text = base.choices[0].text
-    stop = next((text[i:i + 3] for i in range(4, len(text) - 3) if text[i:i + 3].strip() and "\ufffd" not in text[:i + 3]),
-                None)
+    stop = next(
+        (text[i : i + 3] for i in range(4, len(text) - 3) if text[i : i + 3].strip() and "\ufffd" not in text[: i + 3]),
+        None,
+    )
     assert stop is not None, f"generated text too short for a stop string: {text!r}"
-    cut = client.completions.create(model="tiny", prompt="The question is", max_tokens=24, temperature=0, stop=[stop],
-                                    extra_body={"ignore_eos": True})
+    cut = client.completions.create(
+        model="tiny",
+        prompt="The question is",
+        max_tokens=24,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
     assert cut.choices[0].finish_reason == "stop"
-    assert cut.choices[0].text == text[:text.index(stop)]
+    assert cut.choices[0].text == text[: text.index(stop)]
 
 
 def test_repeated_long_prompt_reports_cached_tokens(client, hf_tokenizer):
     # The engine resumes from a snapshot strictly inside the prompt; keep the prompt off the 16-token grid
     # (an exactly grid-aligned repeat currently gets no hit: reported to the engine owner).
-    question = next(q for q in ("Summarise.", "Summarise it.", "Summarise it all.", "Please summarise it all.")
-                    if _chat_prompt_len(hf_tokenizer, [{"role": "system", "content": LONG_TEXT},
-                                                       {"role": "user", "content": q}]) % 16 != 0)
+    question = next(
+        q
+        for q in ("Summarise.", "Summarise it.", "Summarise it all.", "Please summarise it all.")
+        if _chat_prompt_len(hf_tokenizer, [{"role": "system", "content": LONG_TEXT}, {"role": "user", "content": q}])
+        % 16
+        != 0
+    )
     messages = [{"role": "system", "content": LONG_TEXT}, {"role": "user", "content": question}]
     first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
     second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)

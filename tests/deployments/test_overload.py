@@ -1,5 +1,6 @@
 """Overload: beyond the engine deployment's queue bound, requests get 503 with an OpenAI error body,
 the admitted ones complete, and the replica keeps serving afterwards."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,6 +26,7 @@ def test_overload_gets_503_and_loses_nothing(small_app):
             assert err["code"] == "overloaded" and "overloaded" in err["message"]
         else:
             assert r.json()["usage"]["completion_tokens"] == 40
-    after = httpx.post(small_app.base_url + "/completions", json={"model": "tiny", "prompt": "again", "max_tokens": 3},
-                       timeout=60)
+    after = httpx.post(
+        small_app.base_url + "/completions", json={"model": "tiny", "prompt": "again", "max_tokens": 3}, timeout=60
+    )
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 3

@@ -1,12 +1,17 @@
 """The router's index and scoring, without Ray."""
+
 from __future__ import annotations
 
-
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from service.deployments.prefix_index import (
-    REASONS, ReplicaPrefixIndex, ReplicaView, RouterPolicy, decide,
+    REASONS,
+    ReplicaPrefixIndex,
+    ReplicaView,
+    RouterPolicy,
+    decide,
 )
 from service.engine.cache.block_hash import chained_block_hashes
 
@@ -23,8 +28,8 @@ class FakeClock:
 
 def test_match_counts_leading_blocks_of_a_shared_prefix():
     index = ReplicaPrefixIndex(capacity_blocks=100)
-    a = list(range(16))                       # 4 blocks
-    b = a[:8] + [99] + a[9:]                  # diverges inside block 2
+    a = list(range(16))  # 4 blocks
+    b = a[:8] + [99] + a[9:]  # diverges inside block 2
     index.insert(chained_block_hashes(a, G))
     assert index.match_blocks(chained_block_hashes(a, G)) == 4
     assert index.match_blocks(chained_block_hashes(b, G)) == 2
@@ -37,7 +42,7 @@ def test_lru_capacity_evicts_least_recently_dispatched():
     old, new = chained_block_hashes(list(range(8)), G), chained_block_hashes(list(range(100, 108)), G)
     index.insert(old)
     index.insert(new)
-    index.insert(old)                         # refresh: `new` is now the oldest
+    index.insert(old)  # refresh: `new` is now the oldest
     index.insert(chained_block_hashes(list(range(200, 208)), G))
     assert len(index) == 4
     assert index.match_blocks(old) == 2 and index.match_blocks(new) == 0
@@ -54,17 +59,18 @@ def test_report_prunes_stale_keeps_recent_and_adds_reported():
     reported = chained_block_hashes(list(range(900, 912)), G)
     clock.now += 1
     index.apply_report(reported, grace_s=30)
-    assert index.match_blocks(stale) == 0          # evicted on the replica, dispatched long ago
-    assert index.match_blocks(recent) == 2         # dispatched after the report could see it
-    assert index.match_blocks(reported) == 3       # the replica says it has it
+    assert index.match_blocks(stale) == 0  # evicted on the replica, dispatched long ago
+    assert index.match_blocks(recent) == 2  # dispatched after the report could see it
+    assert index.match_blocks(reported) == 3  # the replica says it has it
     clock.now += 60
     index.apply_report([], grace_s=30)
     assert len(index) == 0
 
 
 def _view(key, matched=0, load=0, total=0, size=0):
-    return ReplicaView(replica_key=key, matched_blocks=matched, in_flight=load, dispatched_total=total,
-                       indexed_blocks=size)
+    return ReplicaView(
+        replica_key=key, matched_blocks=matched, in_flight=load, dispatched_total=total, indexed_blocks=size
+    )
 
 
 def test_miss_goes_to_least_loaded_then_least_used():
@@ -99,13 +105,18 @@ def test_no_prompt_and_empty_candidates():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 8), st.integers(0, 20), st.integers(0, 50)), min_size=1, max_size=6),
-       st.integers(0, 8), st.floats(0, 4), st.floats(0, 4), st.integers(1, 10))
+@given(
+    st.lists(st.tuples(st.integers(0, 8), st.integers(0, 20), st.integers(0, 50)), min_size=1, max_size=6),
+    st.integers(0, 8),
+    st.floats(0, 4),
+    st.floats(0, 4),
+    st.integers(1, 10),
+)
 def test_decision_invariants(rows, total, w_prefix, w_load, gate):
     views = [_view(i, matched=min(m, total), load=l, total=t) for i, (m, l, t) in enumerate(rows)]
     policy = RouterPolicy(w_prefix=w_prefix, w_load=w_load, max_load_imbalance=gate)
     d = decide(views, total, policy)
-    assert sorted(d.ranking) == list(range(len(views)))          # a permutation of the candidates
+    assert sorted(d.ranking) == list(range(len(views)))  # a permutation of the candidates
     assert 0.0 <= d.predicted_hit_ratio <= 1.0 and d.reason in REASONS
     chosen = views[d.ranking[0]]
     min_load = min(v.in_flight for v in views)
@@ -121,8 +132,10 @@ def _simulate(order, n_replicas, policy, prompt_of):
     placed, hits = [], 0
     for req in order:
         hashes = chained_block_hashes(prompt_of(req), G)
-        views = [_view(i, matched=indexes[i].match_blocks(hashes), total=totals[i], size=len(indexes[i]))
-                 for i in range(n_replicas)]
+        views = [
+            _view(i, matched=indexes[i].match_blocks(hashes), total=totals[i], size=len(indexes[i]))
+            for i in range(n_replicas)
+        ]
         r = decide(views, len(hashes), policy).ranking[0]
         hits += views[r].matched_blocks
         indexes[r].insert(hashes)
@@ -134,12 +147,15 @@ def _simulate(order, n_replicas, policy, prompt_of):
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_shared_prefix_groups_stick_and_balance(interleaved):
     groups, per_group = 8, 8
-    order = ([(g, i) for i in range(per_group) for g in range(groups)] if interleaved
-             else [(g, i) for g in range(groups) for i in range(per_group)])
+    order = (
+        [(g, i) for i in range(per_group) for g in range(groups)]
+        if interleaved
+        else [(g, i) for g in range(groups) for i in range(per_group)]
+    )
     prompt_of = lambda req: [1000 * (req[0] + 1) + t for t in range(32)] + [req[1], 7]  # 8 shared blocks
     placed, hits = _simulate(order, 2, RouterPolicy(), prompt_of)
     by_group = {g: {placed[k] for k, req in enumerate(order) if req[0] == g} for g in range(groups)}
-    assert all(len(rs) == 1 for rs in by_group.values())             # every group stays on one replica
+    assert all(len(rs) == 1 for rs in by_group.values())  # every group stays on one replica
     counts = [placed.count(r) for r in range(2)]
     assert max(counts) <= 2 * min(counts)
-    assert hits == groups * (per_group - 1) * 8                          # all repeats hit the whole prefix
+    assert hits == groups * (per_group - 1) * 8  # all repeats hit the whole prefix

@@ -1,8 +1,10 @@
 """A killed engine replica is replaced by Serve and requests keep succeeding."""
+
 from __future__ import annotations
 
 import ray
 from ray import serve
+
 from tests.deployments.serve_testkit import replica_stats, wait_until
 
 
@@ -27,5 +29,6 @@ def test_killed_engine_replica_is_replaced(main_app, client):
     after = replica_stats(main_app.name, 2)
     assert victim_id not in after and len(after.keys() & before.keys()) == 1
     for i in range(4):
-        assert client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"hi {i}"}],
-                                              max_tokens=3).choices[0].finish_reason in ("stop", "length")
+        assert client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": f"hi {i}"}], max_tokens=3
+        ).choices[0].finish_reason in ("stop", "length")

@@ -1,6 +1,7 @@
 """`hybrid-serve serve` as a user runs it: it joins the session's Ray cluster (RAY_ADDRESS), deploys the app,
 prints how to call it, answers `curl` on /v1/chat/completions, and on Ctrl-C drains the request in flight,
 removes its app and exits."""
+
 from __future__ import annotations
 
 import json
@@ -16,18 +17,18 @@ from pathlib import Path
 import httpx
 import pytest
 from ray import serve
-from tests.deployments.serve_testkit import wait_until
 
 from service.deployments.serve_cli import APP_NAME
+from tests.deployments.serve_testkit import wait_until
 
 
-def _lines(proc: subprocess.Popen) -> "queue.Queue[str]":
+def _lines(proc: subprocess.Popen) -> queue.Queue[str]:
     out: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [out.put(line) for line in proc.stdout], daemon=True).start()
     return out
 
 
-def _wait_for_line(lines: "queue.Queue[str]", needle: str, timeout_s: float) -> list[str]:
+def _wait_for_line(lines: queue.Queue[str], needle: str, timeout_s: float) -> list[str]:
     seen: list[str] = []
     while True:
         try:
@@ -43,8 +44,14 @@ DRAIN_TOKENS = 800
 
 
 def _long_stream(port: int, started: threading.Event, usage: dict) -> None:
-    body = {"model": "tiny", "prompt": "Count:", "max_tokens": DRAIN_TOKENS, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "tiny",
+        "prompt": "Count:",
+        "max_tokens": DRAIN_TOKENS,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=90) as resp:
         for line in resp.iter_lines():
             started.set()
@@ -56,18 +63,47 @@ def _long_stream(port: int, started: threading.Event, usage: dict) -> None:
 def test_serve_cli_answers_curl_and_stops_on_ctrl_c(cluster, tiny_model_path):
     exe = Path(sys.executable).parent / "hybrid-serve"
     proc = subprocess.Popen(
-        [str(exe), "serve", "--model-path", tiny_model_path, "--replicas", "1", "--host", "127.0.0.1",
-         "--port", str(cluster.http_port), "--reasoning-parser", "nemotron_3", "--tool-call-parser", "qwen3_coder"],
-        env={**os.environ, "RAY_ADDRESS": cluster.gcs_address}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True)
+        [
+            str(exe),
+            "serve",
+            "--model-path",
+            tiny_model_path,
+            "--replicas",
+            "1",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(cluster.http_port),
+            "--reasoning-parser",
+            "nemotron_3",
+            "--tool-call-parser",
+            "qwen3_coder",
+        ],
+        env={**os.environ, "RAY_ADDRESS": cluster.gcs_address},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         printed = "".join(_wait_for_line(_lines(proc), "Press Ctrl-C", timeout_s=120))
         assert f"http://127.0.0.1:{cluster.http_port}/v1" in printed and "curl" in printed
         body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8}
         curl = subprocess.run(
-            ["curl", "-sS", "--max-time", "60", f"http://127.0.0.1:{cluster.http_port}/v1/chat/completions",
-             "-H", "Content-Type: application/json", "-d", json.dumps(body)],
-            capture_output=True, text=True, timeout=90)
+            [
+                "curl",
+                "-sS",
+                "--max-time",
+                "60",
+                f"http://127.0.0.1:{cluster.http_port}/v1/chat/completions",
+                "-H",
+                "Content-Type: application/json",
+                "-d",
+                json.dumps(body),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
         answer = json.loads(curl.stdout)
         assert answer["object"] == "chat.completion" and answer["usage"]["completion_tokens"] >= 1, curl.stdout
 
@@ -75,7 +111,7 @@ def test_serve_cli_answers_curl_and_stops_on_ctrl_c(cluster, tiny_model_path):
         in_flight = threading.Thread(target=_long_stream, args=(cluster.http_port, started, usage), daemon=True)
         in_flight.start()
         assert started.wait(timeout=60)
-        proc.send_signal(signal.SIGINT)          # Ctrl-C while a request streams: it must finish (drain)
+        proc.send_signal(signal.SIGINT)  # Ctrl-C while a request streams: it must finish (drain)
         in_flight.join(timeout=90)
         assert usage.get("completion_tokens") == DRAIN_TOKENS, usage
         assert proc.wait(timeout=90) == 0

@@ -3,6 +3,7 @@ load with shared prefixes, client disconnects and aborts, one engine replica kil
 on. Passes when every request completed or got a clear error (none hung), the replicas' pools hold
 nothing but the prefix cache and check_integrity is clean, and greedy probe outputs are unchanged.
 The pool audit itself is checked in-process first: it must see a leaked page reference."""
+
 from __future__ import annotations
 
 import json
@@ -10,26 +11,33 @@ import time
 from dataclasses import asdict
 
 import pytest
-from tests.deployments.conftest import deploy
 
 from loadtests.soak import SoakConfig, run_soak, soak_app_args
 from service.deployments.pool_audit import PoolAudit, audit_pools
 from service.engine import Engine, EngineConfig, SamplingParams
+from tests.deployments.conftest import deploy
 
 SOAK = SoakConfig(duration_s=150.0, kill_at_s=50.0, request_timeout_s=30.0, concurrency=6, seed=16)
-SOAK_BOUND_S = 240.0   # load (150 s) + the last requests' timeout + recovery and checks
+SOAK_BOUND_S = 240.0  # load (150 s) + the last requests' timeout + recovery and checks
 
 
 def test_pool_audit_sees_what_requests_leave_behind(tiny_model_path):
-    engine = Engine(EngineConfig(model_path=tiny_model_path, device="cpu", mamba_cache_strategy="extra_buffer",
-                                 num_kv_pages=128, max_mamba_snapshots=8))
+    engine = Engine(
+        EngineConfig(
+            model_path=tiny_model_path,
+            device="cpu",
+            mamba_cache_strategy="extra_buffer",
+            num_kv_pages=128,
+            max_mamba_snapshots=8,
+        )
+    )
     prompt = list(range(40, 40 + 150))
     engine.generate([prompt, prompt[:100] + [7, 8]], SamplingParams(max_tokens=5, temperature=0))
     clean = PoolAudit(**audit_pools(engine))
     assert clean.leaks() == [] and clean.kv_pages_in_use > 0 and clean.snapshot_slots_in_use > 0, clean
     pages = engine.cache.pools.pages
     page = next(i for i, r in enumerate(pages.refcount) if r > 0)
-    pages.incref([page])                       # a reference nobody will drop
+    pages.incref([page])  # a reference nobody will drop
     assert PoolAudit(**audit_pools(engine)).leaks() == ["1 kv page references outside the cache"]
     pages.decref([page])
     engine.add_request(prompt[:30], SamplingParams(max_tokens=50), "busy")

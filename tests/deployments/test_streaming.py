@@ -2,6 +2,7 @@
 the non-streamed request returns (token by token, through logprobs), in order, with one finish reason and the
 right usage, on both endpoints, with n = 1 and n = 2. The app sends few chunks per second
 (`stream_chunks_per_s`), so chunks hold several tokens."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,19 @@ N = 40
 @pytest.fixture(scope="module")
 def coalescing(cluster, tiny_model_path):
     name = "coalesce"
-    serve.run(build_app({"model_path": tiny_model_path, "replicas": 1, "stream_chunks_per_s": 8.0,
-                         "canary": {"enabled": False}, "route_prefix": f"/{name}"}), name=name, route_prefix=f"/{name}")
+    serve.run(
+        build_app(
+            {
+                "model_path": tiny_model_path,
+                "replicas": 1,
+                "stream_chunks_per_s": 8.0,
+                "canary": {"enabled": False},
+                "route_prefix": f"/{name}",
+            }
+        ),
+        name=name,
+        route_prefix=f"/{name}",
+    )
     with httpx.Client(base_url=f"http://127.0.0.1:{cluster.http_port}/{name}/v1", timeout=120) as c:
         yield c
     serve.delete(name)
@@ -31,7 +43,7 @@ def _events(client: httpx.Client, path: str, body: dict) -> list[dict]:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: {"):
-                out.append(json.loads(line[len("data: "):]))
+                out.append(json.loads(line[len("data: ") :]))
             elif line.startswith("data: "):
                 assert line == "data: [DONE]"
     return out
@@ -51,11 +63,23 @@ def _text(path: str, choice: dict) -> str:
 @pytest.mark.parametrize("path", ["/completions", "/chat/completions"])
 @pytest.mark.parametrize("n", [1, 2])
 def test_streamed_tokens_arrive_once_in_order_in_at_most_n_chunks(coalescing, path, n):
-    body = {"model": "tiny", "max_tokens": N, "ignore_eos": True, "temperature": 1.0, "seed": 11, "n": n,
-            "logprobs": 0 if path == "/completions" else True}
-    body.update({"prompt": "The robot counts the stones"} if path == "/completions" else
-                {"messages": [{"role": "user", "content": "Count the stones."}],
-                 "chat_template_kwargs": {"enable_thinking": False}})
+    body = {
+        "model": "tiny",
+        "max_tokens": N,
+        "ignore_eos": True,
+        "temperature": 1.0,
+        "seed": 11,
+        "n": n,
+        "logprobs": 0 if path == "/completions" else True,
+    }
+    body.update(
+        {"prompt": "The robot counts the stones"}
+        if path == "/completions"
+        else {
+            "messages": [{"role": "user", "content": "Count the stones."}],
+            "chat_template_kwargs": {"enable_thinking": False},
+        }
+    )
     full = coalescing.post(path, json=body).json()
     events = _events(coalescing, path, body)
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == N * n

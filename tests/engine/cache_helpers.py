@@ -1,4 +1,5 @@
 """State-level oracle for the prefix cache: a snapshot must equal a cold prefill of its prefix."""
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,7 @@ def snapshot_errors(engine, engine_off) -> dict[int, float]:
         cold = cold_state(engine_off, tree.path_tokens(node))
         snap = engine.workers.read_slot(node.snapshot_slot)
         assert len(snap) == len(cold) == engine.config.tp
-        errors[depth] = max(max(max_rel_error(a[0], b[0]), max_rel_error(a[1], b[1]))
-                            for a, b in zip(snap, cold))
+        errors[depth] = max(max(max_rel_error(a[0], b[0]), max_rel_error(a[1], b[1])) for a, b in zip(snap, cold))
     return errors
 
 

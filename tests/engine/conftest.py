@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-
 import pytest
 
 from tests.engine.hf_models import VARIANTS, write_hf_checkpoint
@@ -21,4 +20,5 @@ def mixed_ckpt(hf_checkpoints) -> str:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     from service.testing.tiny import make_tiny_model
+
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny")))

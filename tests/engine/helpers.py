@@ -1,4 +1,5 @@
 """Test helpers that drive the engine's real data path."""
+
 from __future__ import annotations
 
 import torch
@@ -9,8 +10,15 @@ from service.engine.runner.batch import build_forward_batch
 
 
 def make_engine(path: str, **kw) -> Engine:
-    base = dict(model_path=path, device="cpu", mamba_cache_strategy="off", page_size=4, max_num_seqs=8,
-                max_num_batched_tokens=256, debug_integrity=True)
+    base = dict(
+        model_path=path,
+        device="cpu",
+        mamba_cache_strategy="off",
+        page_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        debug_integrity=True,
+    )
     base.update(kw)
     return Engine(EngineConfig(**base))
 
@@ -21,13 +29,14 @@ def full_prefill_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     page_ids = pools.pages.alloc(-(-len(ids) // engine.config.page_size))
     slot = pools.live.alloc()
     try:
-        plan = StepPlan((StepRow("probe", 0, len(ids), slot, tuple(page_ids), tuple(ids), (),
-                                 SamplingParams(max_tokens=1)),))
+        plan = StepPlan(
+            (StepRow("probe", 0, len(ids), slot, tuple(page_ids), tuple(ids), (), SamplingParams(max_tokens=1)),)
+        )
         state.zero_slots([slot])
-        batch = build_forward_batch(plan, engine.config.page_size, engine.model_config.chunk_size,
-                                    engine.runner.device)
-        logits = engine.runner.model(batch.input_ids, batch.attn, batch.mamba,
-                                     torch.arange(len(ids)), state.kv, state.conv, state.ssm)
+        batch = build_forward_batch(plan, engine.config.page_size, engine.model_config.chunk_size, engine.runner.device)
+        logits = engine.runner.model(
+            batch.input_ids, batch.attn, batch.mamba, torch.arange(len(ids)), state.kv, state.conv, state.ssm
+        )
     finally:
         pools.pages.decref(page_ids)
         pools.live.free(slot)

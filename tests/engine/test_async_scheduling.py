@@ -2,14 +2,15 @@
 
 Oracle: the same engine with `async_scheduling=False` (one step at a time, every token read before the next
 step is scheduled), and for cached states a cold prefill of exactly the tokens a snapshot is keyed by."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
+from service.engine import Engine, EngineConfig, SamplingParams
 from tests.engine.cache_helpers import snapshot_errors
 from tests.engine.helpers import greedy, make_engine, random_ids
-from service.engine import Engine, EngineConfig, SamplingParams
 from tests.outputs import assert_same_outputs
 
 C = 16  # chunk size of the mixed_g2_c16 checkpoint
@@ -26,10 +27,14 @@ def _assert_same(out, ref) -> None:
 
 
 def _params_mix(stop_token: int) -> list[SamplingParams]:
-    return [greedy(12), greedy(3), SamplingParams(max_tokens=9, temperature=0.8, seed=7, logprobs=True),
-            SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=(stop_token,)),
-            SamplingParams(max_tokens=8, temperature=1.0, top_k=5, top_p=0.9, seed=3, top_logprobs=3),
-            greedy(1)]
+    return [
+        greedy(12),
+        greedy(3),
+        SamplingParams(max_tokens=9, temperature=0.8, seed=7, logprobs=True),
+        SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=(stop_token,)),
+        SamplingParams(max_tokens=8, temperature=1.0, top_k=5, top_p=0.9, seed=3, top_logprobs=3),
+        greedy(1),
+    ]
 
 
 def test_async_equals_sync_outputs(mixed_ckpt):
@@ -38,7 +43,7 @@ def test_async_equals_sync_outputs(mixed_ckpt):
     prompts = [random_ids(n, 40 + n) for n in (5, 17, 9, 33, 12, 3)]
     sync = make_engine(mixed_ckpt, async_scheduling=False)
     probe = sync.generate([prompts[3]], greedy(10))[0].token_ids
-    params = _params_mix(stop_token=probe[4])          # request 3 stops on its 5th token
+    params = _params_mix(stop_token=probe[4])  # request 3 stops on its 5th token
     ref = _run(sync, prompts, params)
     eng = make_engine(mixed_ckpt)
     _assert_same(_run(eng, prompts, params), ref)
@@ -54,14 +59,14 @@ def test_stop_while_next_step_in_flight_publishes_the_right_state(mixed_ckpt):
     off = make_engine(mixed_ckpt, page_size=4, mamba_cache_strategy="off", max_num_batched_tokens=1024)
     prompt = random_ids(C + 5, 11)
     probe = off.generate([prompt], greedy(8))[0].token_ids
-    k = next(i for i in range(2, 8) if probe[i] not in probe[:i])     # stop on a token not seen before
+    k = next(i for i in range(2, 8) if probe[i] not in probe[:i])  # stop on a token not seen before
     stop = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=(probe[k],))
     cached = make_engine(mixed_ckpt, page_size=1, mamba_cache_strategy="no_buffer", max_num_batched_tokens=1024)
     first = cached.generate([prompt], stop)[0]
-    assert first.finish_reason == "stop" and first.token_ids == probe[:k + 1]
+    assert first.finish_reason == "stop" and first.token_ids == probe[: k + 1]
     assert cached.num_steps_ahead > 0
     errors = snapshot_errors(cached, off)
-    key_len = len(prompt) + k + 1                       # a sync engine publishes one token less (those it computed)
+    key_len = len(prompt) + k + 1  # a sync engine publishes one token less (those it computed)
     assert list(errors) == [key_len], errors
     assert max(errors.values()) <= 1e-5, errors
     follow = prompt + first.token_ids + random_ids(C + 3, 12)
@@ -109,8 +114,8 @@ def test_new_request_is_not_delayed_behind_the_pipeline(mixed_ckpt):
     for _ in range(4):
         eng.step()
     rid_b = eng.add_request(b, greedy(5))
-    eng.step()                                  # drains: returns the in-flight step's tokens
-    eng.step()                                  # schedules b's prefill
+    eng.step()  # drains: returns the in-flight step's tokens
+    eng.step()  # schedules b's prefill
     assert eng.requests[rid_b].output_token_ids
     final = {}
     while eng.has_unfinished():
@@ -128,11 +133,21 @@ def test_async_graph_replays_equal_sync(tiny_model_dir):
     """CUDA graphs + triton kernels: the next step's input tokens are copied on the device from the in-flight
     step's samples (the host never sees them first); the same outputs as one step at a time, with requests that
     stop, sample with seeds, ask for logprobs, and one that arrives while the pipeline runs."""
+
     def run(async_scheduling: bool):
-        eng = Engine(EngineConfig(model_path=tiny_model_dir, device="cuda", kernel_backend="triton",
-                                  dtype="float32", mamba_cache_strategy="off", page_size=4, max_num_seqs=8,
-                                  max_num_batched_tokens=64,
-                                  async_scheduling=async_scheduling))
+        eng = Engine(
+            EngineConfig(
+                model_path=tiny_model_dir,
+                device="cuda",
+                kernel_backend="triton",
+                dtype="float32",
+                mamba_cache_strategy="off",
+                page_size=4,
+                max_num_seqs=8,
+                max_num_batched_tokens=64,
+                async_scheduling=async_scheduling,
+            )
+        )
         prompts = [random_ids(n, 60 + n, eng.model_config.vocab_size) for n in (5, 17, 9, 33, 12, 3)]
         probe = eng.generate([prompts[3]], greedy(10))[0].token_ids
         rids = [eng.add_request(p, sp) for p, sp in zip(prompts, _params_mix(stop_token=probe[4]))]
@@ -144,6 +159,7 @@ def test_async_graph_replays_equal_sync(tiny_model_dir):
             steps += 1
             assert steps < 500
         return [final[r] for r in rids], eng
+
     ref, sync = run(False)
     out, eng = run(True)
     _assert_same(out, ref)

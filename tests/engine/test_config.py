@@ -4,6 +4,7 @@ the parameter counts of transformers' NemotronHForCausalLM (the oracle).
 Fixtures hold the published config.json values of nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16 and
 nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,16 +31,39 @@ def load_fixture(name: str) -> dict[str, Any]:
 def tiny(**over: Any) -> dict[str, Any]:
     """A small, valid NemotronH config.json dict (with a finite time_step_limit: transformers writes infinity as a non-JSON object)."""
     base: dict[str, Any] = {
-        "model_type": "nemotron_h", "vocab_size": 64, "hidden_size": 32, "hybrid_override_pattern": "M*E-M",
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-        "mamba_num_heads": 4, "mamba_head_dim": 8, "n_groups": 2, "ssm_state_size": 8,
-        "conv_kernel": 4, "chunk_size": 8, "use_conv_bias": True, "use_bias": False,
-        "time_step_min": 0.001, "time_step_limit": [0.0, 100.0],
-        "intermediate_size": 20, "mlp_bias": False, "n_routed_experts": 4, "num_experts_per_tok": 2,
-        "moe_intermediate_size": 16, "moe_shared_expert_intermediate_size": 24, "moe_latent_size": None,
-        "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
-        "max_position_embeddings": 256, "tie_word_embeddings": False,
-        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+        "model_type": "nemotron_h",
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "hybrid_override_pattern": "M*E-M",
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "mamba_num_heads": 4,
+        "mamba_head_dim": 8,
+        "n_groups": 2,
+        "ssm_state_size": 8,
+        "conv_kernel": 4,
+        "chunk_size": 8,
+        "use_conv_bias": True,
+        "use_bias": False,
+        "time_step_min": 0.001,
+        "time_step_limit": [0.0, 100.0],
+        "intermediate_size": 20,
+        "mlp_bias": False,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "moe_shared_expert_intermediate_size": 24,
+        "moe_latent_size": None,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
     }
     base.update(over)
     return base
@@ -47,15 +71,18 @@ def tiny(**over: Any) -> dict[str, Any]:
 
 TINY_CASES = {
     "dense-moe+mlp, conv bias, 2 groups": tiny(),
-    "latent-moe, no conv bias, 1 group": tiny(hybrid_override_pattern="ME*EM", moe_latent_size=12,
-                                              use_conv_bias=False, n_groups=1),
+    "latent-moe, no conv bias, 1 group": tiny(
+        hybrid_override_pattern="ME*EM", moe_latent_size=12, use_conv_bias=False, n_groups=1
+    ),
     # transformers keeps a separate lm_head even with tie_word_embeddings=true
-    "latent-moe + mlp layers, all biases, tie flag": tiny(hybrid_override_pattern="M-*-E", moe_latent_size=8,
-                                                          use_bias=True, mlp_bias=True, tie_word_embeddings=True),
+    "latent-moe + mlp layers, all biases, tie flag": tiny(
+        hybrid_override_pattern="M-*-E", moe_latent_size=8, use_bias=True, mlp_bias=True, tie_word_embeddings=True
+    ),
 }
 
 
 # ---------------------------------------------------------------- published configs
+
 
 @pytest.mark.parametrize("name, expected_params", [("nano_30b_a3b", 31.58e9), ("super_120b_a12b", 120.67e9)])
 def test_published_parameter_count_without_mtp(name: str, expected_params: float) -> None:
@@ -101,9 +128,13 @@ def test_published_count_equals_transformers_model_on_meta(name: str) -> None:
 
 # ---------------------------------------------------------------- encodings and aliases
 
+
 @pytest.mark.parametrize("names", [LIST_NAMES, LEGACY_LIST_NAMES], ids=["current-names", "legacy-names"])
-@pytest.mark.parametrize("raw", [load_fixture("nano_30b_a3b"), load_fixture("super_120b_a12b"),
-                                 tiny(hybrid_override_pattern="M-*-E")], ids=["nano", "super", "tiny-mlp"])
+@pytest.mark.parametrize(
+    "raw",
+    [load_fixture("nano_30b_a3b"), load_fixture("super_120b_a12b"), tiny(hybrid_override_pattern="M-*-E")],
+    ids=["nano", "super", "tiny-mlp"],
+)
 def test_pattern_and_block_list_encodings_agree(raw: dict[str, Any], names: dict[str, str]) -> None:
     as_list = dict(raw)
     pattern = as_list.pop("hybrid_override_pattern")
@@ -114,12 +145,18 @@ def test_pattern_and_block_list_encodings_agree(raw: dict[str, Any], names: dict
 
 
 def test_legacy_mamba_aliases_match_canonical_keys_and_transformers() -> None:
-    canonical = tiny(n_groups=2, conv_kernel=3, chunk_size=16, use_conv_bias=False,
-                     time_step_min=0.01, time_step_limit=[0.0, 50.0])
+    canonical = tiny(
+        n_groups=2, conv_kernel=3, chunk_size=16, use_conv_bias=False, time_step_min=0.01, time_step_limit=[0.0, 50.0]
+    )
     legacy = dict(canonical)
-    for old, new in [("mamba_n_groups", "n_groups"), ("mamba_d_conv", "conv_kernel"),
-                     ("mamba_chunk_size", "chunk_size"), ("mamba_conv_bias", "use_conv_bias"),
-                     ("mamba_dt_min", "time_step_min"), ("mamba_dt_limit", "time_step_limit")]:
+    for old, new in [
+        ("mamba_n_groups", "n_groups"),
+        ("mamba_d_conv", "conv_kernel"),
+        ("mamba_chunk_size", "chunk_size"),
+        ("mamba_conv_bias", "use_conv_bias"),
+        ("mamba_dt_min", "time_step_min"),
+        ("mamba_dt_limit", "time_step_limit"),
+    ]:
         legacy[old] = legacy.pop(new)
     ours = ModelConfig.from_hf_dict(legacy)
     assert ours == ModelConfig.from_hf_dict(canonical)
@@ -141,18 +178,22 @@ def test_time_step_limit_written_by_transformers() -> None:
 
 # ---------------------------------------------------------------- errors name the field
 
-@pytest.mark.parametrize("over, field", [
-    ({"mamba_num_heads": 6, "n_groups": 4}, "mamba_num_heads"),
-    ({"hybrid_override_pattern": "M*XE"}, "hybrid_override_pattern"),
-    ({"hybrid_override_pattern": None, "layers_block_type": ["mamba", "sliding_attention"]}, "layers_block_type"),
-    ({"mamba_n_groups": 1, "n_groups": 2}, "mamba_n_groups"),
-    ({"num_experts_per_tok": 5, "n_routed_experts": 4}, "num_experts_per_tok"),
-    ({"mtp_hybrid_override_pattern": "*Q", "num_nextn_predict_layers": 1}, "mtp_hybrid_override_pattern"),
-    ({"time_step_limit": [0.0, {"__float__": "NaN"}]}, "time_step_limit"),
-    ({"time_step_limit": [0.0]}, "time_step_limit"),
-    ({"hybrid_override_pattern": "M*E", "layers_block_type": ["mamba", "moe", "attention"]}, "layers_block_type"),
-    ({"hybrid_override_pattern": None}, "hybrid_override_pattern"),
-])
+
+@pytest.mark.parametrize(
+    "over, field",
+    [
+        ({"mamba_num_heads": 6, "n_groups": 4}, "mamba_num_heads"),
+        ({"hybrid_override_pattern": "M*XE"}, "hybrid_override_pattern"),
+        ({"hybrid_override_pattern": None, "layers_block_type": ["mamba", "sliding_attention"]}, "layers_block_type"),
+        ({"mamba_n_groups": 1, "n_groups": 2}, "mamba_n_groups"),
+        ({"num_experts_per_tok": 5, "n_routed_experts": 4}, "num_experts_per_tok"),
+        ({"mtp_hybrid_override_pattern": "*Q", "num_nextn_predict_layers": 1}, "mtp_hybrid_override_pattern"),
+        ({"time_step_limit": [0.0, {"__float__": "NaN"}]}, "time_step_limit"),
+        ({"time_step_limit": [0.0]}, "time_step_limit"),
+        ({"hybrid_override_pattern": "M*E", "layers_block_type": ["mamba", "moe", "attention"]}, "layers_block_type"),
+        ({"hybrid_override_pattern": None}, "hybrid_override_pattern"),
+    ],
+)
 def test_inconsistent_config_raises_naming_field(over: dict[str, Any], field: str) -> None:
     raw = {k: v for k, v in tiny(**over).items() if v is not None or k == "moe_latent_size"}
     with pytest.raises(ValueError, match=field):
@@ -172,8 +213,9 @@ PARITY_CASES = {
     "super": load_fixture("super_120b_a12b"),
     **TINY_CASES,
     "defaults only": {"hidden_size": 256, "hybrid_override_pattern": "M*-E"},
-    "eos list, mtp list": tiny(eos_token_id=[2, 11], num_nextn_predict_layers=1,
-                               mtp_layers_block_type=["attention", "moe"]),
+    "eos list, mtp list": tiny(
+        eos_token_id=[2, 11], num_nextn_predict_layers=1, mtp_layers_block_type=["attention", "moe"]
+    ),
 }
 
 
@@ -190,7 +232,9 @@ def test_num_parameters_equals_transformers_model(raw: dict[str, Any]) -> None:
     expected = _checkpoint_numel(model)
     assert cfg.num_parameters() == expected
     # the count is sensitive to every option these cases vary
-    assert expected != _checkpoint_numel(NemotronHForCausalLM(NemotronHConfig(**(raw | {"mlp_bias": not raw["mlp_bias"]}))))
+    assert expected != _checkpoint_numel(
+        NemotronHForCausalLM(NemotronHConfig(**(raw | {"mlp_bias": not raw["mlp_bias"]})))
+    )
 
 
 def _checkpoint_numel(model: torch.nn.Module) -> int:
@@ -207,8 +251,10 @@ def _assert_same_as_transformers(ours: ModelConfig, theirs: NemotronHConfig) -> 
     special = {
         "layer_types": (ours.pattern, theirs.hybrid_override_pattern),
         "mtp_layer_types": ("".join(ours.mtp_layer_types), theirs.mtp_hybrid_override_pattern),
-        "eos_token_id": (ours.eos_token_id, tuple(theirs.eos_token_id) if isinstance(theirs.eos_token_id, list)
-                         else (theirs.eos_token_id,)),
+        "eos_token_id": (
+            ours.eos_token_id,
+            tuple(theirs.eos_token_id) if isinstance(theirs.eos_token_id, list) else (theirs.eos_token_id,),
+        ),
         "time_step_limit": (ours.time_step_limit, tuple(float(x) for x in theirs.time_step_limit)),
         "torch_dtype": (ours.torch_dtype, str(theirs.dtype or "bfloat16").removeprefix("torch.")),
     }

@@ -1,8 +1,10 @@
 """CUDA-graph decode: replayed steps give the same greedy tokens as eager steps (GPU), and the routing rules (CPU)."""
+
 from __future__ import annotations
 
 import json
 import os
+
 import pytest
 import torch
 
@@ -18,8 +20,12 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def _sched(*rows):
     """rows: (num_new_tokens, sample, snapshots, num_pages) -> a StepPlan of such rows."""
-    return StepPlan(tuple(StepRow(f"r{i}", 0, n, 1, (1,) * pages, (0,) * n, snaps, SamplingParams() if s else None)
-                          for i, (n, s, snaps, pages) in enumerate(rows)))
+    return StepPlan(
+        tuple(
+            StepRow(f"r{i}", 0, n, 1, (1,) * pages, (0,) * n, snaps, SamplingParams() if s else None)
+            for i, (n, s, snaps, pages) in enumerate(rows)
+        )
+    )
 
 
 def test_buckets_cover_max_num_seqs():
@@ -40,11 +46,14 @@ def test_layer_segments_cover_every_layer_once():
 def test_segmented_forward_equals_forward(tiny_model_dir):
     """The graph runner captures embed -> run_layers per segment -> logits: on real decode inputs the pieces give
     exactly the model's forward (CPU, fp32, state pools restored between the two runs)."""
-    eng = Engine(EngineConfig(model_path=tiny_model_dir, device="cpu", mamba_cache_strategy="off", page_size=4, max_num_seqs=4))
-    eng.generate([[5, 6, 7, 8, 9, 10], [11, 12, 13]], SamplingParams(max_tokens=2, temperature=0.0,
-                                                                         ignore_eos=True))
-    ids = [eng.add_request(p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-           for p in ([3, 4, 5, 6, 7], [8, 9, 10])]
+    eng = Engine(
+        EngineConfig(model_path=tiny_model_dir, device="cpu", mamba_cache_strategy="off", page_size=4, max_num_seqs=4)
+    )
+    eng.generate([[5, 6, 7, 8, 9, 10], [11, 12, 13]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    ids = [
+        eng.add_request(p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        for p in ([3, 4, 5, 6, 7], [8, 9, 10])
+    ]
     for _ in range(3):
         eng.step()
     sched = eng.scheduler.schedule()
@@ -68,11 +77,11 @@ def test_segmented_forward_equals_forward(tiny_model_dir):
 def test_only_plain_decode_steps_are_replayed():
     decode = (1, True, (), 3)
     assert is_graphable(_sched(decode, decode), max_batch=4, max_pages=8)
-    assert not is_graphable(_sched(decode, (5, True, (), 3)), 4, 8)          # a prefill row
-    assert not is_graphable(_sched(decode, (1, False, (), 3)), 4, 8)         # a row not sampled
-    assert not is_graphable(_sched(decode, (1, True, ("snap",), 3)), 4, 8)   # a snapshot this step
-    assert not is_graphable(_sched(*[decode] * 5), 4, 8)                     # larger than the largest bucket
-    assert not is_graphable(_sched(decode, (1, True, (), 9)), 4, 8)          # wider than the static page table
+    assert not is_graphable(_sched(decode, (5, True, (), 3)), 4, 8)  # a prefill row
+    assert not is_graphable(_sched(decode, (1, False, (), 3)), 4, 8)  # a row not sampled
+    assert not is_graphable(_sched(decode, (1, True, ("snap",), 3)), 4, 8)  # a snapshot this step
+    assert not is_graphable(_sched(*[decode] * 5), 4, 8)  # larger than the largest bucket
+    assert not is_graphable(_sched(decode, (1, True, (), 9)), 4, 8)  # wider than the static page table
     assert not is_graphable(_sched(), 4, 8)
 
 
@@ -82,8 +91,9 @@ def test_cpu_ignores_the_flag(tiny_model_dir):
 
 
 def _generate(path: str, graphs: bool, prompt_lens, max_tokens: int, model=None, **cfg):
-    engine = Engine(EngineConfig(model_path=path, device="cuda", kernel_backend="triton", cuda_graphs=graphs, **cfg),
-                    model=model)
+    engine = Engine(
+        EngineConfig(model_path=path, device="cuda", kernel_backend="triton", cuda_graphs=graphs, **cfg), model=model
+    )
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in prompt_lens]
@@ -101,7 +111,10 @@ def _assert_same(eager, graphed, logprob_tol: float) -> None:
 @needs_cuda
 def test_graph_decode_equals_eager_tiny(tiny_model_dir):
     """5 requests of different lengths (bucket 8 with 3 padding rows, then smaller buckets as they finish)."""
-    lens, cfg = (35, 7, 16, 33, 64), dict(dtype="float32", mamba_cache_strategy="off", page_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    lens, cfg = (
+        (35, 7, 16, 33, 64),
+        dict(dtype="float32", mamba_cache_strategy="off", page_size=4, max_num_seqs=8, max_num_batched_tokens=64),
+    )
     eager, n0 = _generate(tiny_model_dir, False, lens, 20, **cfg)
     graphed, n1 = _generate(tiny_model_dir, True, lens, 20, **cfg)
     assert n0 == 0 and n1 >= 15, n1
@@ -114,12 +127,20 @@ def test_graph_decode_equals_eager_nano_slice(tmp_path):
     """A random Nano-30B-A3B-shaped slice (mamba, attention, MoE layers), fp32, dummy weights (the same seed in
     both engines, so the same weights)."""
     from service.testing.model_dir import published_config
+
     config = published_config("nano")
     config.update(hybrid_override_pattern="M*E", num_hidden_layers=3)
     with open(tmp_path / "config.json", "w", encoding="utf-8") as f:
         json.dump(config, f)
-    cfg = dict(dtype="float32", mamba_cache_strategy="off", page_size=16, max_num_seqs=4, max_num_batched_tokens=512,
-               max_model_len=512, load_format="dummy")
+    cfg = dict(
+        dtype="float32",
+        mamba_cache_strategy="off",
+        page_size=16,
+        max_num_seqs=4,
+        max_num_batched_tokens=512,
+        max_model_len=512,
+        load_format="dummy",
+    )
     lens = (100, 37, 250)
     eager, _ = _generate(str(tmp_path), False, lens, 12, **cfg)
     graphed, n = _generate(str(tmp_path), True, lens, 12, **cfg)
@@ -137,8 +158,10 @@ def _generate_staggered(path: str, graphs: bool, waves, max_tokens: int, **cfg):
     ids, final, steps = [], {}, 0
     while len(ids) < sum(map(len, waves)) or engine.has_unfinished():
         if steps % 3 == 0 and steps // 3 < len(waves):
-            ids += [engine.add_request(torch.randint(3, vocab, (n,), generator=g).tolist(), params)
-                    for n in waves[steps // 3]]
+            ids += [
+                engine.add_request(torch.randint(3, vocab, (n,), generator=g).tolist(), params)
+                for n in waves[steps // 3]
+            ]
         final.update({o.request_id: o for o in engine.step() if o.finished})
         steps += 1
         assert steps < 2000

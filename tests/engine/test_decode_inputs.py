@@ -5,13 +5,14 @@ itself covered by the transformers parity tests) are independent code; on real d
 engine (requests at different lengths, prompt-side and output-side tokens, pages of varying count) they must
 give the same token ids, live slots, KV slot of the new token, prefix lengths and page-table rows, and the
 padding rows of the bucket must point at scratch slot 0 / page 0."""
+
 from __future__ import annotations
 
 import numpy as np
 
-from tests.engine.helpers import greedy, make_engine, random_ids
 from service.engine.runner.batch import build_forward_batch
 from service.engine.runner.cuda_graph import is_graphable, pack_decode_inputs
+from tests.engine.helpers import greedy, make_engine, random_ids
 
 
 def test_pack_decode_inputs_equals_batch_builder(tiny_model_dir):

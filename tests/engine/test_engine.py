@@ -1,10 +1,11 @@
 """Engine behaviour: batch invariance, chunked prefill, preemption, sampling, stops, bad input."""
+
 from __future__ import annotations
 
 import pytest
 
-from tests.engine.helpers import greedy, make_engine, random_ids
 from service.engine import SamplingParams
+from tests.engine.helpers import greedy, make_engine, random_ids
 
 LENGTHS = (5, 17, 40, 33, 2, 70, 16, 9)
 
@@ -46,8 +47,9 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(mixed_ckpt):
     a = engine.generate([random_ids(10, 1)], sp)[0].token_ids
     batch = engine.generate([random_ids(30, 2), random_ids(10, 1)], [greedy(5), sp])
     assert batch[1].token_ids == a
-    other = engine.generate([random_ids(10, 1)], SamplingParams(max_tokens=12, temperature=0.9, seed=7,
-                                                                  ignore_eos=True))[0]
+    other = engine.generate(
+        [random_ids(10, 1)], SamplingParams(max_tokens=12, temperature=0.9, seed=7, ignore_eos=True)
+    )[0]
     assert other.token_ids != a
 
 
@@ -82,10 +84,17 @@ def test_stop_strings_with_tokenizer(tiny_model_dir):
     assert free.text.startswith(out.text) and len(out.text) == free.text.index(stop)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(max_tokens=0), "max_tokens"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(temperature=-0.1), "temperature"), (dict(min_p=2.0), "min_p"), (dict(top_k=-5), "top_k"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(min_p=2.0), "min_p"),
+        (dict(top_k=-5), "top_k"),
+    ],
+)
 def test_bad_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
@@ -117,14 +126,17 @@ def test_abort_frees_everything(mixed_ckpt):
     assert not engine.has_unfinished()
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    (dict(mamba_cache_strategy="no_buffer", page_size=4), "page_size=1"),
-    (dict(mamba_cache_strategy="extra_buffer", mamba_track_interval=24), "multiple of the snapshot grid"),
-    (dict(mamba_cache_strategy="extra_buffer", max_mamba_snapshots=0), "max_mamba_snapshots"),
-    (dict(mamba_cache_strategy="lru"), "mamba_cache_strategy"),
-    (dict(kernel_backend="cuda"), "kernel_backend"),
-    (dict(page_size=0), "page_size"),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(mamba_cache_strategy="no_buffer", page_size=4), "page_size=1"),
+        (dict(mamba_cache_strategy="extra_buffer", mamba_track_interval=24), "multiple of the snapshot grid"),
+        (dict(mamba_cache_strategy="extra_buffer", max_mamba_snapshots=0), "max_mamba_snapshots"),
+        (dict(mamba_cache_strategy="lru"), "mamba_cache_strategy"),
+        (dict(kernel_backend="cuda"), "kernel_backend"),
+        (dict(page_size=0), "page_size"),
+    ],
+)
 def test_bad_engine_options(mixed_ckpt, kwargs, words):
     with pytest.raises(ValueError, match=words):
         make_engine(mixed_ckpt, **kwargs)
@@ -133,7 +145,7 @@ def test_bad_engine_options(mixed_ckpt, kwargs, words):
 def test_kv_pool_too_small_for_one_request(mixed_ckpt):
     """A prompt larger than the whole pool is refused; a lone request that outgrows the pool ends with
     "length" instead of preempting itself forever; the engine keeps serving."""
-    engine = make_engine(mixed_ckpt, page_size=4, num_kv_pages=6)       # 24 tokens in all
+    engine = make_engine(mixed_ckpt, page_size=4, num_kv_pages=6)  # 24 tokens in all
     with pytest.raises(ValueError, match="num_kv_pages"):
         engine.add_request(random_ids(30, 1), greedy(4))
     out = engine.generate([random_ids(10, 2)], greedy(50))[0]

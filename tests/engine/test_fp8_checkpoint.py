@@ -1,5 +1,6 @@
 """ModelOpt-format FP8 checkpoints: a transformers-written BF16-family checkpoint quantized by our script, loaded and
 served by the engine, against a plain engine on the dequantized weights; loader and config errors."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,7 +18,7 @@ from service.engine.model.quant import parse_quant_config, read_quant_config
 from service.testing.quantize_fp8 import quantize_checkpoint, random_calibration
 from tests.engine.helpers import full_prefill_logits, random_ids
 
-VARIANTS = ("mixed_g2_c16", "latent_g1_c8")       # M*ME-M (MoE + dense MLP) and ME*M-E (latent MoE)
+VARIANTS = ("mixed_g2_c16", "latent_g1_c8")  # M*ME-M (MoE + dense MLP) and ME*M-E (latent MoE)
 
 
 def _tensors(path: str) -> dict[str, torch.Tensor]:
@@ -44,7 +45,7 @@ def dequantized(fp8_dir: str, out: str) -> str:
     plain = {k: v for k, v in t.items() if not k.endswith(("weight_scale", "input_scale"))}
     for k, v in t.items():
         if v.dtype == torch.float8_e4m3fn:
-            plain[k] = v.float() * t[k[:-len("weight")] + "weight_scale"]
+            plain[k] = v.float() * t[k[: -len("weight")] + "weight_scale"]
     return _write(out, plain, fp8_dir, None)
 
 
@@ -69,10 +70,14 @@ def test_quantized_checkpoint_has_the_modelopt_layout(fp8_pair):
     q = read_quant_config(fp8)
     assert (q.quant_algo, q.kv_cache_quant_algo, q.exclude_modules) == ("FP8", None, ("lm_head",))
     w = t["backbone.layers.0.mixer.in_proj.weight"]
-    assert w.dtype == torch.float8_e4m3fn and w.float().abs().max() == 448.0     # amax maps to the e4m3 maximum
-    for name in ("backbone.layers.0.mixer.in_proj", "backbone.layers.1.mixer.q_proj",
-                 "backbone.layers.3.mixer.experts.3.up_proj", "backbone.layers.3.mixer.shared_experts.down_proj",
-                 "backbone.layers.4.mixer.up_proj"):
+    assert w.dtype == torch.float8_e4m3fn and w.float().abs().max() == 448.0  # amax maps to the e4m3 maximum
+    for name in (
+        "backbone.layers.0.mixer.in_proj",
+        "backbone.layers.1.mixer.q_proj",
+        "backbone.layers.3.mixer.experts.3.up_proj",
+        "backbone.layers.3.mixer.shared_experts.down_proj",
+        "backbone.layers.4.mixer.up_proj",
+    ):
         assert t[f"{name}.weight"].dtype == torch.float8_e4m3fn, name
         assert t[f"{name}.weight_scale"].dtype == torch.float32 and t[f"{name}.weight_scale"].numel() == 1
         assert t[f"{name}.input_scale"].dtype == torch.float32 and t[f"{name}.input_scale"] > 0
@@ -88,15 +93,19 @@ def test_fp8_logits_match_the_dequantized_model(fp8_pair, variant):
     fp8, deq = fp8_pair[variant]
     a, b = engine(fp8), engine(deq)
     model = a.runner.model
-    assert model.backbone.layers[0 if variant == "mixed_g2_c16" else 3].mixer.in_proj.weight.dtype == torch.float8_e4m3fn
-    assert any(getattr(layer.mixer, "experts", None) is not None and layer.mixer.experts.up_proj.dtype ==
-               torch.float8_e4m3fn for layer in model.backbone.layers)
+    assert (
+        model.backbone.layers[0 if variant == "mixed_g2_c16" else 3].mixer.in_proj.weight.dtype == torch.float8_e4m3fn
+    )
+    assert any(
+        getattr(layer.mixer, "experts", None) is not None and layer.mixer.experts.up_proj.dtype == torch.float8_e4m3fn
+        for layer in model.backbone.layers
+    )
     for seed in range(3):
         ids = random_ids(40, seed=100 + seed)
         la, lb = full_prefill_logits(a, ids), full_prefill_logits(b, ids)
         rel = ((la - lb).norm() / lb.norm()).item()
         assert rel < 1e-2, rel
-        assert (la - lb).abs().max() < 2e-3                   # and per logit: what the peaked-prompt test relies on
+        assert (la - lb).abs().max() < 2e-3  # and per logit: what the peaked-prompt test relies on
 
 
 def test_fp8_static_activation_path_on_the_scaled_mm_linear(fp8_pair):
@@ -121,8 +130,11 @@ def test_fp8_greedy_tokens_equal_on_peaked_prompts(fp8_pair):
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2)
     prompts = [random_ids(24, seed=s) for s in range(24)]
     ref = b.generate(prompts, params)
-    peaked = [i for i, o in enumerate(ref) if all(
-        sorted(d.values())[-1] - sorted(d.values())[-2] >= 0.02 for d in o.top_logprobs)]
+    peaked = [
+        i
+        for i, o in enumerate(ref)
+        if all(sorted(d.values())[-1] - sorted(d.values())[-2] >= 0.02 for d in o.top_logprobs)
+    ]
     assert len(peaked) >= 6, len(peaked)
     got = a.generate([prompts[i] for i in peaked], params)
     assert [o.token_ids for o in got] == [ref[i].token_ids for i in peaked]
@@ -130,8 +142,9 @@ def test_fp8_greedy_tokens_equal_on_peaked_prompts(fp8_pair):
 
 def test_fp8_checkpoint_serves_requests(fp8_pair):
     e = engine(fp8_pair["latent_g1_c8"][0])
-    outs = e.generate([random_ids(n, seed=n) for n in (5, 17, 33)], SamplingParams(max_tokens=8, temperature=0.0,
-                                                                                   ignore_eos=True))
+    outs = e.generate(
+        [random_ids(n, seed=n) for n in (5, 17, 33)], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    )
     assert [len(o.token_ids) for o in outs] == [8, 8, 8]
 
 
@@ -151,13 +164,16 @@ def test_fp8_weight_without_a_quant_config_is_a_clear_error(fp8_pair, tmp_path):
         engine(path)
 
 
-@pytest.mark.parametrize("raw, match", [
-    ({"quantization": {"quant_algo": "NVFP4", "group_size": 16}}, "quant_algo 'NVFP4' is not supported"),
-    ({"quant_method": "modelopt", "quant_algo": "FP8_PB_WO"}, "quant_algo 'FP8_PB_WO' is not supported"),
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "quant_method 'fp8' is not supported"),
-    ({"quantization": {"quant_algo": "FP8", "block_size": 128}}, "per-block FP8"),
-    ({"quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "INT8"}}, "kv_cache_quant_algo 'INT8'"),
-])
+@pytest.mark.parametrize(
+    "raw, match",
+    [
+        ({"quantization": {"quant_algo": "NVFP4", "group_size": 16}}, "quant_algo 'NVFP4' is not supported"),
+        ({"quant_method": "modelopt", "quant_algo": "FP8_PB_WO"}, "quant_algo 'FP8_PB_WO' is not supported"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "quant_method 'fp8' is not supported"),
+        ({"quantization": {"quant_algo": "FP8", "block_size": 128}}, "per-block FP8"),
+        ({"quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "INT8"}}, "kv_cache_quant_algo 'INT8'"),
+    ],
+)
 def test_unsupported_schemes_name_what_is_supported(raw, match):
     with pytest.raises(ValueError, match=match) as err:
         parse_quant_config(raw, "hf_quant_config.json")
@@ -172,9 +188,15 @@ def test_unknown_quant_algo_in_a_model_folder_fails_at_engine_start(fp8_pair, tm
 
 
 def test_config_json_quantization_config_and_exclusion_patterns():
-    q = parse_quant_config({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_scheme":
-                            {"type": "float", "num_bits": 8, "dynamic": False},
-                            "ignore": ["lm_head", "backbone.layers.4.mixer*", "*.q_proj"]}, "config.json")
+    q = parse_quant_config(
+        {
+            "quant_method": "modelopt",
+            "quant_algo": "FP8",
+            "kv_cache_scheme": {"type": "float", "num_bits": 8, "dynamic": False},
+            "ignore": ["lm_head", "backbone.layers.4.mixer*", "*.q_proj"],
+        },
+        "config.json",
+    )
     assert q.kv_cache_quant_algo == "FP8"
     assert q.excluded("lm_head") and q.excluded("backbone.layers.4.mixer.in_proj")
     assert q.excluded("backbone.layers.7.mixer.q_proj") and not q.excluded("backbone.layers.7.mixer.k_proj")

@@ -1,5 +1,6 @@
 """Attention's fused qkv_proj: loaded from HF q_proj/k_proj/v_proj as its segments, and equal to the three
 separate projections (the weights, the GEMM output and the whole layer, on the torch path)."""
+
 from __future__ import annotations
 
 import os
@@ -29,7 +30,7 @@ def _load(path: str) -> NemotronHForCausalLM:
 def _checkpoint(path: str) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors under `backbone.` names (transformers may write `model.`)."""
     tensors = load_file(os.path.join(path, "model.safetensors"))
-    return {("backbone." + n[len("model."):] if n.startswith("model.") else n): t for n, t in tensors.items()}
+    return {("backbone." + n[len("model.") :] if n.startswith("model.") else n): t for n, t in tensors.items()}
 
 
 def _attention_layers(model: NemotronHForCausalLM) -> list[tuple[int, torch.nn.Module]]:
@@ -59,7 +60,7 @@ def test_fused_rows_equal_checkpoint_qkv(checkpoint_dir):
         assert torch.equal(layer.o_proj.weight.detach(), tensors[prefix + "o_proj.weight"])
 
 
-@pytest.mark.parametrize("shape", [(4, 2, 16, 64), (32, 2, 128, 2688)])   # tiny, Nano-30B-A3B
+@pytest.mark.parametrize("shape", [(4, 2, 16, 64), (32, 2, 128, 2688)])  # tiny, Nano-30B-A3B
 @pytest.mark.parametrize("T", [1, 2, 7, 33])
 def test_fused_gemm_equals_separate_exactly(shape, T):
     hq, hkv, dh, hidden = shape
@@ -75,18 +76,40 @@ def _meta(qlens: list[int], plens: list[int], table: torch.Tensor, page_size: in
     for i, (l, p) in enumerate(zip(qlens, plens)):
         slots += [int(table[i, t // page_size]) * page_size + t % page_size for t in range(p, p + l)]
         qsl.append(qsl[-1] + l)
-    return AttentionMeta(torch.tensor(slots), table, torch.tensor(qsl), torch.tensor(plens), max(qlens),
-                         max(p + l for p, l in zip(plens, qlens)), page_size)
+    return AttentionMeta(
+        torch.tensor(slots),
+        table,
+        torch.tensor(qsl),
+        torch.tensor(plens),
+        max(qlens),
+        max(p + l for p, l in zip(plens, qlens)),
+        page_size,
+    )
 
 
 def _separate_forward(layer, w: dict[str, torch.Tensor], h, meta, k_cache, v_cache) -> torch.Tensor:
     """The layer as three projections (the pre-fusion code path)."""
     T = h.shape[0]
     q = F.linear(h, w["q_proj.weight"]).view(T, layer.hq, layer.dh)
-    attn_ref.write_kv_ref(k_cache, v_cache, F.linear(h, w["k_proj.weight"]).view(T, layer.hkv, layer.dh),
-                          F.linear(h, w["v_proj.weight"]).view(T, layer.hkv, layer.dh), meta.kv_slot_mapping)
-    o = attn_ref.paged_attention_ref(q, k_cache, v_cache, meta.page_table, meta.query_start_loc, meta.prefix_lens,
-                                     meta.max_query_len, meta.max_seq_len, meta.page_size, layer.scale)
+    attn_ref.write_kv_ref(
+        k_cache,
+        v_cache,
+        F.linear(h, w["k_proj.weight"]).view(T, layer.hkv, layer.dh),
+        F.linear(h, w["v_proj.weight"]).view(T, layer.hkv, layer.dh),
+        meta.kv_slot_mapping,
+    )
+    o = attn_ref.paged_attention_ref(
+        q,
+        k_cache,
+        v_cache,
+        meta.page_table,
+        meta.query_start_loc,
+        meta.prefix_lens,
+        meta.max_query_len,
+        meta.max_seq_len,
+        meta.page_size,
+        layer.scale,
+    )
     return F.linear(o.reshape(T, layer.hq * layer.dh), layer.o_proj.weight)
 
 
@@ -97,7 +120,7 @@ def test_attention_layer_equals_separate_qkv(tiny_model_dir):
     w = {p + ".weight": tensors[f"backbone.layers.{i}.mixer.{p}.weight"] for p in PARTS}
     page_size, hidden = 4, model.cfg.hidden_size
     table = torch.tensor([[1, 2], [3, 0]])
-    caches = [torch.zeros(5 * page_size, layer.hkv, layer.dh) for _ in range(4)]   # fused k, v; separate k, v
+    caches = [torch.zeros(5 * page_size, layer.hkv, layer.dh) for _ in range(4)]  # fused k, v; separate k, v
     g = torch.Generator().manual_seed(0)
     kernels = get_kernels("torch")
     with torch.inference_mode():
@@ -138,8 +161,11 @@ def test_loader_names_missing_and_fused_tensors(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match=r"missing tensors \['" + k_name.replace(".", r"\.")):
         _load(missing)
     fused_name = k_name.replace("k_proj", "qkv_proj")
-    extra = _rewrite(tiny_model_dir, str(tmp_path / "extra"),
-                     lambda t: t.update({fused_name: torch.cat([t[k_name.replace("k_", p[0] + "_")] for p in PARTS])}))
+    extra = _rewrite(
+        tiny_model_dir,
+        str(tmp_path / "extra"),
+        lambda t: t.update({fused_name: torch.cat([t[k_name.replace("k_", p[0] + "_")] for p in PARTS])}),
+    )
     with pytest.raises(ValueError, match=r"unexpected tensors \['" + fused_name.replace(".", r"\.")):
         _load(extra)
     bad_shape = _rewrite(tiny_model_dir, str(tmp_path / "shape"), lambda t: t.update({k_name: t[k_name][:-1]}))

@@ -1,15 +1,30 @@
 """The import rule of service/engine/README.md, checked on the source with `ast`."""
+
 from __future__ import annotations
 
 import ast
 import pathlib
 
 ENGINE = pathlib.Path(__file__).resolve().parents[2] / "service" / "engine"
-FORBIDDEN_EVERYWHERE = ("ray", "fastapi", "starlette", "prometheus_client", "service.deployments", "service.openai",
-                        "service.testing")
+FORBIDDEN_EVERYWHERE = (
+    "ray",
+    "fastapi",
+    "starlette",
+    "prometheus_client",
+    "service.deployments",
+    "service.openai",
+    "service.testing",
+)
 RULES = {  # folder -> imported packages it must not use
-    "kernels": ("service.engine.layers", "service.engine.model", "service.engine.runner", "service.engine.scheduler",
-                "service.engine.cache", "service.engine.engine", "service.engine.config"),
+    "kernels": (
+        "service.engine.layers",
+        "service.engine.model",
+        "service.engine.runner",
+        "service.engine.scheduler",
+        "service.engine.cache",
+        "service.engine.engine",
+        "service.engine.config",
+    ),
     "layers": ("service.engine.model", "service.engine.runner", "service.engine.scheduler", "service.engine.cache"),
     "model": ("service.engine.runner", "service.engine.scheduler", "service.engine.cache"),
     "scheduler": ("service.engine.model", "service.engine.layers", "service.engine.runner"),
@@ -28,8 +43,12 @@ def _imports(path: pathlib.Path) -> list[str]:
 
 
 def _violations(folder: pathlib.Path, banned: tuple[str, ...]) -> list[str]:
-    return [f"{f.relative_to(folder)} imports {name}" for f in folder.rglob("*.py") for name in _imports(f)
-            if any(name == b or name.startswith(b + ".") for b in banned)]
+    return [
+        f"{f.relative_to(folder)} imports {name}"
+        for f in folder.rglob("*.py")
+        for name in _imports(f)
+        if any(name == b or name.startswith(b + ".") for b in banned)
+    ]
 
 
 def test_engine_never_imports_serving_stack():

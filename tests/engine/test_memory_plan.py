@@ -1,4 +1,5 @@
 """Memory-plan arithmetic against sizes computed by hand."""
+
 from __future__ import annotations
 
 import json
@@ -16,20 +17,34 @@ def nano_state_bytes(page_size: int = 64):
 
 def test_state_bytes_by_hand():
     s = nano_state_bytes()
-    assert s.kv_page == 6 * 2 * 64 * 2 * 128 * 2 == 393_216                       # 384 KiB per 64-token page
+    assert s.kv_page == 6 * 2 * 64 * 2 * 128 * 2 == 393_216  # 384 KiB per 64-token page
     assert s.mamba_slot == 23 * (6144 * 3 * 2 + 64 * 64 * 128 * 4) == 23 * (36_864 + 2_097_152) == 49_082_368
 
 
 def test_plan_by_hand():
     s = nano_state_bytes()
-    plan = plan_memory(total_bytes=140 * GiB, utilization=0.9, weights_bytes=32 * GiB, activation_bytes=3 * GiB,
-                       graph_bytes=1 * GiB, sizes=s, max_num_seqs=256, max_model_len=4096, page_size=64,
-                       max_snapshots=512, max_pages=10**9)
+    plan = plan_memory(
+        total_bytes=140 * GiB,
+        utilization=0.9,
+        weights_bytes=32 * GiB,
+        activation_bytes=3 * GiB,
+        graph_bytes=1 * GiB,
+        sizes=s,
+        max_num_seqs=256,
+        max_model_len=4096,
+        page_size=64,
+        max_snapshots=512,
+        max_pages=10**9,
+    )
     # by hand: budget 0.9 * 140 GiB = 135,291,469,824; minus 36 GiB -> 96,636,764,160 left; 256 live slots take
     # 12,565,086,208 -> 84,071,677,952; a quarter of that is 21,017,919,488 = 428.2 slots (< 2 x 256 asked);
     # the rest, 84,071,677,952 - 428 * 49,082,368 = 63,064,424,448, is 160,381.3 pages
     assert (plan.budget_bytes, plan.num_live_slots, plan.num_snapshot_slots, plan.num_kv_pages) == (
-        135_291_469_824, 256, 428, 160_381)
+        135_291_469_824,
+        256,
+        428,
+        160_381,
+    )
     left = 96_636_764_160
     assert plan.mamba_live_bytes + plan.mamba_snapshot_bytes + plan.kv_bytes + plan.free_bytes == left
     assert 0 <= plan.free_bytes < 393_216
@@ -43,7 +58,7 @@ def test_two_snapshots_per_request_when_they_fit():
     plan = plan_memory(80 * GiB, 1.0, 60 * GiB, 1 * GiB, 0, s, 64, 2048, 64, max_snapshots=128, max_pages=10**9)
     assert plan.num_snapshot_slots == 87
     plan = plan_memory(80 * GiB, 1.0, 60 * GiB, 1 * GiB, 0, s, 16, 2048, 64, max_snapshots=32, max_pages=10**9)
-    assert plan.num_snapshot_slots == 32                      # 2 x 16 fit within the share
+    assert plan.num_snapshot_slots == 32  # 2 x 16 fit within the share
 
 
 def test_kv_pages_stop_at_what_the_requests_can_use():
@@ -56,13 +71,18 @@ def test_kv_pages_stop_at_what_the_requests_can_use():
 
 
 def test_no_prefix_cache_gives_no_snapshot_slots():
-    plan = plan_memory(80 * GiB, 0.9, 20 * GiB, GiB, GiB, nano_state_bytes(), 64, 2048, 64, max_snapshots=0, max_pages=10**9)
+    plan = plan_memory(
+        80 * GiB, 0.9, 20 * GiB, GiB, GiB, nano_state_bytes(), 64, 2048, 64, max_snapshots=0, max_pages=10**9
+    )
     assert plan.num_snapshot_slots == 0 and plan.mamba_snapshot_bytes == 0
 
 
 def test_a_model_that_does_not_fit_names_the_numbers():
-    with pytest.raises(ValueError, match=r"does not fit: budget 126\.00 GiB .* weights 121\.00 GiB .*"
-                                         r"raise gpu_memory_utilization"):
+    with pytest.raises(
+        ValueError,
+        match=r"does not fit: budget 126\.00 GiB .* weights 121\.00 GiB .*"
+        r"raise gpu_memory_utilization",
+    ):
         plan_memory(140 * GiB, 0.9, 121 * GiB, 4 * GiB, GiB, nano_state_bytes(), 256, 262144, 64, 512, 10**9)
 
 
@@ -73,15 +93,23 @@ def test_engine_on_cuda_sizes_its_pools_from_the_plan(tmp_path):
     weights is refused with the numbers."""
     from service.engine import Engine, EngineConfig
     from service.testing.model_dir import published_config
+
     cfg = published_config("nano")
     cfg.update(hybrid_override_pattern="M*E", num_hidden_layers=3)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    base = dict(model_path=str(tmp_path), device="cuda", dtype="bfloat16", load_format="dummy", max_num_seqs=8,
-                max_model_len=4096, cuda_graphs=False)
+    base = dict(
+        model_path=str(tmp_path),
+        device="cuda",
+        dtype="bfloat16",
+        load_format="dummy",
+        max_num_seqs=8,
+        max_model_len=4096,
+        cuda_graphs=False,
+    )
     engine = Engine(EngineConfig(**base, gpu_memory_utilization=0.5))
     plan = engine.runner.memory_plan
     assert plan is not None and engine.cache.pools.pages.num_usable == plan.num_kv_pages
-    assert plan.num_kv_pages == useful_pages(8, 4096, 16)             # 0.5 of the GPU holds more than that
+    assert plan.num_kv_pages == useful_pages(8, 4096, 16)  # 0.5 of the GPU holds more than that
     assert plan.budget_bytes == int(torch.cuda.mem_get_info()[1] * 0.5) and plan.activation_bytes > 0
     assert engine.stats()["memory_plan_num_kv_pages"] == plan.num_kv_pages
     assert plan.num_live_slots == 8 and plan.weights_bytes > 2 * 128 * 2688 * 1856 * 2

@@ -1,4 +1,5 @@
 """Logits parity against transformers' NemotronHForCausalLM (the oracle) on tiny random checkpoints."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,10 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def hf_models(hf_checkpoints):
-    return {v: transformers.NemotronHForCausalLM.from_pretrained(p, dtype=torch.float32).eval()
-            for v, p in hf_checkpoints.items()}
+    return {
+        v: transformers.NemotronHForCausalLM.from_pretrained(p, dtype=torch.float32).eval()
+        for v, p in hf_checkpoints.items()
+    }
 
 
 @pytest.mark.parametrize("variant", ["mixed_g2_c16", "latent_g1_c8", "attn_first_c8"])
@@ -36,8 +39,14 @@ def test_greedy_continuation_matches_transformers(variant, hf_checkpoints, hf_mo
     ids = random_ids(2 * C + 3, seed=7)
     out = engine.generate([ids], greedy(32, logprobs=True))[0]
     with torch.no_grad():
-        ref = hf_models[variant].generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
-                                          output_scores=True, return_dict_in_generate=True, eos_token_id=None)
-    ref_tokens = ref.sequences[0, len(ids):].tolist()
+        ref = hf_models[variant].generate(
+            torch.tensor([ids]),
+            max_new_tokens=32,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            eos_token_id=None,
+        )
+    ref_tokens = ref.sequences[0, len(ids) :].tolist()
     ref_lp = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(ref.scores, ref_tokens)]
     assert_same_outputs(out, Expected(ref_tokens, ref_lp), 1e-4)

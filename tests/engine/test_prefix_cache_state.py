@@ -1,4 +1,5 @@
 """Prefix cache, state level: every published snapshot equals a cold run of its prefix (docs/design.md: Prefix cache, Testing)."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,8 +16,9 @@ UNALIGNED_FIRST = [2 * C + 3, 3 * C - 1, C + 1, C - 3, C, 2 * C, 3 * C + 1, 4 * 
 
 
 def _engines(path, page_size, **kw):
-    cached = make_engine(path, page_size=page_size, mamba_cache_strategy="extra_buffer",
-                         max_num_batched_tokens=1024, **kw)
+    cached = make_engine(
+        path, page_size=page_size, mamba_cache_strategy="extra_buffer", max_num_batched_tokens=1024, **kw
+    )
     off = make_engine(path, page_size=4, mamba_cache_strategy="off", max_num_batched_tokens=1024)
     return cached, off
 
@@ -28,7 +30,7 @@ def _run_packed(engine, lengths, seed=0, max_tokens=3):
         engine.step()
 
 
-@pytest.mark.parametrize("page_size", [4, 16, 32])   # smaller than, equal to and larger than C
+@pytest.mark.parametrize("page_size", [4, 16, 32])  # smaller than, equal to and larger than C
 def test_packed_batch_first_request_unaligned(mixed_ckpt, page_size):
     cached, off = _engines(mixed_ckpt, page_size)
     _run_packed(cached, UNALIGNED_FIRST)
@@ -53,7 +55,7 @@ def test_mixed_hit_and_cold_and_decode_in_one_step(mixed_ckpt):
     prefix = random_ids(2 * C + 5, 100)
     cached.generate([prefix + random_ids(7, 101)], greedy(3))
     long_runner = cached.add_request(random_ids(C + 2, 102), greedy(40))
-    cached.step()                                  # long_runner is now decoding
+    cached.step()  # long_runner is now decoding
     hit = cached.add_request(prefix + random_ids(C + 9, 103), greedy(4))
     cold = cached.add_request(random_ids(3 * C - 1, 104), greedy(4))
     outs = {}
@@ -110,8 +112,8 @@ def test_decode_after_hit_matches_cold_and_source_unchanged(mixed_ckpt):
     cached, off = _engines(mixed_ckpt, 4)
     prefix = random_ids(3 * C + 2, 21)
     cached.generate([prefix], greedy(2))
-    tree, pools = cached.cache.tree, cached.runner.pools     # the rank-0 state tensors (tp 1)
-    (node, depth), = [(n, d) for n, d in tree.snapshot_prefix_lengths() if d == 3 * C]
+    tree, pools = cached.cache.tree, cached.runner.pools  # the rank-0 state tensors (tp 1)
+    ((node, depth),) = [(n, d) for n, d in tree.snapshot_prefix_lengths() if d == 3 * C]
     before = pools.conv[:, node.snapshot_slot].clone(), pools.ssm[:, node.snapshot_slot].clone()
     prompt = prefix + random_ids(5, 22)
     out = cached.generate([prompt], greedy(70, logprobs=True))[0]
@@ -126,7 +128,7 @@ def test_decode_after_hit_matches_cold_and_source_unchanged(mixed_ckpt):
 def test_cold_state_oracle_detects_a_wrong_prefix(mixed_ckpt):
     """Sanity check of the oracle itself: states of different prefixes differ clearly."""
     off = make_engine(mixed_ckpt, mamba_cache_strategy="off", max_num_batched_tokens=1024)
-    (a,) = cold_state(off, random_ids(2 * C, 31))      # tp 1: one rank's state
+    (a,) = cold_state(off, random_ids(2 * C, 31))  # tp 1: one rank's state
     (b,) = cold_state(off, random_ids(2 * C, 32))
     assert max_rel_error(a[1], b[1]) > 1e-2 and max_rel_error(a[0], b[0]) > 1e-2
 

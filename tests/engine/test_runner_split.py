@@ -3,6 +3,7 @@
 On CPU the decode part runs as an eager forward of its own (graphs are CUDA-only); the partition, the ordering of
 the sampled rows and the independence of the two parts are what is tested here. The oracle is the engine's own
 single mixed forward on the same state (itself tested against transformers in test_parity.py)."""
+
 from __future__ import annotations
 
 import torch
@@ -16,17 +17,26 @@ from tests.outputs import assert_same_outputs
 
 def _sched(*rows):
     """rows: (num_new_tokens, sample, snapshots, num_pages) -> a StepPlan of such rows."""
-    return StepPlan(tuple(StepRow(f"r{i}", 0, n, 1, (1,) * pages, (0,) * n, snaps, SamplingParams() if s else None)
-                          for i, (n, s, snaps, pages) in enumerate(rows)))
+    return StepPlan(
+        tuple(
+            StepRow(f"r{i}", 0, n, 1, (1,) * pages, (0,) * n, snaps, SamplingParams() if s else None)
+            for i, (n, s, snaps, pages) in enumerate(rows)
+        )
+    )
 
 
 def test_split_partitions_in_batch_order():
-    d, pre, chunk, snap, wide = (1, True, (), 3), (9, True, (), 3), (9, False, (), 3), (1, True, ("s",), 3), \
-        (1, True, (), 9)
+    d, pre, chunk, snap, wide = (
+        (1, True, (), 3),
+        (9, True, (), 3),
+        (9, False, (), 3),
+        (1, True, ("s",), 3),
+        (1, True, (), 9),
+    )
     split = split_step(_sched(pre, d, chunk, d, snap, wide, d), max_batch=8, max_pages=8)
     assert split.graph_rows == (1, 3, 6)
     assert split.eager_rows == (0, 2, 4, 5)
-    split = split_step(_sched(d, d, d, pre), max_batch=2, max_pages=8)     # the bucket limit
+    split = split_step(_sched(d, d, d, pre), max_batch=2, max_pages=8)  # the bucket limit
     assert split.graph_rows == (0, 1) and split.eager_rows == (2, 3)
     assert split_step(_sched(pre, chunk), 8, 8).graph_rows == ()
 
@@ -48,6 +58,7 @@ def _set_pool_state(runner, state: list[torch.Tensor]) -> None:
 def _checking_execute(runner, stats: dict):
     """An execute that runs each step twice from the same state, one forward vs split, compares logits and the
     state pools after the step, then keeps the split result (greedy)."""
+
     def execute(plan):
         runner._apply_slot_ops(plan)
         before = _pool_state(runner)
@@ -65,12 +76,22 @@ def _checking_execute(runner, stats: dict):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
         tokens = torch.argmax(split_logits, dim=-1).tolist()
         return SamplerOutput(restore_batch_order(tokens, split_rows), None, None)
+
     return execute
 
 
 def _engine(path: str) -> Engine:
-    engine = Engine(EngineConfig(model_path=path, device="cpu", kernel_backend="torch", dtype="float32",
-                                 page_size=4, max_num_seqs=6, max_num_batched_tokens=24))
+    engine = Engine(
+        EngineConfig(
+            model_path=path,
+            device="cpu",
+            kernel_backend="torch",
+            dtype="float32",
+            page_size=4,
+            max_num_seqs=6,
+            max_num_batched_tokens=24,
+        )
+    )
     engine.runner.split_steps = True
     return engine
 
@@ -107,8 +128,10 @@ def test_split_generate_matches_unsplit(tiny_model_dir):
         engine = _engine(tiny_model_dir)
         engine.runner.split_steps = split
         prompts = _prompts(engine, (33, 4, 12, 27, 9), 2)
-        params = [SamplingParams(max_tokens=8, temperature=0.8, seed=100 + i, ignore_eos=True, logprobs=True)
-                  for i in range(len(prompts))]
+        params = [
+            SamplingParams(max_tokens=8, temperature=0.8, seed=100 + i, ignore_eos=True, logprobs=True)
+            for i in range(len(prompts))
+        ]
         outs.append(engine.generate(prompts, params))
         assert (engine.runner.num_split_steps >= 2) if split else (engine.runner.num_split_steps == 0)
     assert_same_outputs(outs[0], outs[1], 1e-4)

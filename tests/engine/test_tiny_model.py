@@ -1,4 +1,5 @@
 """The embedded tiny NemotronH checkpoint, checked against transformers' NemotronH (an oracle we did not write)."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,8 +15,8 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from service.testing import tiny
 from service.engine.tokenizer import Tokenizer
+from service.testing import tiny
 
 transformers.logging.set_verbosity_error()
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -29,12 +30,13 @@ def model_dir(tmp_path_factory) -> str:
 def _read_json(folder: str, name: str) -> dict:
     def reject(constant: str) -> float:
         raise ValueError(f"{name} holds the non-standard JSON constant {constant}")
+
     with open(os.path.join(folder, name), encoding="utf-8") as f:
         return json.load(f, parse_constant=reject)
 
 
 def _hf_name(name: str) -> str:
-    return "model." + name[len("backbone."):] if name.startswith("backbone.") else name
+    return "model." + name[len("backbone.") :] if name.startswith("backbone.") else name
 
 
 def _assert_transformers_loads_exactly(folder: str) -> transformers.PreTrainedModel:
@@ -49,7 +51,7 @@ def _assert_transformers_loads_exactly(folder: str) -> transformers.PreTrainedMo
         parts = name.split(".")
         if "experts" in parts and parts[parts.index("experts") + 1].isdigit():
             k = parts.index("experts")
-            merged = _hf_name(".".join(parts[:k + 1] + parts[k + 2:-1]))  # ...experts.up_proj
+            merged = _hf_name(".".join(parts[: k + 1] + parts[k + 2 : -1]))  # ...experts.up_proj
             expert_rows.setdefault(merged, {})[int(parts[k + 1])] = tensor
             continue
         torch.testing.assert_close(state[_hf_name(name)].detach(), tensor, rtol=0, atol=0, msg=name)
@@ -117,8 +119,7 @@ def test_seed_changes_weights_not_tokenizer(model_dir, tmp_path):
 
 def test_mamba_state_moves_the_logits(tmp_path):
     """With a mamba-only model, tokens beyond the conv window reach the output only through the SSM state."""
-    model = _assert_transformers_loads_exactly(
-        tiny.make_tiny_model(tmp_path, hybrid_override_pattern="MMMM"))
+    model = _assert_transformers_loads_exactly(tiny.make_tiny_model(tmp_path, hybrid_override_pattern="MMMM"))
     gen = torch.Generator().manual_seed(0)
     tail = torch.randint(12, 1000, (1, 8), generator=gen)
     a = torch.cat([torch.randint(12, 1000, (1, 40), generator=gen), tail], dim=1)
@@ -129,8 +130,9 @@ def test_mamba_state_moves_the_logits(tmp_path):
 
 
 def test_overrides_latent_moe_and_block_list(tmp_path):
-    folder = tiny.make_tiny_model(tmp_path, moe_latent_size=16,
-                                  layers_block_type=["mamba", "moe", "attention", "mlp", "moe"])
+    folder = tiny.make_tiny_model(
+        tmp_path, moe_latent_size=16, layers_block_type=["mamba", "moe", "attention", "mlp", "moe"]
+    )
     cfg = _read_json(folder, "config.json")
     assert "hybrid_override_pattern" not in cfg and cfg["num_hidden_layers"] == 5
     w = load_file(os.path.join(folder, "model.safetensors"))
@@ -156,16 +158,27 @@ def test_add_cli_through_argparse(tmp_path, capsys):
     assert args.func(args) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "m")
     assert sorted(os.listdir(tmp_path / "m")) == [
-        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
 
 
-@pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in
-                        ("service.engine.generate_cli", "service.deployments.serve_cli")),
-                    reason="service/cli.py imports subcommand modules that do not exist yet")
+@pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("service.engine.generate_cli", "service.deployments.serve_cli")),
+    reason="service/cli.py imports subcommand modules that do not exist yet",
+)
 def test_cli_module_entry_point(tmp_path):
     out = tmp_path / "m"
-    proc = subprocess.run([sys.executable, "-m", "service.cli", "make-tiny-model", str(out)], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "service.cli", "make-tiny-model", str(out)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == str(out)
     assert (out / "model.safetensors").is_file()

@@ -1,4 +1,5 @@
 """Tokenizer layer against the tiny model's tokenizer, with transformers' tokenizer as the oracle."""
+
 from __future__ import annotations
 
 import json
@@ -6,8 +7,8 @@ import json
 import pytest
 import transformers
 
-from service.testing.tiny import SPECIAL_TOKENS, make_tiny_model
 from service.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from service.testing.tiny import SPECIAL_TOKENS, make_tiny_model
 
 TEXTS = [
     "Hello, world! 12 + 35 = 47",
@@ -20,15 +21,24 @@ TEXTS = [
     "",
 ]
 
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-                   "required": ["city"]}}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
 TOOLS_BLOCK = (
     "# Tools\n\nYou may call one or more functions to assist with the user query. "
     "The available functions, as JSON schemas:\n\n<tools>\n" + json.dumps(WEATHER_TOOL) + "\n</tools>\n\n"
     "To call a function, reply in exactly this format:\n<tool_call>\n<function=NAME>\n"
-    "<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>")
+    "<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>"
+)
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +116,7 @@ def test_incremental_detokenizer_holds_partial_characters(tok):
     text = "héllo 東京 😀 done"
     ids = tok.encode(text)
     detok = tok.detokenizer()
-    assert "".join(detok.add(ids[i:i + 3]) for i in range(0, len(ids), 3)) == text
+    assert "".join(detok.add(ids[i : i + 3]) for i in range(0, len(ids), 3)) == text
 
 
 def test_incremental_detokenizer_flushes_truncated_character(tok):
@@ -123,8 +133,11 @@ def test_incremental_detokenizer_decodes_a_bounded_window(tok, monkeypatch):
     ids = tok.encode(" ".join(["the quick brown fox"] * 50))
     lengths: list[int] = []
     real_decode = Tokenizer.decode
-    monkeypatch.setattr(Tokenizer, "decode", lambda self, t, skip_special_tokens=False:
-                        lengths.append(len(t)) or real_decode(self, t, skip_special_tokens))
+    monkeypatch.setattr(
+        Tokenizer,
+        "decode",
+        lambda self, t, skip_special_tokens=False: lengths.append(len(t)) or real_decode(self, t, skip_special_tokens),
+    )
     detok = tok.detokenizer()
     for i in ids:
         detok.add([i])
@@ -162,16 +175,26 @@ def test_chat_template_history_with_reasoning_and_content_parts(tok, hf_tok):
         "<|im_start|>user\nand 3+3?<|im_end|>\n"
         "<|im_start|>assistant\n<think>\nthree plus three\n</think>\n6<|im_end|>\n"
         "<|im_start|>user\nthanks<|im_end|>\n"
-        "<|im_start|>assistant\n<think></think>You're welcome.<|im_end|>\n")
+        "<|im_start|>assistant\n<think></think>You're welcome.<|im_end|>\n"
+    )
 
 
 def test_chat_template_tools_and_tool_calls(tok, hf_tok):
     messages = [
         {"role": "system", "content": "You help."},
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "reasoning_content": "call the tool",
-         "tool_calls": [{"id": "c1", "type": "function",
-                         "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning_content": "call the tool",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": '{"temp": 21}'},
     ]
     expected = (
@@ -180,13 +203,16 @@ def test_chat_template_tools_and_tool_calls(tok, hf_tok):
         "<|im_start|>assistant\n<think>\ncall the tool\n</think>\n"
         "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
         "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>\n<|im_end|>\n"
-        "<|im_start|>tool\n<tool_response>\n{\"temp\": 21}\n</tool_response><|im_end|>\n"
-        "<|im_start|>assistant\n<think>\n")
+        '<|im_start|>tool\n<tool_response>\n{"temp": 21}\n</tool_response><|im_end|>\n'
+        "<|im_start|>assistant\n<think>\n"
+    )
     assert _chat(tok, hf_tok, messages, tools=[WEATHER_TOOL]) == expected
     # no system message: the tools get a system turn of their own
     no_system = _chat(tok, hf_tok, messages[1:2], tools=[WEATHER_TOOL], enable_thinking=False)
-    assert no_system == ("<|im_start|>system\n" + TOOLS_BLOCK + "<|im_end|>\n"
-                         "<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n<think></think>")
+    assert no_system == (
+        "<|im_start|>system\n" + TOOLS_BLOCK + "<|im_end|>\n"
+        "<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n<think></think>"
+    )
 
 
 def test_chat_template_errors_name_the_problem(tok):

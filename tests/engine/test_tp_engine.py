@@ -3,6 +3,7 @@
 Oracles: the same engine at tp=1 (itself checked against transformers in test_parity.py) for tokens and fp32
 logprobs; a cold prefill of exactly a snapshot's tokens, on the same rank of a tp engine without a prefix cache,
 for every published snapshot; the process table of this test process for the rank processes' lifetime."""
+
 from __future__ import annotations
 
 import gc
@@ -14,10 +15,10 @@ import time
 
 import pytest
 
-from tests.engine.cache_helpers import snapshot_errors
-from tests.engine.helpers import greedy, make_engine, random_ids
 from service.engine import Engine, EngineConfig, SamplingParams
 from service.engine.distributed.worker_group import RankFailedError
+from tests.engine.cache_helpers import snapshot_errors
+from tests.engine.helpers import greedy, make_engine, random_ids
 from tests.engine.tp_helpers import child_pids, mixed_prompts, wait_gone
 
 C = 16  # chunk size of the tiny model (extra_buffer grid with page 16)
@@ -109,11 +110,13 @@ def test_tp2_rank_killed_mid_generation_raises_and_leaves_no_orphans(tiny_model_
 
 def test_tp2_killed_engine_process_ends_its_ranks(tiny_model_dir, tmp_path):
     """The engine's process is SIGKILLed (no shutdown, no finalizers): its rank processes exit on their own."""
-    script = ("import sys, time\n"
-              "from service.engine import Engine, EngineConfig\n"
-              f"e = Engine(EngineConfig(model_path={tiny_model_dir!r}, tp=2, max_num_seqs=2))\n"
-              "print(' '.join(str(p.pid) for p in e.workers.procs), flush=True)\n"
-              "time.sleep(600)\n")
+    script = (
+        "import sys, time\n"
+        "from service.engine import Engine, EngineConfig\n"
+        f"e = Engine(EngineConfig(model_path={tiny_model_dir!r}, tp=2, max_num_seqs=2))\n"
+        "print(' '.join(str(p.pid) for p in e.workers.procs), flush=True)\n"
+        "time.sleep(600)\n"
+    )
     env = {**os.environ, "PYTHONPATH": REPO}
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
     try:
@@ -171,8 +174,10 @@ def test_tp_config_errors_name_what_to_change(tiny_model_dir):
 def test_tp2_seeded_sampling_equals_tp1(tiny_model_dir):
     """Sampling runs on rank 0 only: seeded random sampling and top logprobs come out as at tp 1."""
     prompts = mixed_prompts(256, seed=11)[:3]
-    params = [SamplingParams(max_tokens=8, temperature=0.9, top_k=20, seed=5 + i, top_logprobs=2,
-                             ignore_eos=True) for i in range(3)]
+    params = [
+        SamplingParams(max_tokens=8, temperature=0.9, top_k=20, seed=5 + i, top_logprobs=2, ignore_eos=True)
+        for i in range(3)
+    ]
     ref = _tp_engine(tiny_model_dir, 1).generate(prompts, params)
     eng = _tp_engine(tiny_model_dir, 2)
     try:

@@ -6,6 +6,7 @@ Checkpoints: the embedded tiny model (n_groups 2: groups split at tp 2, replicat
 `latent_g1_c8` (latent MoE, n_groups 1: replicated everywhere) and `bias_latent_g4` (biases on every linear, latent
 MoE, n_groups 4 split at tp 2 and 4, vocabulary 250 that tp 4 does not divide). One spawn of 4 ranks runs tp 2
 (ranks 0-1) and tp 4, each with ep = 1 and ep = tp, on all three; the tests read its per-rank reports."""
+
 from __future__ import annotations
 
 import json
@@ -16,13 +17,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.engine import tp_ranks
-from tests.engine.helpers import full_prefill_logits, make_engine, random_ids
 from service.engine.config import ModelConfig
 from service.engine.distributed.parallel import ParallelContext, check_shardable, rank_shapes, working_sizes
 from service.engine.kernels import get_kernels
 from service.engine.model.nemotron_h import NemotronHForCausalLM
 from service.engine.model.weights import load_weights
+from tests.engine import tp_ranks
+from tests.engine.helpers import full_prefill_logits, make_engine, random_ids
 
 CHECKPOINTS = ("tiny", "latent_g1_c8", "bias_latent_g4")
 TOL = 1e-5
@@ -30,8 +31,11 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def tp_paths(tiny_model_dir, hf_checkpoints) -> dict[str, str]:
-    return {"tiny": tiny_model_dir, "latent_g1_c8": hf_checkpoints["latent_g1_c8"],
-            "bias_latent_g4": hf_checkpoints["bias_latent_g4"]}
+    return {
+        "tiny": tiny_model_dir,
+        "latent_g1_c8": hf_checkpoints["latent_g1_c8"],
+        "bias_latent_g4": hf_checkpoints["bias_latent_g4"],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -85,13 +89,23 @@ def test_each_sharded_layer_matches_tp1(tp_reports, letter):
             if layer == letter or (layer.startswith("layer") and layer[-1] == letter):
                 seen += 1
                 assert err <= TOL, (ckpt, check, err)
-    assert seen >= 2 * len(CHECKPOINTS) - (letter == "-")   # every checkpoint has each kind (tiny: one '-')
+    assert seen >= 2 * len(CHECKPOINTS) - (letter == "-")  # every checkpoint has each kind (tiny: one '-')
 
 
 def _cfg(**kw) -> ModelConfig:
-    base = dict(hidden_size=64, hybrid_override_pattern="M*E-", num_attention_heads=8, num_key_value_heads=2,
-                mamba_num_heads=16, n_groups=2, n_routed_experts=8, moe_intermediate_size=48,
-                moe_shared_expert_intermediate_size=32, intermediate_size=64, vocab_size=1000)
+    base = dict(
+        hidden_size=64,
+        hybrid_override_pattern="M*E-",
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        mamba_num_heads=16,
+        n_groups=2,
+        n_routed_experts=8,
+        moe_intermediate_size=48,
+        moe_shared_expert_intermediate_size=32,
+        intermediate_size=64,
+        vocab_size=1000,
+    )
     return ModelConfig.from_hf_dict({**base, **kw})
 
 
@@ -99,12 +113,18 @@ def test_check_shardable_names_numbers_and_working_sizes():
     c = _cfg()
     check_shardable(c, 4, 1)
     check_shardable(c, 4, 4)
-    with pytest.raises(ValueError, match=r"num_attention_heads \(8\) is not divisible by tp \(3\).*"
-                                         r"tp in \[1, 2, 4, 8\] with ep=1.*ep=tp in \[2, 4, 8\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"num_attention_heads \(8\) is not divisible by tp \(3\).*"
+        r"tp in \[1, 2, 4, 8\] with ep=1.*ep=tp in \[2, 4, 8\]",
+    ):
         check_shardable(c, 3, 1)
     with pytest.raises(ValueError, match=r"n_routed_experts \(8\) is not divisible by ep \(16\)"):
-        check_shardable(_cfg(num_attention_heads=16, mamba_num_heads=32, n_groups=16,
-                             moe_shared_expert_intermediate_size=64), 16, 16)
+        check_shardable(
+            _cfg(num_attention_heads=16, mamba_num_heads=32, n_groups=16, moe_shared_expert_intermediate_size=64),
+            16,
+            16,
+        )
     with pytest.raises(ValueError, match=r"n_groups \(3\) and tp \(2\): neither divides"):
         check_shardable(_cfg(n_groups=3, mamba_num_heads=12), 2, 1)
     with pytest.raises(ValueError, match=r"num_key_value_heads \(6\) and tp \(4\)"):
@@ -123,7 +143,7 @@ def test_check_shardable_names_numbers_and_working_sizes():
 def test_rank_shapes_split_and_replicate():
     c = _cfg()
     s = [rank_shapes(c, ParallelContext(tp=4, ep=4, rank=r)) for r in range(4)]
-    assert [x.kv_head_start for x in s] == [0, 0, 1, 1] and {x.kv_heads for x in s} == {1}       # 2 KV heads, tp 4
+    assert [x.kv_head_start for x in s] == [0, 0, 1, 1] and {x.kv_heads for x in s} == {1}  # 2 KV heads, tp 4
     assert [x.mamba_group_start for x in s] == [0, 0, 1, 1] and {x.group_ranks for x in s} == {2}
     assert [x.expert_start for x in s] == [0, 2, 4, 6] and {x.moe_intermediate for x in s} == {48}
     assert s[1].conv_dim == 4 * 64 + 2 * 1 * 128 and s[1].mamba_heads == 4 and s[1].vocab == 250
@@ -151,14 +171,27 @@ def test_each_rank_reads_and_holds_only_its_slices(tp_paths, monkeypatch):
             sums[n] += p.numel()
     replicated = [n for n in full if sums[n] == 4 * full[n]]
     split = [n for n in full if sums[n] == full[n]]
-    qkv = [n for n in full if n.endswith("qkv_proj.weight")]    # 2 KV heads on 4 ranks: each held twice
+    qkv = [n for n in full if n.endswith("qkv_proj.weight")]  # 2 KV heads on 4 ranks: each held twice
     assert all(sums[n] == (cfg.num_attention_heads + 2 * 4) * cfg.head_dim * cfg.hidden_size for n in qkv)
     assert set(replicated) | set(split) | set(qkv) | {"backbone.embeddings.weight", "lm_head.weight"} == set(full)
-    assert all(n.endswith(("norm.weight", "norm_f.weight", "gate.weight", "e_score_correction_bias",
-                           "latent_proj.weight", "fc1_latent_proj.bias", "fc2_latent_proj.bias", "out_proj.bias",
-                           "down_proj.bias")) for n in replicated), replicated   # biases: zeros off rank 0
+    assert all(
+        n.endswith(
+            (
+                "norm.weight",
+                "norm_f.weight",
+                "gate.weight",
+                "e_score_correction_bias",
+                "latent_proj.weight",
+                "fc1_latent_proj.bias",
+                "fc2_latent_proj.bias",
+                "out_proj.bias",
+                "down_proj.bias",
+            )
+        )
+        for n in replicated
+    ), replicated  # biases: zeros off rank 0
     assert any("experts.up_proj" in n for n in split) and any("in_proj.weight" in n for n in split)
-    assert sums["lm_head.weight"] == 4 * 63 * cfg.hidden_size          # 250 rows padded to 4 x 63
+    assert sums["lm_head.weight"] == 4 * 63 * cfg.hidden_size  # 250 rows padded to 4 x 63
 
 
 def test_load_weights_refuses_another_rank_layout(tp_paths):
@@ -192,8 +225,10 @@ def test_two_ranks_on_one_gpu_triton(tp_paths, tmp_path):
         with open(tmp_path / f"rank{r}.json") as f:
             rep = json.load(f)["2"]
         for ckpt, checks in rep.items():
-            assert all(checks[f"ep{e}/argmax_clear"] == 0 and checks[f"ep{e}/collectives"] == 0 for e in (1, 2)), \
-                (ckpt, checks)
+            assert all(checks[f"ep{e}/argmax_clear"] == 0 and checks[f"ep{e}/collectives"] == 0 for e in (1, 2)), (
+                ckpt,
+                checks,
+            )
             assert max(v for k, v in checks.items() if "argmax" not in k) <= 1e-3, (ckpt, checks)
 
 
@@ -204,7 +239,8 @@ def test_sharded_checkpoint_loads_the_same_slices(tp_paths, tmp_path):
     single = tp_paths["latent_g1_c8"]
     sharded = str(tmp_path / "sharded")
     transformers.NemotronHForCausalLM.from_pretrained(single, dtype=torch.float32).save_pretrained(
-        sharded, max_shard_size="200KB")
+        sharded, max_shard_size="200KB"
+    )
     with open(os.path.join(sharded, "model.safetensors.index.json")) as f:
         assert len(set(json.load(f)["weight_map"].values())) >= 3
     cfg = ModelConfig.from_model_path(single)
@@ -229,8 +265,9 @@ def test_stacked_expert_checkpoint_loads_the_same_slices(tp_paths, tmp_path):
     for base in layers:
         for proj in ("up_proj", "down_proj"):
             n = sum(1 for k in tensors if k.startswith(base + ".experts.") and k.endswith(proj + ".weight"))
-            stacked[f"{base}.experts.{proj}"] = torch.stack([tensors[f"{base}.experts.{j}.{proj}.weight"]
-                                                             for j in range(n)])
+            stacked[f"{base}.experts.{proj}"] = torch.stack(
+                [tensors[f"{base}.experts.{j}.{proj}.weight"] for j in range(n)]
+            )
     dst = tmp_path / "stacked"
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("model.safetensors"))
     save_file(stacked, str(dst / "model.safetensors"), metadata={"format": "pt"})
@@ -253,6 +290,12 @@ def test_released_models_shard_over_2_4_8_gpus(name):
     assert {(2, 1), (2, 2), (4, 1), (4, 4), (8, 1), (8, 8)} <= set(working_sizes(cfg))
     if name.startswith("super"):
         s = rank_shapes(cfg, ParallelContext(tp=4, ep=4, rank=3))
-        assert (s.attention_heads, s.kv_heads, s.mamba_heads, s.mamba_groups, s.experts, s.expert_start) == \
-            (8, 1, 32, 2, 128, 384)
+        assert (s.attention_heads, s.kv_heads, s.mamba_heads, s.mamba_groups, s.experts, s.expert_start) == (
+            8,
+            1,
+            32,
+            2,
+            128,
+            384,
+        )
         assert s.conv_dim == 32 * 64 + 2 * 2 * 128 and s.group_ranks == 1 and s.vocab * 4 == cfg.vocab_size

@@ -1,4 +1,5 @@
 """Helpers for the tensor-parallel engine tests: the process table of this test process, mixed workloads."""
+
 from __future__ import annotations
 
 import os

@@ -17,6 +17,7 @@ def one_thread():
     """The trained model is small: one intra-op thread is as fast, and far faster on a busy machine (OpenMP
     threads spin when cores are oversubscribed)."""
     import torch
+
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -1,5 +1,6 @@
 """Cache A/B on the trained model, in process: every strategy answers the cache-stressing workload identically
 (greedy), and SGLang's snapshot-offset bug, re-injected, lowers the state task's accuracy."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,15 +17,22 @@ NUM_CONTEXTS = 4
 
 
 def _engine(path: str, strategy: str) -> Engine:
-    return Engine(EngineConfig(model_path=path, kernel_backend="torch", mamba_cache_strategy=strategy,
-                               page_size=1 if strategy == "no_buffer" else 16, max_num_seqs=64,
-                               max_num_batched_tokens=4096))
+    return Engine(
+        EngineConfig(
+            model_path=path,
+            kernel_backend="torch",
+            mamba_cache_strategy=strategy,
+            page_size=1 if strategy == "no_buffer" else 16,
+            max_num_seqs=64,
+            max_num_batched_tokens=4096,
+        )
+    )
 
 
 def test_workload_shape():
     rounds = ab_rounds(NUM_CONTEXTS)
     assert [len(r) for r in rounds] == [4 * NUM_CONTEXTS] * 3
-    assert all(ex.task == "addition" for r in rounds for ex in r[:2 * NUM_CONTEXTS])
+    assert all(ex.task == "addition" for r in rounds for ex in r[: 2 * NUM_CONTEXTS])
     first, second = rounds[0][2 * NUM_CONTEXTS], rounds[1][2 * NUM_CONTEXTS]
     # round 2 asks a new question about round 1's context: the user turn shares the whole context
     assert first.messages[0]["content"].rsplit("\n", 1)[0] == second.messages[0]["content"].rsplit("\n", 1)[0]
@@ -43,7 +51,9 @@ def test_strategies_answer_identically(ab_results):
         print(row)
     for strategy in ("no_buffer", "extra_buffer"):
         assert ab_results[strategy].answers == off.answers, strategy
-    assert off.hit_ratio == 0.0 and ab_results["no_buffer"].hit_ratio > 0.1 and ab_results["extra_buffer"].hit_ratio > 0.3
+    assert (
+        off.hit_ratio == 0.0 and ab_results["no_buffer"].hit_ratio > 0.1 and ab_results["extra_buffer"].hit_ratio > 0.3
+    )
     assert off.scores["recall"].pass_at_1 >= 0.75 and off.scores["addition"].pass_at_1 >= 0.9
 
 
@@ -53,8 +63,9 @@ def test_reinjected_snapshot_offset_bug_changes_state_answers(ab_results, traine
     2 answers differ) while recall and addition answers survive; the model also counts with attention, which the
     bug leaves intact, so the accuracy drop is small."""
     monkeypatch.setattr(batch_mod, "snapshot_chunk_indices", buggy_snapshot_chunk_indices)
-    (buggy,) = asyncio.run(run_ab({"extra_buffer": EngineBackend(_engine(trained_model, "extra_buffer"))},
-                                  NUM_CONTEXTS))
+    (buggy,) = asyncio.run(
+        run_ab({"extra_buffer": EngineBackend(_engine(trained_model, "extra_buffer"))}, NUM_CONTEXTS)
+    )
     good = ab_results["extra_buffer"]
     print("\n".join(buggy.rows()))
     tasks = [ex.task for r in ab_rounds(NUM_CONTEXTS) for ex in r]

@@ -1,9 +1,9 @@
 """The canary's pinned questions: on the shipped model every cached run answers correctly and agrees with the
 cold run; the answer check itself rejects a wrong reply."""
+
 from __future__ import annotations
 
 import asyncio
-
 
 from service.engine import AsyncEngine, EngineConfig
 from service.engine.canary import pinned_canary
@@ -13,8 +13,11 @@ from service.evals.canary_set import CANARY_TASKS, is_correct, pinned_questions
 def test_pinned_questions_are_answered_correctly_from_the_cache(trained_model):
 
     async def main():
-        engine = AsyncEngine(EngineConfig(model_path=trained_model, kernel_backend="torch", page_size=16,
-                                          mamba_cache_strategy="extra_buffer"))
+        engine = AsyncEngine(
+            EngineConfig(
+                model_path=trained_model, kernel_backend="torch", page_size=16, mamba_cache_strategy="extra_buffer"
+            )
+        )
         try:
             questions = pinned_questions(engine.engine.tokenizer)
             checks = [await pinned_canary(engine, q.prompt_ids, q.max_tokens, ignore_eos=False) for q in questions]

@@ -1,5 +1,6 @@
 """Against a real `hybrid-serve serve` of the shipped model: `hybrid-serve eval` (openai client) and lm-eval's
 local-chat-completions on the repo's hybrid_addition task. Slow: starts Ray Serve."""
+
 from __future__ import annotations
 
 import json
@@ -34,11 +35,15 @@ def test_eval_cli_over_the_openai_api(endpoint, capsys):
 def test_lm_eval_local_chat_completions(endpoint):
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.tasks import TaskManager
+
     out = lm_eval.simple_evaluate(
         model="local-chat-completions",
         model_args=f"model=tiny-trained,base_url={endpoint}/chat/completions,num_concurrent=4,max_retries=1",
-        tasks=["hybrid_addition"], apply_chat_template=True, limit=20,
-        task_manager=TaskManager(include_path=os.path.abspath(TASKS_DIR)))
+        tasks=["hybrid_addition"],
+        apply_chat_template=True,
+        limit=20,
+        task_manager=TaskManager(include_path=os.path.abspath(TASKS_DIR)),
+    )
     assert out["results"]["hybrid_addition"]["exact_match,last_number"] >= 0.9, out["results"]
 
 

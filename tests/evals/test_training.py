@@ -1,12 +1,13 @@
 """train-tiny-model is reproducible: the same seed gives the same batches and the same weights; the held-out
 split never reaches training; what it saves our engine loads with transformers' logits."""
+
 from __future__ import annotations
 
 import torch
 
-from service.testing.tiny import tokenizer_config
 from service.engine.tokenizer import Tokenizer
 from service.evals.tasks import heldout
+from service.testing.tiny import tokenizer_config
 from service.training.data import train_tokenizer
 from service.training.train import TrainConfig, step_examples, train
 
@@ -21,8 +22,9 @@ def test_same_seed_same_weights():
     cfg = TrainConfig(seed=3, steps=2, batch_size=2, warmup_steps=1, mix={"addition": 1.0})
     a, b = (train(cfg, tok, log=lambda _: None).model.state_dict() for _ in range(2))
     assert all(torch.equal(a[k], b[k]) for k in a)
-    c = train(TrainConfig(seed=4, steps=2, batch_size=2, warmup_steps=1, mix={"addition": 1.0}), tok,
-              log=lambda _: None).model.state_dict()
+    c = train(
+        TrainConfig(seed=4, steps=2, batch_size=2, warmup_steps=1, mix={"addition": 1.0}), tok, log=lambda _: None
+    ).model.state_dict()
     assert not all(torch.equal(a[k], c[k]) for k in a)
 
 
@@ -33,7 +35,7 @@ def test_training_batches_exclude_heldout_pairs():
         assert step_examples(cfg, step)[1] == examples
         if task == "addition":
             for ex in examples:
-                a, b = map(int, ex.messages[0]["content"][len("What is "):-1].split("+"))
+                a, b = map(int, ex.messages[0]["content"][len("What is ") : -1].split("+"))
                 assert not heldout(a, b)
 
 

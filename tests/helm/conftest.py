@@ -1,10 +1,11 @@
 """Fixtures for the Helm chart tests: the real `helm` binary and cached rendering.
 
 Rendering runs `helm template` (the real Helm v4 engine) and parses its YAML stream."""
+
 from __future__ import annotations
 
 import subprocess
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import yaml

@@ -1,4 +1,5 @@
 """Plain helpers shared by the Helm chart tests (fixtures live in conftest.py)."""
+
 from __future__ import annotations
 
 import shutil
@@ -11,17 +12,17 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "hybrid-serve"
 EXAMPLES = CHART / "examples"
-RELEASE = "hs"            # release name used for every render
-NAMESPACE = "llm"         # release namespace used for every render
+RELEASE = "hs"  # release name used for every render
+NAMESPACE = "llm"  # release namespace used for every render
 # Configurations every structural test runs on: the defaults and each example values file.
 CONFIGS: tuple[str, ...] = ("default",) + tuple(sorted(p.stem for p in EXAMPLES.glob("*.yaml")))
 
 
 @dataclass(frozen=True)
 class HelmResult:
-    returncode: int          # exit status of the helm process
-    stdout: str              # rendered manifests (or lint report)
-    stderr: str              # helm's error text
+    returncode: int  # exit status of the helm process
+    stdout: str  # rendered manifests (or lint report)
+    stderr: str  # helm's error text
 
 
 def find_helm() -> str:
@@ -57,6 +58,7 @@ def pod_templates(rayservice: dict) -> dict[str, dict]:
 
 def load_values(config: str) -> dict:
     """The chart's values.yaml merged with an example file (plain recursive dict merge, as Helm does)."""
+
     def merge(base: dict, over: dict) -> dict:
         out = dict(base)
         for key, value in over.items():
@@ -67,4 +69,3 @@ def load_values(config: str) -> dict:
     if config != "default":
         values = merge(values, yaml.safe_load((EXAMPLES / f"{config}.yaml").read_text()))
     return values
-

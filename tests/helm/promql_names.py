@@ -1,5 +1,6 @@
 """Metric names used by PromQL expressions, read with a real PromQL parser (promql-parser, a port of
 Prometheus' grammar), and the check that every one is a metric somebody exports."""
+
 from __future__ import annotations
 
 import re
@@ -17,7 +18,7 @@ LABEL_VALUES = re.compile(r"^\s*label_values\((?P<selector>.+),\s*(?P<label>[a-z
 # are Ray Serve's own controller gauges (the metrics agent exports Ray's metric NAME as ray_NAME);
 # test_external_ray_metrics_are_declared_by_ray checks the installed Ray declares them.
 RAY_SERVE_METRICS = {
-    "ray_serve_deployment_status": "serve_deployment_status",               # 0..6, 6 = HEALTHY
+    "ray_serve_deployment_status": "serve_deployment_status",  # 0..6, 6 = HEALTHY
     "ray_serve_deployment_replica_healthy": "serve_deployment_replica_healthy",
 }
 # The KubeRay operator's RayService Ready condition (ray-operator metrics, KubeRay >= 1.3): the only
@@ -27,9 +28,9 @@ KUBERAY_METRICS = {"kuberay_service_condition_ready"}
 
 @dataclass(frozen=True)
 class NameCheck:
-    expr: str                      # the expression as written
-    names: frozenset[str]          # metric names it selects
-    unknown: frozenset[str]        # names neither in the registry nor in the allow-lists
+    expr: str  # the expression as written
+    names: frozenset[str]  # metric names it selects
+    unknown: frozenset[str]  # names neither in the registry nor in the allow-lists
 
 
 def selector_names(expr: str) -> frozenset[str]:

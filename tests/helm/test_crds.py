@@ -4,10 +4,11 @@ RayCluster, PodMonitor, ServiceMonitor and PrometheusRule of the default render 
 validated against its CRD's openAPIV3Schema with unknown fields rejected, as `kubectl apply
 --validate=strict` does: `additionalProperties: false` is added wherever a schema lists properties and
 does not say `x-kubernetes-preserve-unknown-fields`."""
+
 from __future__ import annotations
 
 import copy
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import jsonschema
@@ -18,14 +19,17 @@ from tests.helm.helm_chart_util import CONFIGS, REPO
 
 CRD_DIR = REPO.parent / "shared" / "k8s-crds"
 CRD_FILES = {
-    "RayService": "ray.io_rayservices.yaml", "RayCluster": "ray.io_rayclusters.yaml",
+    "RayService": "ray.io_rayservices.yaml",
+    "RayCluster": "ray.io_rayclusters.yaml",
     "PodMonitor": "monitoring.coreos.com_podmonitors.yaml",
     "ServiceMonitor": "monitoring.coreos.com_servicemonitors.yaml",
     "PrometheusRule": "monitoring.coreos.com_prometheusrules.yaml",
 }
 
-pytestmark = pytest.mark.skipif(not CRD_DIR.is_dir(), reason=f"the published CRDs are not at {CRD_DIR} "
-                                "(see shared/k8s-crds/README.md): nothing to validate against")
+pytestmark = pytest.mark.skipif(
+    not CRD_DIR.is_dir(),
+    reason=f"the published CRDs are not at {CRD_DIR} (see shared/k8s-crds/README.md): nothing to validate against",
+)
 
 
 def strict(schema: dict) -> dict:
@@ -40,20 +44,23 @@ def strict(schema: dict) -> dict:
             out[key] = [strict(v) if isinstance(v, dict) else v for v in value]
         else:
             out[key] = value
-    if "properties" in out and not out.get("x-kubernetes-preserve-unknown-fields") \
-            and "additionalProperties" not in out:
+    if (
+        "properties" in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+        and "additionalProperties" not in out
+    ):
         out["additionalProperties"] = False
     return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_crd(kind: str) -> dict:
     crd = yaml.load((CRD_DIR / CRD_FILES[kind]).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     assert crd["spec"]["names"]["kind"] == kind
     return crd
 
 
-@lru_cache(maxsize=None)
+@cache
 def crd_validator(kind: str, version: str) -> jsonschema.Draft7Validator:
     crd = load_crd(kind)
     (served,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
@@ -72,8 +79,14 @@ def custom_objects(objects: list[dict]) -> list[dict]:
     """The rendered custom objects, plus each RayService's rayClusterConfig as the RayCluster it becomes."""
     found = [o for o in objects if o["kind"] in CRD_FILES]
     for svc in [o for o in found if o["kind"] == "RayService"]:
-        found.append({"apiVersion": svc["apiVersion"], "kind": "RayCluster", "metadata": {"name": "embedded"},
-                      "spec": svc["spec"]["rayClusterConfig"]})
+        found.append(
+            {
+                "apiVersion": svc["apiVersion"],
+                "kind": "RayCluster",
+                "metadata": {"name": "embedded"},
+                "spec": svc["spec"]["rayClusterConfig"],
+            }
+        )
     return found
 
 
@@ -101,8 +114,12 @@ def test_the_check_rejects_unknown_fields_and_wrong_types(manifests):
     monitor = copy.deepcopy(next(o for o in manifests("default") if o["kind"] == "PodMonitor"))
     monitor["spec"]["podMetricsEndpoints"][0]["scrapeEvery"] = "15s"
     assert any("scrapeEvery" in e for e in errors(monitor))
-    assert strict({"type": "object", "properties": {"a": {}}, "x-kubernetes-preserve-unknown-fields": True}) \
-        .get("additionalProperties") is None
+    assert (
+        strict({"type": "object", "properties": {"a": {}}, "x-kubernetes-preserve-unknown-fields": True}).get(
+            "additionalProperties"
+        )
+        is None
+    )
 
 
 def test_crd_folder_is_where_the_readme_says():

@@ -2,6 +2,7 @@
 
 Docker cannot build here, so the Dockerfiles are read with `dockerfile` (Docker's own Go parser,
 BuildKit's frontend) and checked against the repository, the chart and the real CLI parser."""
+
 from __future__ import annotations
 
 import re
@@ -13,26 +14,35 @@ import pytest
 import ray
 import yaml
 
-from tests.helm.helm_chart_util import CHART, EXAMPLES, REPO
-
 from service.deployments.args import AppArgs
+from tests.helm.helm_chart_util import CHART, EXAMPLES, REPO
 
 DOCKERFILES = {"gpu": REPO / "dockerfiles" / "gpu.Dockerfile", "cpu-demo": REPO / "dockerfiles" / "cpu-demo.Dockerfile"}
 # `hybrid-serve serve` flags the images may use (the serving contract).
-SERVE_FLAGS = {"--model-path", "--tp", "--ep", "--replicas", "--page-size", "--mamba-cache-strategy",
-               "--reasoning-parser", "--tool-call-parser", "--host", "--port"}
+SERVE_FLAGS = {
+    "--model-path",
+    "--tp",
+    "--ep",
+    "--replicas",
+    "--page-size",
+    "--mamba-cache-strategy",
+    "--reasoning-parser",
+    "--tool-call-parser",
+    "--host",
+    "--port",
+}
 
 
 @dataclass(frozen=True)
 class Image:
-    base: str                      # FROM image with ARG defaults substituted
-    args: dict[str, str]           # ARG name -> default
-    runs: tuple[str, ...]          # RUN shell commands, in order
+    base: str  # FROM image with ARG defaults substituted
+    args: dict[str, str]  # ARG name -> default
+    runs: tuple[str, ...]  # RUN shell commands, in order
     copies: tuple[tuple[str, ...], ...]  # COPY sources (last item: destination)
-    user: str                      # final USER
-    env: dict[str, str]            # ENV name -> value (later ENV lines win)
-    exposed: frozenset[int]        # EXPOSE ports
-    cmd: tuple[str, ...]           # exec-form CMD
+    user: str  # final USER
+    env: dict[str, str]  # ENV name -> value (later ENV lines win)
+    exposed: frozenset[int]  # EXPOSE ports
+    cmd: tuple[str, ...]  # exec-form CMD
 
 
 def read_image(path: Path) -> Image:
@@ -117,9 +127,14 @@ def test_cmd_uses_real_serve_flags(name):
     assert set(flags) <= SERVE_FLAGS, set(flags) - SERVE_FLAGS
     assert flags["--reasoning-parser"] == "nemotron_3" and flags["--tool-call-parser"] == "qwen3_coder"
     assert flags["--host"] == "0.0.0.0" and int(flags["--port"]) in image.exposed
-    AppArgs(model_path=flags["--model-path"], tp=int(flags["--tp"]), ep=int(flags["--ep"]),
-            replicas=int(flags["--replicas"]), page_size=int(flags["--page-size"]),
-            mamba_cache_strategy=flags["--mamba-cache-strategy"])
+    AppArgs(
+        model_path=flags["--model-path"],
+        tp=int(flags["--tp"]),
+        ep=int(flags["--ep"]),
+        replicas=int(flags["--replicas"]),
+        page_size=int(flags["--page-size"]),
+        mamba_cache_strategy=flags["--mamba-cache-strategy"],
+    )
 
 
 @pytest.mark.parametrize("name", sorted(DOCKERFILES))

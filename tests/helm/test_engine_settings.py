@@ -3,6 +3,7 @@
 
 Oracles: argparse's own parsing and --help text of the real `hybrid-serve` parser, the real `helm`
 binary rendering the chart (which applies values.schema.json), and pydantic validating AppArgs."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,13 +15,13 @@ import sys
 import pytest
 import yaml
 
-from tests.helm.helm_chart_util import CHART, load_values
 from service.cli import build_parser
 from service.deployments import chart_schema
 from service.deployments.args import AppArgs
 from service.deployments.serve_cli import app_args_from_cli
 from service.engine.config import EngineConfig
 from service.engine.settings import Setting, add_setting_arguments, settings_from_namespace, settings_of
+from tests.helm.helm_chart_util import CHART, load_values
 
 SETTINGS = settings_of(EngineConfig)
 MODEL = "/models/m"
@@ -46,8 +47,13 @@ def non_default_config() -> EngineConfig:
 
 
 def test_every_setting_is_a_serve_flag_in_help():
-    help_text = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--help"], capture_output=True,
-                               text=True, timeout=120, check=True).stdout
+    help_text = subprocess.run(
+        [sys.executable, "-m", "service.cli", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     for s in SETTINGS:
         assert re.search(rf"^\s+{re.escape(s.flag)}\b", help_text, re.M), f"{s.flag} missing from serve --help"
         assert s.help.split(";")[0][:30] in " ".join(help_text.split()), f"help of {s.flag} not shown"
@@ -75,7 +81,8 @@ def test_generate_flags_reach_the_engine_config():
 def test_unset_flags_keep_the_engine_defaults_and_alias_works():
     ns = build_parser().parse_args(["serve", "--model-path", MODEL, "--mamba-scheduler-strategy", "off"])
     assert AppArgs.model_validate(app_args_from_cli(ns)).engine_config() == EngineConfig(
-        model_path=MODEL, mamba_cache_strategy="off")
+        model_path=MODEL, mamba_cache_strategy="off"
+    )
     assert AppArgs(model_path=MODEL).engine_config() == EngineConfig(model_path=MODEL)
 
 
@@ -83,7 +90,7 @@ def test_every_setting_is_in_the_chart_schema_and_values():
     schema = yaml.safe_load((CHART / "values.schema.json").read_text())
     engine_props = schema["properties"]["engine"]["properties"]
     values = load_values("default")
-    assert "path" in schema["properties"]["model"]["properties"]          # model_path is model.path
+    assert "path" in schema["properties"]["model"]["properties"]  # model_path is model.path
     for s in chart_schema.engine_settings():
         assert s.camel_name in engine_props, f"engine.{s.camel_name} missing from values.schema.json"
         assert s.camel_name in values["engine"], f"engine.{s.camel_name} missing from values.yaml"
@@ -109,11 +116,14 @@ def test_template_skips_exactly_the_deployment_keys():
 def test_chart_values_reach_the_engine_config(template, tmp_path):
     want = non_default_config()
     overrides = {s.camel_name: getattr(want, s.name) for s in chart_schema.engine_settings()}
-    overrides["numKvPages"] = 1_000_000          # large whole numbers stay integers through Helm's float64
+    overrides["numKvPages"] = 1_000_000  # large whole numbers stay integers through Helm's float64
     want = dataclasses.replace(want, num_kv_pages=1_000_000, model_path=MODEL)
     path = tmp_path / "values.yaml"
-    path.write_text(yaml.safe_dump({"engine": overrides, "model": {"path": MODEL, "mambaGroups": None},
-                                    "weights": {"mountPath": "/models"}}))
+    path.write_text(
+        yaml.safe_dump(
+            {"engine": overrides, "model": {"path": MODEL, "mambaGroups": None}, "weights": {"mountPath": "/models"}}
+        )
+    )
     result = template("-f", str(path))
     assert result.returncode == 0, result.stderr
     rayservice = next(d for d in yaml.safe_load_all(result.stdout) if d and d["kind"] == "RayService")
@@ -137,11 +147,16 @@ def test_kernel_backend_follows_the_device():
     assert EngineConfig(model_path=MODEL, device="cpu", kernel_backend="triton").resolved().kernel_backend == "triton"
 
 
-@pytest.mark.parametrize("bad,needle", [({"page_size": 0}, "page_size must be >= 1"),
-                                        ({"device": "tpu"}, "device must match"),
-                                        ({"kernel_backend": "cuda"}, "kernel_backend must be one of"),
-                                        ({"cuda_graphs": 1}, "cuda_graphs must be bool"),
-                                        ({"max_model_len": "8"}, "max_model_len must be int or None")])
+@pytest.mark.parametrize(
+    "bad,needle",
+    [
+        ({"page_size": 0}, "page_size must be >= 1"),
+        ({"device": "tpu"}, "device must match"),
+        ({"kernel_backend": "cuda"}, "kernel_backend must be one of"),
+        ({"cuda_graphs": 1}, "cuda_graphs must be bool"),
+        ({"max_model_len": "8"}, "max_model_len must be int or None"),
+    ],
+)
 def test_declared_checks_name_the_setting(bad, needle):
     with pytest.raises(ValueError, match=re.escape(needle)):
         EngineConfig(model_path=MODEL, **bad).validate()
@@ -158,7 +173,10 @@ def test_derivation_handles_each_field_type_and_rejects_others():
     add_setting_arguments(parser, Demo, "demo")
     assert settings_from_namespace(parser.parse_args([]), Demo) == {}
     assert settings_from_namespace(parser.parse_args(["--no-flag", "--ratio", "0.5", "--mode", "b"]), Demo) == {
-        "flag": False, "ratio": 0.5, "mode": "b"}
+        "flag": False,
+        "ratio": 0.5,
+        "mode": "b",
+    }
     with pytest.raises(SystemExit):
         parser.parse_args(["--mode", "c"])
 

@@ -4,6 +4,7 @@ Oracles: the real `helm` binary (lint --strict, template) and kubernetes-validat
 for the newest Kubernetes version it ships. CRD objects (RayService, PodMonitor, PrometheusRule,
 HTTPRoute) have no core schema: their pod templates are validated as Pods and KubeRay's serve
 Service spec as a Service."""
+
 from __future__ import annotations
 
 import kubernetes_validate
@@ -11,14 +12,20 @@ import pytest
 import yaml
 from kubernetes_validate.utils import latest_version
 
-from tests.helm.helm_chart_util import CHART, CONFIGS, NAMESPACE, load_values, only, pod_templates, values_args
-
 from service.deployments.args import AppArgs
+from tests.helm.helm_chart_util import CHART, CONFIGS, NAMESPACE, load_values, only, pod_templates, values_args
 
 K8S_VERSION = latest_version()
 CRD_KINDS = {"RayService", "PodMonitor", "PrometheusRule", "HTTPRoute"}
-SHARED_KINDS = {"RayService", "PodMonitor", "PrometheusRule", "ConfigMap", "PodDisruptionBudget",
-                "NetworkPolicy", "Pod"}
+SHARED_KINDS = {
+    "RayService",
+    "PodMonitor",
+    "PrometheusRule",
+    "ConfigMap",
+    "PodDisruptionBudget",
+    "NetworkPolicy",
+    "Pod",
+}
 
 
 def validate_strict(obj: dict) -> None:
@@ -27,8 +34,12 @@ def validate_strict(obj: dict) -> None:
 
 
 def as_pod(template: dict, name: str) -> dict:
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {**template.get("metadata", {}), "name": name},
-            "spec": template["spec"]}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {**template.get("metadata", {}), "name": name},
+        "spec": template["spec"],
+    }
 
 
 def matches(selector: dict, labels: dict) -> bool:
@@ -93,7 +104,10 @@ def test_gpu_sizing_matches_app_args(manifests, config):
     assert gpus_per_pod <= load_values(config)["workers"]["maxGpusPerPod"]
     assert cluster["enableInTreeAutoscaling"] is (args.min_replicas is not None)
     # only the autoscaler sidecar needs a Kubernetes API token
-    assert cluster["headGroupSpec"]["template"]["spec"]["automountServiceAccountToken"] is cluster["enableInTreeAutoscaling"]
+    assert (
+        cluster["headGroupSpec"]["template"]["spec"]["automountServiceAccountToken"]
+        is cluster["enableInTreeAutoscaling"]
+    )
     assert group["template"]["spec"]["automountServiceAccountToken"] is False
     assert "nvidia.com/gpu" not in head["resources"]["limits"]
     assert cluster["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
@@ -144,8 +158,11 @@ def test_probes_are_kuberays_health_checks(manifests, config):
     for c in (head, worker):
         for probe in ("readinessProbe", "livenessProbe"):
             assert c[probe]["exec"]["command"][:2] == ["bash", "-c"]
-    cmd = {(name, probe): c[probe]["exec"]["command"][2]
-           for name, c in (("head", head), ("worker", worker)) for probe in ("readinessProbe", "livenessProbe")}
+    cmd = {
+        (name, probe): c[probe]["exec"]["command"][2]
+        for name, c in (("head", head), ("worker", worker))
+        for probe in ("readinessProbe", "livenessProbe")
+    }
     assert "localhost:52365/api/local_raylet_healthz" in cmd["head", "readinessProbe"]
     assert "localhost:8265/api/gcs_healthz" in cmd["head", "readinessProbe"]
     assert f"localhost:{serve_port}/-/healthz" in cmd["worker", "readinessProbe"]

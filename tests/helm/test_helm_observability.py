@@ -4,6 +4,7 @@ into the registry's names.
 
 Oracles: promql-parser (Prometheus grammar), the metric registry in code, a real Ray metrics agent
 and prometheus_client's text parser."""
+
 from __future__ import annotations
 
 import json
@@ -18,14 +19,20 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.deployments.metric_defs import ALL_METRICS, metric_names
 from tests.helm.helm_chart_util import CONFIGS, REPO, load_values, only
 from tests.helm.promql_names import RAY_SERVE_METRICS, check, grafana_query_names, selector_names
 
-from service.deployments.metric_defs import ALL_METRICS, metric_names
-
-REQUIRED_ALERTS = {"HybridServeCanaryMismatch", "HybridServeCanaryAnswerAccuracyDrop", "HybridServePrefixHitsFlat", "HybridServeTTFTHigh",
-                   "HybridServeKVCacheFull", "HybridServeMambaCacheFull", "HybridServeReplicaUnhealthy",
-                   "HybridServeRayServiceNotReady"}
+REQUIRED_ALERTS = {
+    "HybridServeCanaryMismatch",
+    "HybridServeCanaryAnswerAccuracyDrop",
+    "HybridServePrefixHitsFlat",
+    "HybridServeTTFTHigh",
+    "HybridServeKVCacheFull",
+    "HybridServeMambaCacheFull",
+    "HybridServeReplicaUnhealthy",
+    "HybridServeRayServiceNotReady",
+}
 
 
 def dashboard(objects: list[dict]) -> dict:
@@ -53,7 +60,9 @@ def test_dashboard_queries_use_exported_metrics_and_cover_the_registry(manifests
     assert not unknown, f"queries use metrics nobody exports: {unknown}"
     used = set().union(*(c.names for c in checks))
     for metric in ALL_METRICS:
-        series = {metric.name} | ({metric.name + s for s in ("_bucket", "_sum", "_count")} if metric.kind == "histogram" else set())
+        series = {metric.name} | (
+            {metric.name + s for s in ("_bucket", "_sum", "_count")} if metric.kind == "histogram" else set()
+        )
         assert used & series, f"no dashboard panel shows {metric.name}"
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids)), "panel ids must be unique"
@@ -82,18 +91,25 @@ def test_alert_expressions_reference_exported_metrics(manifests, config):
 
 
 def test_alerts_follow_cache_and_canary_settings(manifests):
-    names = {r["alert"] for r in alert_rules(manifests("default", "--set", "engine.mambaCacheStrategy=off",
-                                                       "--set", "canary.enabled=false"))}
+    names = {
+        r["alert"]
+        for r in alert_rules(
+            manifests("default", "--set", "engine.mambaCacheStrategy=off", "--set", "canary.enabled=false")
+        )
+    }
     assert not {"HybridServePrefixHitsFlat", "HybridServeCanaryMismatch", "HybridServeCanaryAnswerAccuracyDrop"} & names
     assert "HybridServeTTFTHigh" in names
 
 
-@pytest.mark.parametrize("expr,reason", [
-    ("rate(hybrid_serve_bogus_tokens_total[5m])", "unknown"),
-    ('sum by (le) (rate(hybrid_serve_time_to_first_token_bucket{pod="a"}[5m]))', "unknown"),   # missing _seconds
-    ('{__name__=~"hybrid_serve_.+"}', "not literal"),
-    ("sum(rate(hybrid_serve_prompt_tokens_total[5m])", "syntax"),
-])
+@pytest.mark.parametrize(
+    "expr,reason",
+    [
+        ("rate(hybrid_serve_bogus_tokens_total[5m])", "unknown"),
+        ('sum by (le) (rate(hybrid_serve_time_to_first_token_bucket{pod="a"}[5m]))', "unknown"),  # missing _seconds
+        ('{__name__=~"hybrid_serve_.+"}', "not literal"),
+        ("sum(rate(hybrid_serve_prompt_tokens_total[5m])", "syntax"),
+    ],
+)
 def test_the_name_check_rejects_bad_expressions(expr, reason):
     """Negative control: an unknown name, a regex name and a syntax error are all caught."""
     if reason == "unknown":
@@ -106,11 +122,16 @@ def test_the_name_check_rejects_bad_expressions(expr, reason):
 def test_the_name_check_sees_every_selector():
     names = grafana_query_names(
         "histogram_quantile(0.99, sum by (le) (rate(hybrid_serve_e2e_request_latency_seconds_bucket[$__rate_interval])))"
-        " / on() group_left() max(ray_serve_deployment_status offset 5m) and {__name__=\"hybrid_serve_prompt_tokens_total\"}")
-    assert names == {"hybrid_serve_e2e_request_latency_seconds_bucket", "ray_serve_deployment_status",
-                     "hybrid_serve_prompt_tokens_total"}
+        ' / on() group_left() max(ray_serve_deployment_status offset 5m) and {__name__="hybrid_serve_prompt_tokens_total"}'
+    )
+    assert names == {
+        "hybrid_serve_e2e_request_latency_seconds_bucket",
+        "ray_serve_deployment_status",
+        "hybrid_serve_prompt_tokens_total",
+    }
     assert grafana_query_names('label_values(hybrid_serve_num_requests_running{namespace="x"}, rayservice)') == {
-        "hybrid_serve_num_requests_running"}
+        "hybrid_serve_num_requests_running"
+    }
     assert not (metric_names() & {"le", "rayservice", "namespace"})
 
 
@@ -161,7 +182,9 @@ ray.shutdown()
 def prometheus_relabel(name: str, rules: list[dict]) -> str:
     """Prometheus `replace` relabelling of the __name__ label (regex anchored, $N groups)."""
     for rule in rules:
-        assert rule["action"] == "replace" and rule["sourceLabels"] == ["__name__"] and rule["targetLabel"] == "__name__"
+        assert (
+            rule["action"] == "replace" and rule["sourceLabels"] == ["__name__"] and rule["targetLabel"] == "__name__"
+        )
         match = re.fullmatch(rule["regex"], name)
         if match:
             name = match.expand(re.sub(r"\$(\d+)", r"\\\1", rule["replacement"]))
@@ -178,13 +201,20 @@ def test_podmonitor_maps_rays_exported_names_to_the_registry(manifests, tmp_path
     out = tmp_path / "metrics.txt"
     defs = repr([(m.name, m.kind, m.labels) for m in ALL_METRICS])
     env = {**os.environ, "RAY_metrics_report_interval_ms": "500", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", _RAY_EXPORT_SCRIPT, str(port), str(out), defs],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=110)
+    proc = subprocess.run(
+        [sys.executable, "-c", _RAY_EXPORT_SCRIPT, str(port), str(out), defs],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     scraped = {s.name for family in text_string_to_metric_families(out.read_text()) for s in family.samples}
     assert not (metric_names() & scraped), "Ray no longer prefixes application metrics: drop the relabelling"
     sample_names = {m.name for m in ALL_METRICS if m.kind != "histogram"} | {
-        m.name + suffix for m in ALL_METRICS if m.kind == "histogram" for suffix in ("_bucket", "_sum", "_count")}
+        m.name + suffix for m in ALL_METRICS if m.kind == "histogram" for suffix in ("_bucket", "_sum", "_count")
+    }
     monitors = [o for o in manifests("default") if o["kind"] == "PodMonitor"]
     for monitor in monitors:
         rules = monitor["spec"]["podMetricsEndpoints"][0]["metricRelabelings"]

@@ -2,20 +2,20 @@
 
 Oracles: ray.serve.schema.ServeDeploySchema (Ray's schema, as KubeRay submits the config to Ray),
 Ray's own import utility, and service.deployments.args.AppArgs."""
+
 from __future__ import annotations
 
 import importlib
-import json
 import inspect
+import json
 
 import pytest
 import yaml
 from ray._common.utils import import_attr
 from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
 
-from tests.helm.helm_chart_util import CONFIGS, REPO, load_values, only, pod_templates
-
 from service.deployments.args import AppArgs
+from tests.helm.helm_chart_util import CONFIGS, REPO, load_values, only, pod_templates
 
 IMPORT_PATH = "service.deployments.app:build_app"
 
@@ -51,8 +51,17 @@ def test_app_args_validate_and_carry_the_values(manifests, config):
     values = load_values(config)
     engine = values["engine"]
     assert args.model_path == values["model"]["path"]
-    assert (args.tp, args.ep, args.replicas, args.page_size) == (engine["tp"], engine["ep"], engine["replicas"], engine["pageSize"])
-    assert (args.mamba_cache_strategy, args.device, args.kernel_backend) == (engine["mambaCacheStrategy"], engine["device"], engine["kernelBackend"])
+    assert (args.tp, args.ep, args.replicas, args.page_size) == (
+        engine["tp"],
+        engine["ep"],
+        engine["replicas"],
+        engine["pageSize"],
+    )
+    assert (args.mamba_cache_strategy, args.device, args.kernel_backend) == (
+        engine["mambaCacheStrategy"],
+        engine["device"],
+        engine["kernelBackend"],
+    )
     assert args.reasoning_parser == (engine["reasoningParser"] or None)
     assert args.tool_call_parser == (engine["toolCallParser"] or None)
     assert args.served_model_name == (values["model"]["servedModelName"] or None)
@@ -60,7 +69,10 @@ def test_app_args_validate_and_carry_the_values(manifests, config):
     assert args.canary.enabled == values["canary"]["enabled"]
     assert args.canary.interval_s == values["canary"]["intervalSeconds"]
     if engine["autoscaling"]["enabled"]:
-        assert (args.min_replicas, args.max_replicas) == (engine["autoscaling"]["minReplicas"], engine["autoscaling"]["maxReplicas"])
+        assert (args.min_replicas, args.max_replicas) == (
+            engine["autoscaling"]["minReplicas"],
+            engine["autoscaling"]["maxReplicas"],
+        )
     else:
         assert args.min_replicas is None and args.max_replicas is None
     # The Serve proxy listens where the pods expose the port named "serve".
@@ -85,6 +97,7 @@ def cpu_quantity(value: str) -> float:
 def place(replica_bundles: list[list[dict]], strict_pack: bool, pods: list[dict[str, float]]) -> bool:
     """First-fit placement of each replica's placement-group bundles on worker pods (Ray logical
     resources = the pod's limits); STRICT_PACK keeps a replica's bundles on one pod."""
+
     def fits(pod: dict[str, float], need: dict[str, float]) -> bool:
         return all(pod.get(k, 0.0) >= v for k, v in need.items())
 
@@ -111,19 +124,31 @@ def test_worker_pods_can_host_the_apps_replicas(manifests, config):
     args = AppArgs.model_validate(yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"][0]["args"])
     options = engine_deployment_options(args)
     actor = options["ray_actor_options"]
-    bundles = options.get("placement_group_bundles") or [{"CPU": actor.get("num_cpus", 1), "GPU": actor.get("num_gpus", 0)}]
+    bundles = options.get("placement_group_bundles") or [
+        {"CPU": actor.get("num_cpus", 1), "GPU": actor.get("num_gpus", 0)}
+    ]
     group = rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
     limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
-    pods = [{"CPU": cpu_quantity(limits["cpu"]), "GPU": float(limits.get("nvidia.com/gpu", 0))}
-            for _ in range(group["minReplicas"])]
+    pods = [
+        {"CPU": cpu_quantity(limits["cpu"]), "GPU": float(limits.get("nvidia.com/gpu", 0))}
+        for _ in range(group["minReplicas"])
+    ]
     replicas = args.min_replicas or args.replicas
     strict = options.get("placement_group_strategy", "STRICT_PACK") == "STRICT_PACK"
-    assert place([bundles] * replicas, strict, pods), f"{replicas} x {bundles} ({'STRICT_PACK' if strict else 'PACK'}) do not fit {group['minReplicas']} pod(s) of {limits}"
+    assert place([bundles] * replicas, strict, pods), (
+        f"{replicas} x {bundles} ({'STRICT_PACK' if strict else 'PACK'}) do not fit {group['minReplicas']} pod(s) of {limits}"
+    )
 
 
-@pytest.mark.parametrize("config,released_config", [
-    ("default", "nano_30b_a3b_config.json"), ("nano-1gpu", "nano_30b_a3b_config.json"),
-    ("two-replicas-router", "nano_30b_a3b_config.json"), ("super-tp4-ep4", "super_120b_a12b_config.json")])
+@pytest.mark.parametrize(
+    "config,released_config",
+    [
+        ("default", "nano_30b_a3b_config.json"),
+        ("nano-1gpu", "nano_30b_a3b_config.json"),
+        ("two-replicas-router", "nano_30b_a3b_config.json"),
+        ("super-tp4-ep4", "super_120b_a12b_config.json"),
+    ],
+)
 def test_examples_state_the_real_models_mamba_groups(config, released_config):
     """model.mambaGroups is n_groups of the released model's config.json, and tp divides it."""
     hf_config = json.loads((REPO / "tests" / "engine" / "fixtures" / released_config).read_text())

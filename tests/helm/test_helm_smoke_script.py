@@ -3,6 +3,7 @@ against OpenAI-shaped answers and fails on errors.
 
 The answers it gets here are built from the `openai` package's own response types, served on
 127.0.0.1; the script runs in a subprocess exactly as the pod runs it."""
+
 from __future__ import annotations
 
 import json
@@ -24,16 +25,21 @@ SCRIPT = (CHART / "files" / "openai_smoke.py").read_text()
 def chat_completion(model: str, content: str | None, reasoning: str | None) -> dict:
     message = {"role": "assistant", "content": content}
     if reasoning is not None:
-        message["reasoning_content"] = reasoning     # extra field, as reasoning parsers add it
-    return ChatCompletion.model_validate({
-        "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": model,
-        "choices": [{"index": 0, "finish_reason": "length", "message": message}],
-        "usage": {"prompt_tokens": 5, "completion_tokens": 16, "total_tokens": 21},
-    }).model_dump(mode="json")
+        message["reasoning_content"] = reasoning  # extra field, as reasoning parsers add it
+    return ChatCompletion.model_validate(
+        {
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "created": 0,
+            "model": model,
+            "choices": [{"index": 0, "finish_reason": "length", "message": message}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 16, "total_tokens": 21},
+        }
+    ).model_dump(mode="json")
 
 
 class FakeOpenAI(BaseHTTPRequestHandler):
-    chat_status = 200          # set per test
+    chat_status = 200  # set per test
     chat_body: dict = {}
     requests: list[tuple[str, dict | None]] = []
 
@@ -80,14 +86,19 @@ def test_smoke_script_passes_on_a_good_endpoint(server, content, reasoning):
     result = run_script(server)
     assert result.returncode == 0, result.stderr
     assert "ok: model=tiny-nemotron-h" in result.stdout
-    (path, body), = [r for r in FakeOpenAI.requests if r[1] is not None]
-    assert path == "/v1/chat/completions" and body["model"] == "tiny-nemotron-h" and body["messages"][0]["role"] == "user"
+    ((path, body),) = [r for r in FakeOpenAI.requests if r[1] is not None]
+    assert (
+        path == "/v1/chat/completions" and body["model"] == "tiny-nemotron-h" and body["messages"][0]["role"] == "user"
+    )
 
 
-@pytest.mark.parametrize("status,body", [
-    (500, {"error": {"message": "engine died", "type": "server_error", "code": 500}}),
-    (200, {"id": "x", "choices": [], "usage": {"completion_tokens": 0}}),
-])
+@pytest.mark.parametrize(
+    "status,body",
+    [
+        (500, {"error": {"message": "engine died", "type": "server_error", "code": 500}}),
+        (200, {"id": "x", "choices": [], "usage": {"completion_tokens": 0}}),
+    ],
+)
 def test_smoke_script_fails_on_a_bad_endpoint(server, status, body):
     FakeOpenAI.chat_status, FakeOpenAI.chat_body = status, body
     result = run_script(server)

@@ -1,6 +1,7 @@
 """Bad values make `helm template` fail, and the message names the field and the rejected value.
 
 Oracle: the real Helm engine, which applies values.schema.json and the chart's `fail` checks."""
+
 from __future__ import annotations
 
 import pytest
@@ -21,13 +22,18 @@ BAD_VALUES: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
     (("engine.device=tpu",), ("/engine/device", "'tpu'")),
     (("router.kind=random",), ("/router/kind", "'random'")),
     (("canary.auditSampleRate=2",), ("/canary/auditSampleRate", "got 2")),
-    (("engine.autoscaling.enabled=true", "engine.autoscaling.minReplicas=5", "engine.autoscaling.maxReplicas=2"),
-     ("minReplicas=5", "maxReplicas=2")),
+    (
+        ("engine.autoscaling.enabled=true", "engine.autoscaling.minReplicas=5", "engine.autoscaling.maxReplicas=2"),
+        ("minReplicas=5", "maxReplicas=2"),
+    ),
     (("engine.tp=2", "engine.ep=4"), ("engine.ep=4", "engine.tp=2")),
     (("model.mambaGroups=null", "engine.tp=16"), ("engine.tp=16", "workers.maxGpusPerPod=8")),
     (("model.path=models/nano",), ("/model/path", "'models/nano'")),
     (("model.path=/data/nano",), ('model.path="/data/nano"', 'weights.mountPath="/models"')),
-    (("upgradeStrategy.type=NewClusterWithIncrementalUpgrade",), ("/upgradeStrategy/type", "'NewClusterWithIncrementalUpgrade'")),
+    (
+        ("upgradeStrategy.type=NewClusterWithIncrementalUpgrade",),
+        ("/upgradeStrategy/type", "'NewClusterWithIncrementalUpgrade'"),
+    ),
     (("httpRoute.enabled=true",), ("/httpRoute/parentRefs", "got 0")),
     (("engine.cacheStrtegy=off",), ("additional properties", "'cacheStrtegy'")),
 ]
@@ -45,15 +51,18 @@ def test_bad_values_fail_with_a_message_naming_the_value(template, assignments, 
         assert needle in result.stderr, f"{needle!r} not in helm's error:\n{result.stderr}"
 
 
-@pytest.mark.parametrize("assignments", [
-    ("engine.tp=8",),                                          # divides 8 mamba groups
-    ("engine.tp=4", "engine.ep=4"),                            # 4 GPUs: one pod
-    ("engine.tp=8", "engine.ep=8"),                            # 8 GPUs: a whole pod
-    ("model.mambaGroups=null", "engine.tp=3"),                 # unchecked when the groups are not given
-    ("engine.mambaCacheStrategy=no_buffer", "engine.pageSize=1"),
-    ("engine.mambaCacheStrategy=off",),
-    ("engine.autoscaling.enabled=true", "engine.autoscaling.minReplicas=1", "engine.autoscaling.maxReplicas=3"),
-])
+@pytest.mark.parametrize(
+    "assignments",
+    [
+        ("engine.tp=8",),  # divides 8 mamba groups
+        ("engine.tp=4", "engine.ep=4"),  # 4 GPUs: one pod
+        ("engine.tp=8", "engine.ep=8"),  # 8 GPUs: a whole pod
+        ("model.mambaGroups=null", "engine.tp=3"),  # unchecked when the groups are not given
+        ("engine.mambaCacheStrategy=no_buffer", "engine.pageSize=1"),
+        ("engine.mambaCacheStrategy=off",),
+        ("engine.autoscaling.enabled=true", "engine.autoscaling.minReplicas=1", "engine.autoscaling.maxReplicas=3"),
+    ],
+)
 def test_good_edge_values_render_and_validate(template, assignments):
     """The checks are not over-strict: these render, and their Serve args pass AppArgs."""
     result = template(*set_args(assignments))

@@ -3,18 +3,19 @@ the RuntimeDefault seccomp profile, containers without capabilities or privilege
 read-only root filesystem (Ray's writes go to emptyDirs), the API keys Secret mounted where the OpenAI
 ingress runs and named in the Serve app's arguments, Ray token authentication, a NetworkPolicy that
 admits only the ingress path to the OpenAI port and Prometheus to metrics; the images' non-root user."""
+
 from __future__ import annotations
 
 import base64
 
 import pytest
 import yaml
+
+from service.deployments.args import AppArgs
+from tests.helm.helm_chart_util import CONFIGS, load_values, only, pod_templates
 from tests.helm.test_dockerfiles import DOCKERFILES, read_image
 
-from tests.helm.helm_chart_util import CONFIGS, load_values, only, pod_templates
-from service.deployments.args import AppArgs
-
-WRITABLE = {"/tmp", "/home/ray", "/dev/shm"}   # where Ray, Triton and torch write at run time
+WRITABLE = {"/tmp", "/home/ray", "/dev/shm"}  # where Ray, Triton and torch write at run time
 
 
 def pod_specs(objects: list[dict]) -> dict[str, dict]:
@@ -65,7 +66,7 @@ def test_api_keys_secret_is_generated_and_mounted_where_the_ingress_runs(manifes
     args = _app_args(objects)
     assert args.api_keys_file == f"{values['mountPath']}/{values['secretKey']}"
     specs = pod_specs(objects)
-    for role in ("worker", "test"):   # the ingress replica runs on workers (the head has num-cpus 0)
+    for role in ("worker", "test"):  # the ingress replica runs on workers (the head has num-cpus 0)
         volumes = {v["name"]: v for v in specs[role]["volumes"]}
         assert volumes["api-keys"]["secret"]["secretName"] == secret["metadata"]["name"]
         mount = next(m for m in specs[role]["containers"][0]["volumeMounts"] if m["name"] == "api-keys")
@@ -77,9 +78,21 @@ def test_api_keys_secret_is_generated_and_mounted_where_the_ingress_runs(manifes
 
 
 def test_existing_secret_and_limits_reach_the_app(manifests):
-    objects = manifests("default", "--set", "auth.existingSecret=team-keys", "--set", "limits.requestsPerMinute=60",
-                        "--set", "limits.tokensPerMinute=100000", "--set", "limits.maxN=2",
-                        "--set", "limits.maxStopStrings=4", "--set", "limits.maxTokens=null")
+    objects = manifests(
+        "default",
+        "--set",
+        "auth.existingSecret=team-keys",
+        "--set",
+        "limits.requestsPerMinute=60",
+        "--set",
+        "limits.tokensPerMinute=100000",
+        "--set",
+        "limits.maxN=2",
+        "--set",
+        "limits.maxStopStrings=4",
+        "--set",
+        "limits.maxTokens=null",
+    )
     assert not [o for o in objects if o["kind"] == "Secret"]
     worker = pod_specs(objects)["worker"]
     assert {v["name"]: v for v in worker["volumes"]}["api-keys"]["secret"]["secretName"] == "team-keys"
@@ -102,17 +115,29 @@ def test_network_policy_admits_only_the_ingress_path_and_prometheus(manifests, c
     serve_port = values["serve"]["port"]
     rules = only(objects, "NetworkPolicy")["spec"]["ingress"]
     internal, others = rules[0], rules[1:]
-    assert set(internal) == {"from"} and list(internal["from"][0]) == ["podSelector"], "any port only within the release"
+    assert set(internal) == {"from"} and list(internal["from"][0]) == ["podSelector"], (
+        "any port only within the release"
+    )
     by_port: dict[int, list] = {}
     for rule in others:
         assert rule.get("from") and rule.get("ports"), f"a rule without peers or ports admits everyone: {rule}"
         for port in _rule_ports(rule):
             by_port.setdefault(port, []).append(rule["from"])
     assert by_port[serve_port][0] == values["networkPolicy"]["servePeers"]
-    monitoring = [{"namespaceSelector": {"matchLabels": {
-        "kubernetes.io/metadata.name": values["networkPolicy"]["monitoringNamespace"]}}}]
-    operator = [{"namespaceSelector": {"matchLabels": {
-        "kubernetes.io/metadata.name": values["networkPolicy"]["operatorNamespace"]}}}]
+    monitoring = [
+        {
+            "namespaceSelector": {
+                "matchLabels": {"kubernetes.io/metadata.name": values["networkPolicy"]["monitoringNamespace"]}
+            }
+        }
+    ]
+    operator = [
+        {
+            "namespaceSelector": {
+                "matchLabels": {"kubernetes.io/metadata.name": values["networkPolicy"]["operatorNamespace"]}
+            }
+        }
+    ]
     assert by_port[8080] == [monitoring]
     assert by_port[8265] == [operator], "the dashboard (Serve REST API) only for the KubeRay operator"
     assert set(by_port) == {serve_port, 8080, 8265}, "GCS (6379), Ray client and other Ray ports admit no one"
@@ -133,6 +158,7 @@ def test_images_run_as_the_charts_non_root_user(name):
     assert image.user.isdigit() and int(image.user) != 0, "a numeric non-root USER (runAsNonRoot can check it)"
     assert int(image.user) == values["podSecurityContext"]["runAsUser"]
     assert any(f"useradd --create-home --uid {image.user}" in r for r in image.runs)
-    assert image.env.get("HOME") == "/home/ray" and image.env.get("PYTHONDONTWRITEBYTECODE") == "1", \
+    assert image.env.get("HOME") == "/home/ray" and image.env.get("PYTHONDONTWRITEBYTECODE") == "1", (
         "a read-only root: writes only under the home and /tmp emptyDirs"
+    )
     assert not any("sudo" in r or "chmod 777" in r or "setcap" in r for r in image.runs)

@@ -1,4 +1,5 @@
 """Kernel tests: without CUDA the Triton kernels run in Triton's interpreter (set before triton is imported)."""
+
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
 """The fast pure-torch kernels of the `torch` bundle (cpu_*.py) against their `*_ref` oracles, over sizes, layouts
 and dtypes; and the bundle wiring."""
+
 from __future__ import annotations
 
 import math
@@ -7,10 +8,20 @@ import math
 import pytest
 import torch
 
-from service.engine.kernels import (attention, conv1d, cpu_attention, cpu_conv1d, cpu_moe, cpu_ssd, get_kernels,
-                                    moe, ssd, torch_reference_kernels)
+from service.engine.kernels import (
+    attention,
+    conv1d,
+    cpu_attention,
+    cpu_conv1d,
+    cpu_moe,
+    cpu_ssd,
+    get_kernels,
+    moe,
+    ssd,
+    torch_reference_kernels,
+)
 
-TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}   # relative to the reference's largest magnitude
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # relative to the reference's largest magnitude
 
 
 def close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
@@ -21,7 +32,10 @@ def close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
 
 # ---------------------------------------------------------------- SSD
 SSD_BATCHES = [  # (query_lens, prefix_lens): full chunks only, unaligned prefixes, one-token requests, mixed
-    ([32, 32], [0, 0]), ([40, 7, 16, 33], [0, 5, 16, 3]), ([1, 1, 1], [3, 20, 0]), ([70], [9]),
+    ([32, 32], [0, 0]),
+    ([40, 7, 16, 33], [0, 5, 16, 3]),
+    ([1, 1, 1], [3, 20, 0]),
+    ([70], [9]),
 ]
 
 
@@ -34,7 +48,11 @@ def test_ssd_varlen(lens, groups, dtype):
     H, P, N, C = 4, 8, 16, 16
     layout = ssd.build_chunk_layout(ql, pl, C)
     T = sum(ql)
-    x, B, Cm = torch.randn(T, H, P, dtype=dtype), torch.randn(T, groups, N, dtype=dtype), torch.randn(T, groups, N, dtype=dtype)
+    x, B, Cm = (
+        torch.randn(T, H, P, dtype=dtype),
+        torch.randn(T, groups, N, dtype=dtype),
+        torch.randn(T, groups, N, dtype=dtype),
+    )
     dt = ssd.dt_softplus_clamp(torch.randn(T, H), torch.randn(H), (0.0, math.inf))
     A, D = -torch.rand(H) - 0.2, torch.randn(H)
     init = torch.randn(len(ql), H, P, N)
@@ -44,7 +62,7 @@ def test_ssd_varlen(lens, groups, dtype):
     close(states, states_ref, torch.float32)
 
 
-@pytest.mark.parametrize("slots", [[2, 3, 4, 5], [6, 1, 3, 2], [0, 4, 0, 0]])   # one run, scattered, padding on 0
+@pytest.mark.parametrize("slots", [[2, 3, 4, 5], [6, 1, 3, 2], [0, 4, 0, 0]])  # one run, scattered, padding on 0
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_selective_state_update_slots(slots, dtype):
     torch.manual_seed(2)
@@ -52,13 +70,13 @@ def test_selective_state_update_slots(slots, dtype):
     pool = torch.randn(8, H, P, N)
     pool_ref = pool.clone()
     ids = torch.tensor(slots)
-    x, dt = torch.randn(Bt, H, P, dtype=dtype), torch.randn(Bt, 2 * H, dtype=dtype)[:, ::2]   # dt strided
+    x, dt = torch.randn(Bt, H, P, dtype=dtype), torch.randn(Bt, 2 * H, dtype=dtype)[:, ::2]  # dt strided
     B, C = torch.randn(Bt, G, N, dtype=dtype), torch.randn(Bt, G, N, dtype=dtype)
     args = (x, dt, torch.randn(H), B, C, torch.randn(H), torch.randn(H), (0.001, 5.0))
     y = cpu_ssd.selective_state_update_slots_raw_dt(pool, ids, *args)
     y_ref = ssd.selective_state_update_slots_raw_dt_ref(pool_ref, ids, *args)
-    close(y, y_ref, torch.float32)          # every row reads its slot's state from before the step
-    written = sorted({s for s in slots if slots.count(s) == 1})   # padding rows sharing slot 0 leave it undefined
+    close(y, y_ref, torch.float32)  # every row reads its slot's state from before the step
+    written = sorted({s for s in slots if slots.count(s) == 1})  # padding rows sharing slot 0 leave it undefined
     close(pool[written], pool_ref[written], torch.float32)
     untouched = [s for s in range(8) if s not in slots]
     assert torch.equal(pool[untouched], pool_ref[untouched])
@@ -96,8 +114,12 @@ def test_conv_update_slots(slots, kernel, dtype):
     pool = torch.randn(9, Dm, kernel - 1, dtype=dtype)
     pool_ref = pool.clone()
     ids = torch.tensor(slots)
-    x, w, b = torch.randn(len(slots), Dm, dtype=dtype), torch.randn(Dm, kernel, dtype=dtype), torch.randn(Dm, dtype=dtype)
-    for _ in range(3):          # the state shifts: a few steps
+    x, w, b = (
+        torch.randn(len(slots), Dm, dtype=dtype),
+        torch.randn(Dm, kernel, dtype=dtype),
+        torch.randn(Dm, dtype=dtype),
+    )
+    for _ in range(3):  # the state shifts: a few steps
         out = cpu_conv1d.causal_conv1d_update_slots(x, w, b, pool, ids)
         close(out, conv1d.causal_conv1d_update_slots_ref(x, w, b, pool_ref, ids), dtype)
         assert torch.equal(pool, pool_ref)
@@ -106,7 +128,10 @@ def test_conv_update_slots(slots, kernel, dtype):
 
 # ---------------------------------------------------------------- attention
 ATTN_BATCHES = [  # (query_lens, prefix_lens): decode only (unequal / equal contexts), prefill only (equal groups), mixed
-    ([1, 1, 1], [12, 0, 30]), ([1, 1], [17, 17]), ([9, 9, 4], [0, 0, 0]), ([1, 5, 9, 3, 5], [12, 3, 0, 30, 3]),
+    ([1, 1, 1], [12, 0, 30]),
+    ([1, 1], [17, 17]),
+    ([9, 9, 4], [0, 0, 0]),
+    ([1, 5, 9, 3, 5], [12, 3, 0, 30, 3]),
 ]
 
 
@@ -122,24 +147,24 @@ def test_paged_attention(lens, heads, page_size, dtype):
     num_pages = len(ql) * pages_per_req + 1
     kc = torch.randn(num_pages * page_size, Hkv, Dh, dtype=dtype)
     vc = torch.randn(num_pages * page_size, Hkv, Dh, dtype=dtype)
-    page_table = (torch.randperm(num_pages - 1) + 1)[:len(ql) * pages_per_req].view(len(ql), pages_per_req)
+    page_table = (torch.randperm(num_pages - 1) + 1)[: len(ql) * pages_per_req].view(len(ql), pages_per_req)
     qsl = torch.tensor([0] + torch.tensor(ql).cumsum(0).tolist())
-    qkv = torch.randn(sum(ql), Hq + 2 * Hkv, Dh, dtype=dtype)    # q as a strided view, as the layer passes it
-    args = (qkv[:, :Hq], kc, vc, page_table, qsl, torch.tensor(pl), max(ql), 40, page_size, Dh ** -0.5)
+    qkv = torch.randn(sum(ql), Hq + 2 * Hkv, Dh, dtype=dtype)  # q as a strided view, as the layer passes it
+    args = (qkv[:, :Hq], kc, vc, page_table, qsl, torch.tensor(pl), max(ql), 40, page_size, Dh**-0.5)
     close(cpu_attention.paged_attention(*args), attention.paged_attention_ref(*args), dtype)
 
 
 def test_paged_attention_checks_bounds():
     kc = torch.zeros(8, 1, 4)
-    args = (torch.zeros(3, 1, 4), kc, kc, torch.ones(1, 2, dtype=torch.int64), torch.tensor([0, 3]),
-            torch.tensor([0]))
+    args = (torch.zeros(3, 1, 4), kc, kc, torch.ones(1, 2, dtype=torch.int64), torch.tensor([0, 3]), torch.tensor([0]))
     with pytest.raises(ValueError, match="max_query_len"):
         cpu_attention.paged_attention(*args, 2, 8, 4, 1.0)
 
 
 # ---------------------------------------------------------------- MoE
-@pytest.mark.parametrize("tokens, k, shared", [(1, 4, True), (5, 2, True), (5, 4, False), (64, 2, False),
-                                               (300, 4, True), (300, 4, False)])   # 1200 pairs: the rows layout
+@pytest.mark.parametrize(
+    "tokens, k, shared", [(1, 4, True), (5, 2, True), (5, 4, False), (64, 2, False), (300, 4, True), (300, 4, False)]
+)  # 1200 pairs: the rows layout
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_moe_experts(tokens, k, shared, dtype):
     torch.manual_seed(6)
@@ -147,7 +172,11 @@ def test_moe_experts(tokens, k, shared, dtype):
     up, down = torch.randn(E, I, d, dtype=dtype) / 6, torch.randn(E, d, I, dtype=dtype) / 5
     x = torch.randn(tokens, d, dtype=dtype)
     weights, ids = moe.moe_route_ref(x, torch.randn(E, d), 0.1 * torch.randn(E), k, 1, 1, True, 2.5)
-    kw = dict(shared_up=torch.randn(S, d, dtype=dtype) / 6, shared_down=torch.randn(d, S, dtype=dtype) / 5) if shared else {}
+    kw = (
+        dict(shared_up=torch.randn(S, d, dtype=dtype) / 6, shared_down=torch.randn(d, S, dtype=dtype) / 5)
+        if shared
+        else {}
+    )
     out = cpu_moe.moe_experts(x, up, down, weights, ids, **kw)
     close(out, moe.moe_experts_ref(x, up, down, weights, ids, **kw), dtype)
 
@@ -167,8 +196,14 @@ def test_moe_experts_unused_experts_and_both_layouts():
 def test_moe_experts_checks_shared_expert():
     x = torch.zeros(2, 4)
     with pytest.raises(ValueError, match="shared_up"):
-        cpu_moe.moe_experts(x, torch.zeros(2, 3, 4), torch.zeros(2, 4, 3), torch.ones(2, 1),
-                            torch.zeros(2, 1, dtype=torch.int64), shared_up=torch.zeros(5, 4))
+        cpu_moe.moe_experts(
+            x,
+            torch.zeros(2, 3, 4),
+            torch.zeros(2, 4, 3),
+            torch.ones(2, 1),
+            torch.zeros(2, 1, dtype=torch.int64),
+            shared_up=torch.zeros(5, 4),
+        )
 
 
 # ---------------------------------------------------------------- bundle

@@ -1,5 +1,6 @@
 """FP8 kernels vs their torch references: the _scaled_mm linear (CPU and Hopper), the Triton weight-only FP8 MoE
 (interpreter on CPU, GPU when present), and an FP8 dummy Nano slice through the Triton bundle with CUDA graphs."""
+
 from __future__ import annotations
 
 import json
@@ -8,13 +9,13 @@ import math
 import pytest
 import torch
 
-from tests.kernels.triton_test_util import DEVICE, gpu, needs_cuda
 from service.engine.kernels import fp8
 from service.engine.kernels.fp8 import FP8_DTYPE, FP8_MAX
+from tests.kernels.triton_test_util import DEVICE, gpu, needs_cuda
 
 
 def fp8_weight(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    w = torch.randn(n, k, generator=g) / k ** 0.5
+    w = torch.randn(n, k, generator=g) / k**0.5
     scale = w.abs().max() / FP8_MAX
     return (w / scale).to(FP8_DTYPE), scale.float()
 
@@ -49,22 +50,24 @@ def test_fp8_linear_rejects_bad_scales_and_dtypes():
 
 def moe_fp8_inputs(T: int, E: int, k: int, d: int, inter: int, dtype: torch.dtype, seed: int):
     g = torch.Generator().manual_seed(seed)
-    up = torch.randn(E, inter, d, generator=g) / d ** 0.5
-    down = torch.randn(E, d, inter, generator=g) / inter ** 0.5
-    up_s = up.abs().amax(dim=(1, 2)) / FP8_MAX                      # per-expert scales, all different
+    up = torch.randn(E, inter, d, generator=g) / d**0.5
+    down = torch.randn(E, d, inter, generator=g) / inter**0.5
+    up_s = up.abs().amax(dim=(1, 2)) / FP8_MAX  # per-expert scales, all different
     down_s = down.abs().amax(dim=(1, 2)) / FP8_MAX
     up8 = (up / up_s[:, None, None]).to(FP8_DTYPE)
     down8 = (down / down_s[:, None, None]).to(FP8_DTYPE)
     x = torch.randn(T, d, generator=g)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     w = torch.rand(T, k, generator=g)
-    return [t.to(DEVICE) for t in (x.to(dtype), up8, down8, up_s, down_s, torch.tensor(0.05), torch.tensor(0.05), w,
-                                   ids)]
+    return [
+        t.to(DEVICE) for t in (x.to(dtype), up8, down8, up_s, down_s, torch.tensor(0.05), torch.tensor(0.05), w, ids)
+    ]
 
 
 @pytest.mark.parametrize("T", [1, 5, 40])
 def test_triton_fp8_moe_equals_the_weight_only_reference(T):
     from service.engine.kernels.fp8_moe import fp8_moe_experts
+
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     args = moe_fp8_inputs(T, 8, 2, 64, 32, dtype, seed=T)
     out = fp8_moe_experts(*args)
@@ -90,6 +93,7 @@ def test_scaled_mm_on_hopper_nano_shapes(T, N, K):
 @pytest.mark.parametrize("T", [1, 64, 1024])
 def test_triton_fp8_moe_on_nano_shapes(T):
     from service.engine.kernels.fp8_moe import fp8_moe_experts
+
     args = moe_fp8_inputs(T, 128, 6, 2688, 1856, torch.bfloat16, seed=T)
     assert rel(fp8_moe_experts(*args), fp8.fp8_moe_experts_ref(*args)) < 1e-2
 
@@ -101,16 +105,25 @@ def test_fp8_dummy_nano_slice_triton_bundle_close_to_torch_bundle(tmp_path):
     Triton bundle (W8A8 _scaled_mm dense GEMMs, weight-only FP8 MoE) gives prefill logits within a few percent of
     the torch bundle (weight-only everywhere), and generates through CUDA graphs with finite logprobs."""
     from service.engine import Engine, EngineConfig, SamplingParams
-    from service.testing.model_dir import fp8_exclusions, published_config
     from service.engine.model.quant import QuantConfig
+    from service.testing.model_dir import fp8_exclusions, published_config
     from tests.engine.helpers import full_prefill_logits
+
     cfg = published_config("nano")
     cfg.update(hybrid_override_pattern="MM*E", num_hidden_layers=4)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    (tmp_path / "hf_quant_config.json").write_text(json.dumps(QuantConfig("FP8", None, fp8_exclusions(cfg))
-                                                              .to_hf_quant_config()))
-    base = dict(model_path=str(tmp_path), device="cuda", dtype="bfloat16", load_format="dummy", max_num_seqs=4,
-                max_model_len=256, mamba_cache_strategy="off")
+    (tmp_path / "hf_quant_config.json").write_text(
+        json.dumps(QuantConfig("FP8", None, fp8_exclusions(cfg)).to_hf_quant_config())
+    )
+    base = dict(
+        model_path=str(tmp_path),
+        device="cuda",
+        dtype="bfloat16",
+        load_format="dummy",
+        max_num_seqs=4,
+        max_model_len=256,
+        mamba_cache_strategy="off",
+    )
     engines = {kb: Engine(EngineConfig(**base, kernel_backend=kb)) for kb in ("torch", "triton")}
     assert engines["triton"].runner.model.backbone.layers[0].mixer.in_proj.weight.dtype == FP8_DTYPE
     ids = list(range(5, 105))

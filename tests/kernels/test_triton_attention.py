@@ -1,13 +1,14 @@
 """Triton paged attention (decode split-KV and prefill with cached prefix) vs the torch reference."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.kernels.triton_test_util import DEVICE, assert_close, gpu, needs_cuda
 from service.engine.kernels import attention
-from service.engine.kernels.triton_attention import paged_attention, paged_attention_tiled
 from service.engine.kernels.tiles import DECODE_TILE_VARIANTS, DecodeTiles, PrefillTiles, decode_splits
+from service.engine.kernels.triton_attention import paged_attention, paged_attention_tiled
+from tests.kernels.triton_test_util import DEVICE, assert_close, gpu, needs_cuda
 
 
 def _setup(qlens, plens, Hq, Hkv, Dh, page_size, dtype, seed):
@@ -27,16 +28,26 @@ def _setup(qlens, plens, Hq, Hkv, Dh, page_size, dtype, seed):
     qsl = [0]
     for l in qlens:
         qsl.append(qsl[-1] + l)
-    return (q, k_cache, v_cache, table.to(DEVICE), torch.tensor(qsl, device=DEVICE), torch.tensor(plens, device=DEVICE),
-            max(qlens), max(ctx), page_size, Dh ** -0.5)
+    return (
+        q,
+        k_cache,
+        v_cache,
+        table.to(DEVICE),
+        torch.tensor(qsl, device=DEVICE),
+        torch.tensor(plens, device=DEVICE),
+        max(qlens),
+        max(ctx),
+        page_size,
+        Dh**-0.5,
+    )
 
 
 CPU_CASES = [
-    ([1, 1, 1], [0, 37, 300]),            # decode only, split-KV on the long request
-    ([5, 17, 1], [6, 0, 9]),               # prefill with a cached prefix (p % page != 0), plus a decode row
-    ([33, 2], [0, 3]),                     # cold prefill over several key blocks
-    ([20, 3], [130, 70]),                  # long cached prefix: unmasked key blocks before the diagonal
-    ([140, 2], [10, 0]),                   # several query blocks
+    ([1, 1, 1], [0, 37, 300]),  # decode only, split-KV on the long request
+    ([5, 17, 1], [6, 0, 9]),  # prefill with a cached prefix (p % page != 0), plus a decode row
+    ([33, 2], [0, 3]),  # cold prefill over several key blocks
+    ([20, 3], [130, 70]),  # long cached prefix: unmasked key blocks before the diagonal
+    ([140, 2], [10, 0]),  # several query blocks
 ]
 
 
@@ -58,7 +69,7 @@ def test_paged_attention_rejects_bad_shapes():
         paged_attention(q[:, :3], k, v, table, qsl, plens, mq, ms, ps, scale)
     with pytest.raises(ValueError, match="max_query_len"):
         paged_attention(q, k, v, table, qsl, plens, 1, ms, ps, scale)
-    with pytest.raises(ValueError, match="max_query_len"):       # the reference checks the bound against the data
+    with pytest.raises(ValueError, match="max_query_len"):  # the reference checks the bound against the data
         attention.paged_attention_ref(q, k, v, table, qsl, plens, 1, ms, ps, scale)
 
 
@@ -73,11 +84,11 @@ def test_paged_attention_decode_with_loose_seq_bound():
 
 # decode plans at CPU sizes: (plens, Hq, Hkv, page_size, tiles); every request decodes one token
 DECODE_CASES = [
-    ([0, 37, 300, 5], 4, 2, 4, DecodeTiles(16, 4, 2, programs=64, min_split=16)),     # many splits, short requests
-    ([100, 2, 64], 8, 2, 16, DecodeTiles(32, 4, 2, programs=48, min_split=32)),       # GQA 4, ctx % page != 0
-    ([63, 129, 1], 2, 2, 16, DecodeTiles(64, 4, 2, programs=24, min_split=64)),       # GQA 1, block spans pages
-    ([250, 17], 8, 2, 4, DecodeTiles(16, 4, 2, programs=4, min_split=16)),            # one split: single pass
-    ([200, 3, 90], 16, 1, 8, DecodeTiles(32, 4, 2, programs=64, min_split=96)),       # GQA 16, min_split > block
+    ([0, 37, 300, 5], 4, 2, 4, DecodeTiles(16, 4, 2, programs=64, min_split=16)),  # many splits, short requests
+    ([100, 2, 64], 8, 2, 16, DecodeTiles(32, 4, 2, programs=48, min_split=32)),  # GQA 4, ctx % page != 0
+    ([63, 129, 1], 2, 2, 16, DecodeTiles(64, 4, 2, programs=24, min_split=64)),  # GQA 1, block spans pages
+    ([250, 17], 8, 2, 4, DecodeTiles(16, 4, 2, programs=4, min_split=16)),  # one split: single pass
+    ([200, 3, 90], 16, 1, 8, DecodeTiles(32, 4, 2, programs=64, min_split=96)),  # GQA 16, min_split > block
 ]
 
 
@@ -94,9 +105,9 @@ def test_decode_split_plans_match_ref(case, dtype):
 def test_decode_split_plan_counts():
     """Splits come from host ints only: the program target (floor) capped by max_seq_len / min_split."""
     tiles = DecodeTiles(programs=264, min_split=256)
-    assert decode_splits(1, 2, 8192, tiles) == 32          # 8192 / 256 keys per split
-    assert decode_splits(32, 2, 1024, tiles) == 4           # 264 // 64
-    assert decode_splits(128, 2, 1024, tiles) == 1          # 256 programs already: single pass
+    assert decode_splits(1, 2, 8192, tiles) == 32  # 8192 / 256 keys per split
+    assert decode_splits(32, 2, 1024, tiles) == 4  # 264 // 64
+    assert decode_splits(128, 2, 1024, tiles) == 1  # 256 programs already: single pass
     assert decode_splits(1, 2, 100, tiles) == 1
 
 
@@ -129,8 +140,14 @@ def test_paged_attention_gpu_nano_shapes(case, dtype):
 
 
 # the decode sizes of benchmarks/kernels.py's tune group (bf16), and two of them in fp32 (halved key steps)
-GPU_DECODE_SIZES = [(1, 8192, torch.bfloat16), (32, 1024, torch.bfloat16), (128, 1024, torch.bfloat16),
-                    (256, 2048, torch.bfloat16), (1, 8192, torch.float32), (32, 1024, torch.float32)]
+GPU_DECODE_SIZES = [
+    (1, 8192, torch.bfloat16),
+    (32, 1024, torch.bfloat16),
+    (128, 1024, torch.bfloat16),
+    (256, 2048, torch.bfloat16),
+    (1, 8192, torch.float32),
+    (32, 1024, torch.float32),
+]
 
 
 @gpu
@@ -141,8 +158,12 @@ def test_decode_variants_gpu_nano_shapes(size, tiles):
     """Every decode variant the tune benchmark may pick, at its Nano size (page 64), vs the reference."""
     B, ctx, dtype = size
     args = _setup([1] * B, [ctx - 1] * B, Hq=32, Hkv=2, Dh=128, page_size=64, dtype=dtype, seed=B)
-    assert_close(paged_attention_tiled(*args, PrefillTiles(), tiles), attention.paged_attention_ref(*args), dtype,
-                 f"decode {tiles}")
+    assert_close(
+        paged_attention_tiled(*args, PrefillTiles(), tiles),
+        attention.paged_attention_ref(*args),
+        dtype,
+        f"decode {tiles}",
+    )
 
 
 @gpu

@@ -1,14 +1,15 @@
 """The attention kernels on the strided views the fused qkv_proj hands them (q, k, v split from one output)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.kernels.triton_test_util import DEVICE
 from service.engine.kernels import attention
 from service.engine.kernels.triton_attention import paged_attention
+from tests.kernels.triton_test_util import DEVICE
 
-CASES = [([1, 1, 1], [0, 37, 300]), ([5, 17, 1], [6, 0, 9]), ([33, 2], [0, 3])]   # decode (split-KV); prefill
+CASES = [([1, 1, 1], [0, 37, 300]), ([5, 17, 1], [6, 0, 9]), ([33, 2], [0, 3])]  # decode (split-KV); prefill
 
 
 def _views(T: int, hq: int, hkv: int, dh: int, dtype: torch.dtype, seed: int):
@@ -16,7 +17,7 @@ def _views(T: int, hq: int, hkv: int, dh: int, dtype: torch.dtype, seed: int):
     g = torch.Generator().manual_seed(seed)
     qkv = torch.randn(T, (hq + 2 * hkv) * dh, generator=g).to(DEVICE, dtype)
     q, kv = hq * dh, hkv * dh
-    return (qkv[:, :q].view(T, hq, dh), qkv[:, q:q + kv].view(T, hkv, dh), qkv[:, q + kv:].view(T, hkv, dh))
+    return (qkv[:, :q].view(T, hq, dh), qkv[:, q : q + kv].view(T, hkv, dh), qkv[:, q + kv :].view(T, hkv, dh))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -37,8 +38,17 @@ def test_paged_attention_strided_q_equals_contiguous(case, dtype):
     q = _views(sum(qlens), hq, hkv, dh, dtype, case)[0]
     assert not q.is_contiguous() or q.shape[0] == 1
     qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), device=DEVICE)
-    rest = (k_cache, v_cache, table.to(DEVICE), qsl, torch.tensor(plens, device=DEVICE), max(qlens), max(ctx),
-            page_size, dh ** -0.5)
+    rest = (
+        k_cache,
+        v_cache,
+        table.to(DEVICE),
+        qsl,
+        torch.tensor(plens, device=DEVICE),
+        max(qlens),
+        max(ctx),
+        page_size,
+        dh**-0.5,
+    )
     out = paged_attention(q, *rest)
     assert out.is_contiguous()
     assert torch.equal(out, paged_attention(q.contiguous(), *rest))

@@ -1,20 +1,21 @@
 """Triton conv1d (varlen + decode update) and RMSNorm / gated group RMSNorm vs the torch references."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.kernels.triton_test_util import DEVICE, assert_close, gpu, needs_cuda
 from service.engine.kernels import conv1d, norm
 from service.engine.kernels.triton_conv1d import causal_conv1d_update, causal_conv1d_update_slots, causal_conv1d_varlen
 from service.engine.kernels.triton_norm import gated_group_rms_norm, rms_norm
+from tests.kernels.triton_test_util import DEVICE, assert_close, gpu, needs_cuda
 
 
 def _conv_inputs(qlens, Dm, K, dtype, seed, with_bias):
     g = torch.Generator().manual_seed(seed)
     T = sum(qlens)
     packed = torch.randn(T, Dm + 7, generator=g).to(DEVICE, dtype)
-    x = packed[:, 3:3 + Dm]                                           # strided rows, like in_proj's split
+    x = packed[:, 3 : 3 + Dm]  # strided rows, like in_proj's split
     weight = (torch.randn(Dm, K, generator=g) * 0.5).to(DEVICE, dtype)
     bias = torch.randn(Dm, generator=g).to(DEVICE, dtype) if with_bias else None
     init = torch.randn(len(qlens), Dm, K - 1, generator=g).to(DEVICE, dtype)
@@ -57,7 +58,7 @@ def test_conv_update_slots_matches_ref(K, with_bias, dtype):
     ref = conv1d.causal_conv1d_update_slots_ref(x, weight, bias, pool_ref, slots)
     assert_close(out, ref, dtype, "conv update slots")
     assert torch.equal(pool, pool_ref)
-    assert torch.equal(pool[slots, :, -1], x.to(dtype))     # the newest column is this step's raw input
+    assert torch.equal(pool[slots, :, -1], x.to(dtype))  # the newest column is this step's raw input
 
 
 def test_conv_rejects_bad_shapes():
@@ -81,8 +82,8 @@ def test_rms_norm_matches_ref(shape, dtype):
 @pytest.mark.parametrize("T,Di,group", [(5, 48, 12), (3, 64, 64), (4, 40, 10)])
 def test_gated_rms_norm_matches_ref(T, Di, group, dtype):
     g = torch.Generator().manual_seed(Di)
-    y = torch.randn(T, Di, generator=g).to(DEVICE)                       # SSD output, fp32
-    z = torch.randn(T, 2 * Di + 1, generator=g).to(DEVICE, dtype)[:, 1:Di + 1]   # strided split of in_proj
+    y = torch.randn(T, Di, generator=g).to(DEVICE)  # SSD output, fp32
+    z = torch.randn(T, 2 * Di + 1, generator=g).to(DEVICE, dtype)[:, 1 : Di + 1]  # strided split of in_proj
     w = torch.randn(Di, generator=g).to(DEVICE, dtype)
     out = gated_group_rms_norm(y, z, w, group, 1e-5, dtype)
     assert out.dtype == dtype
@@ -107,5 +108,9 @@ def test_conv_and_norms_gpu_nano_shapes(dtype):
     y = torch.randn(777, 4096, device=DEVICE)
     z = torch.randn(777, 4096, device=DEVICE).to(dtype)
     wg = torch.randn(4096, device=DEVICE).to(dtype)
-    assert_close(gated_group_rms_norm(y, z, wg, 512, 1e-5, dtype),
-                 norm.gated_group_rms_norm_ref(y, z, wg, 512, 1e-5, dtype), dtype, "gated_rms_norm")
+    assert_close(
+        gated_group_rms_norm(y, z, wg, 512, 1e-5, dtype),
+        norm.gated_group_rms_norm_ref(y, z, wg, 512, 1e-5, dtype),
+        dtype,
+        "gated_rms_norm",
+    )

@@ -1,21 +1,22 @@
 """Triton varlen causal conv1d (sliding-window kernel) vs the torch reference: tilings that put token-block starts
 at every position of a request, request starts inside unrolled steps, empty requests, and every tuned variant."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.kernels.triton_test_util import DEVICE, assert_close, gpu, needs_cuda
 from service.engine.kernels import conv1d
-from service.engine.kernels.triton_conv1d import causal_conv1d_varlen, causal_conv1d_varlen_tiled
 from service.engine.kernels.tiles import CONV_TILE_VARIANTS, ConvTiles
+from service.engine.kernels.triton_conv1d import causal_conv1d_varlen, causal_conv1d_varlen_tiled
+from tests.kernels.triton_test_util import DEVICE, assert_close, gpu, needs_cuda
 
 
 def _inputs(qlens, Dm, K, dtype, seed, with_bias=True):
     """Packed x with strided rows (a split of a wider projection), nonzero initial states, qlens may hold zeros."""
     g = torch.Generator().manual_seed(seed)
     T = sum(qlens)
-    x = torch.randn(T, Dm + 5, generator=g).to(DEVICE, dtype)[:, 2:2 + Dm]
+    x = torch.randn(T, Dm + 5, generator=g).to(DEVICE, dtype)[:, 2 : 2 + Dm]
     weight = (torch.randn(Dm, K, generator=g) * 0.5).to(DEVICE, dtype)
     bias = torch.randn(Dm, generator=g).to(DEVICE, dtype) if with_bias else None
     init = torch.randn(len(qlens), Dm, K - 1, generator=g).to(DEVICE, dtype)
@@ -26,10 +27,10 @@ def _inputs(qlens, Dm, K, dtype, seed, with_bias=True):
 
 SMALL_TILES = [ConvTiles(4, 16, 1, 2), ConvTiles(8, 32, 1, 4), ConvTiles(3, 16, 1, 1), ConvTiles(16, 64, 2, 8)]
 QLENS = [
-    [5, 1, 2, 9, 3, 13],          # short requests: starts at every offset of a step and of a token block
-    [3, 0, 21, 0, 1],             # empty requests between others
-    [37],                         # one request over many blocks: blocks start at j = 4, 8, ... (window from x)
-    [1, 1, 1, 1, 1, 1, 1],        # decode-like rows: every token starts a request
+    [5, 1, 2, 9, 3, 13],  # short requests: starts at every offset of a step and of a token block
+    [3, 0, 21, 0, 1],  # empty requests between others
+    [37],  # one request over many blocks: blocks start at j = 4, 8, ... (window from x)
+    [1, 1, 1, 1, 1, 1, 1],  # decode-like rows: every token starts a request
 ]
 
 
@@ -49,8 +50,12 @@ def test_conv_varlen_narrow_widths_match_ref(K, with_bias):
     """Widths below 4: the unused window rows and weight columns are zeros."""
     args = _inputs([6, 2, 11, 1], 24, K, torch.float32, seed=K, with_bias=with_bias)
     for tiles in (ConvTiles(4, 16, 1, 2), ConvTiles(8, 32, 1, 8)):
-        assert_close(causal_conv1d_varlen_tiled(*args, tiles), conv1d.causal_conv1d_varlen_ref(*args),
-                     torch.float32, f"conv varlen K={K} {tiles}")
+        assert_close(
+            causal_conv1d_varlen_tiled(*args, tiles),
+            conv1d.causal_conv1d_varlen_ref(*args),
+            torch.float32,
+            f"conv varlen K={K} {tiles}",
+        )
 
 
 def test_conv_varlen_state_in_another_dtype():
@@ -58,8 +63,12 @@ def test_conv_varlen_state_in_another_dtype():
     x, weight, bias, init, qsl, token_req = _inputs([2, 7, 1], 32, 4, torch.float16, seed=3)
     init = torch.randn(init.shape, generator=torch.Generator().manual_seed(9)).to(DEVICE)
     args = (x, weight, bias, init, qsl, token_req)
-    assert_close(causal_conv1d_varlen_tiled(*args, ConvTiles(4, 16, 1, 2)), conv1d.causal_conv1d_varlen_ref(*args),
-                 torch.float16, "conv varlen fp32 state")
+    assert_close(
+        causal_conv1d_varlen_tiled(*args, ConvTiles(4, 16, 1, 2)),
+        conv1d.causal_conv1d_varlen_ref(*args),
+        torch.float16,
+        "conv varlen fp32 state",
+    )
 
 
 def test_conv_varlen_rejects_bad_tiles_and_widths():
@@ -78,8 +87,12 @@ def test_conv_tile_variants_are_valid():
     assert CONV_TILE_VARIANTS[0] == ConvTiles()
     args = _inputs([5, 3], 16, 4, torch.float32, seed=1)
     for tiles in CONV_TILE_VARIANTS:
-        assert_close(causal_conv1d_varlen_tiled(*args, tiles), conv1d.causal_conv1d_varlen_ref(*args),
-                     torch.float32, f"conv varlen {tiles}")
+        assert_close(
+            causal_conv1d_varlen_tiled(*args, tiles),
+            conv1d.causal_conv1d_varlen_ref(*args),
+            torch.float32,
+            f"conv varlen {tiles}",
+        )
 
 
 NANO_QLENS = [[8192], [2 * 128 + 3, 1, 1000, 2, 0, 517]]
@@ -93,5 +106,6 @@ NANO_QLENS = [[8192], [2 * 128 + 3, 1, 1000, 2, 0, 517]]
 def test_conv_varlen_variants_gpu_nano_shapes(case, tiles, dtype):
     """Every variant the tune benchmark may pick, at Nano's conv_dim 6144, width 4, vs the reference."""
     args = _inputs(NANO_QLENS[case], 64 * 64 + 2 * 8 * 128, 4, dtype, seed=30 + case)
-    assert_close(causal_conv1d_varlen_tiled(*args, tiles), conv1d.causal_conv1d_varlen_ref(*args), dtype,
-                 f"conv varlen {tiles}")
+    assert_close(
+        causal_conv1d_varlen_tiled(*args, tiles), conv1d.causal_conv1d_varlen_ref(*args), dtype, f"conv varlen {tiles}"
+    )

@@ -1,14 +1,15 @@
 """The engine with kernel_backend="triton" vs "torch" on the tiny NemotronH checkpoint."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.kernels.triton_test_util import DEVICE, gpu, needs_cuda
 from service.engine import Engine, EngineConfig, SamplingParams
 from service.engine.kernels import get_kernels
 from service.engine.kernels.triton_backend import TORCH_REFERENCE_OPS
 from service.testing.tiny import make_tiny_model
+from tests.kernels.triton_test_util import DEVICE, gpu, needs_cuda
 from tests.outputs import assert_same_outputs
 
 # prompt lengths vs chunk 16 / page 4: unaligned first request, < C, = C, k*C +- 1
@@ -21,9 +22,18 @@ def tiny_dir(tmp_path_factory) -> str:
 
 
 def _run(path: str, backend: str, dtype: str, max_tokens: int) -> list:
-    engine = Engine(EngineConfig(model_path=path, device=DEVICE, dtype=dtype, mamba_cache_strategy="off", page_size=4,
-                                 max_num_seqs=8,
-                                 max_num_batched_tokens=64, kernel_backend=backend))
+    engine = Engine(
+        EngineConfig(
+            model_path=path,
+            device=DEVICE,
+            dtype=dtype,
+            mamba_cache_strategy="off",
+            page_size=4,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            kernel_backend=backend,
+        )
+    )
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in PROMPT_LENS]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=True)
@@ -34,8 +44,16 @@ def test_bundle_names_its_torch_reference_ops():
     k = get_kernels("triton")
     ref = get_kernels("torch")
     assert k.name == "triton"
-    for field in ("ssd_varlen", "selective_state_update", "conv_varlen", "conv_update", "paged_attention",
-                  "moe_experts", "rms_norm", "gated_rms_norm"):
+    for field in (
+        "ssd_varlen",
+        "selective_state_update",
+        "conv_varlen",
+        "conv_update",
+        "paged_attention",
+        "moe_experts",
+        "rms_norm",
+        "gated_rms_norm",
+    ):
         assert getattr(k, field) is not getattr(ref, field), field
     for field in TORCH_REFERENCE_OPS:
         assert getattr(k, field) is getattr(ref, field), field

@@ -1,4 +1,5 @@
 """Fused ops that cut launches per decode step: residual add + RMSNorm, ReLU², and the decode launch count."""
+
 from __future__ import annotations
 
 import collections
@@ -8,12 +9,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.kernels.triton_test_util import DEVICE, assert_close, gpu, needs_cuda
 from service.engine import Engine, EngineConfig, SamplingParams
 from service.engine.kernels import moe, norm
 from service.engine.kernels.triton_activation import relu2
 from service.engine.kernels.triton_norm import add_rms_norm
 from service.testing.tiny import make_tiny_model
+from tests.kernels.triton_test_util import DEVICE, assert_close, gpu, needs_cuda
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Triton's CPU interpreter rounds fp32 -> bf16 toward zero (the GPU rounds to nearest even, like torch), so bf16
@@ -32,19 +33,19 @@ def _assert_same_rounding(out: torch.Tensor, ref: torch.Tensor) -> None:
 def _check_add_rms_norm(shape, dtype, seed, strided=False):
     g = torch.Generator().manual_seed(seed)
     d = shape[-1]
-    h = (torch.randn(*shape, generator=g) * 3).to(DEVICE, dtype)                    # the residual stream
+    h = (torch.randn(*shape, generator=g) * 3).to(DEVICE, dtype)  # the residual stream
     out = torch.randn(*shape[:-1], d + 5, generator=g).to(DEVICE, dtype)
-    out = out[..., 2:2 + d] if strided else out[..., :d].contiguous()             # the mixer's output
+    out = out[..., 2 : 2 + d] if strided else out[..., :d].contiguous()  # the mixer's output
     w = torch.randn(d, generator=g).to(DEVICE, dtype)
     h_before, out_before = h.clone(), out.clone()
     normed, new_h = add_rms_norm(out, h, w, 1e-5)
     ref_normed, ref_h = norm.add_rms_norm_ref(out, h, w, 1e-5)
     assert normed.dtype == new_h.dtype == dtype and normed.shape == new_h.shape == h.shape
-    _assert_same_rounding(new_h, h + out)                   # bit-equal to the forward's former `h = h + out`
+    _assert_same_rounding(new_h, h + out)  # bit-equal to the forward's former `h = h + out`
     assert torch.equal(ref_h, h + out)
     assert torch.equal(ref_normed, norm.rms_norm_ref(h + out, w, 1e-5))
     assert_close(normed, ref_normed, dtype, "add_rms_norm")
-    assert torch.equal(h, h_before) and torch.equal(out, out_before)     # out of place
+    assert torch.equal(h, h_before) and torch.equal(out, out_before)  # out of place
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -97,7 +98,7 @@ def test_relu2_keeps_nan_and_rejects_strided():
 def test_add_rms_norm_and_relu2_gpu_nano_shapes(dtype):
     for T in (1, 64, 777):
         _check_add_rms_norm((T, 2688), dtype, seed=T)
-        x = torch.randn(T, 3712, device=DEVICE).to(dtype)       # shared expert intermediate
+        x = torch.randn(T, 3712, device=DEVICE).to(dtype)  # shared expert intermediate
         assert torch.equal(relu2(x), moe.relu2(x))
 
 
@@ -127,9 +128,18 @@ class _AtenCounter(TorchDispatchMode):
 
 def _count_decode_forward(path: str) -> tuple[collections.Counter, collections.Counter]:
     """(aten ops outside Kernels ops, Kernels op calls) of the last decode-only forward of a short greedy run."""
-    engine = Engine(EngineConfig(model_path=path, device=DEVICE, dtype="float32", mamba_cache_strategy="off", page_size=4,
-                                 max_num_seqs=4,
-                                 kernel_backend="triton", cuda_graphs=False))   # eager: the hooks see the forward
+    engine = Engine(
+        EngineConfig(
+            model_path=path,
+            device=DEVICE,
+            dtype="float32",
+            mamba_cache_strategy="off",
+            page_size=4,
+            max_num_seqs=4,
+            kernel_backend="triton",
+            cuda_graphs=False,
+        )
+    )  # eager: the hooks see the forward
     model = engine.runner.model
     counter, calls, seen = _AtenCounter(), collections.Counter(), []
 
@@ -141,10 +151,13 @@ def _count_decode_forward(path: str) -> tuple[collections.Counter, collections.C
                 return fn(*args, **kwargs)
             finally:
                 counter.in_op -= 1
+
         return call
+
     k = model.kernels
-    model.kernels = dataclasses.replace(k, **{f.name: counted(f.name, getattr(k, f.name))
-                                              for f in dataclasses.fields(k) if f.name != "name"})
+    model.kernels = dataclasses.replace(
+        k, **{f.name: counted(f.name, getattr(k, f.name)) for f in dataclasses.fields(k) if f.name != "name"}
+    )
 
     def pre(mod, args):
         counter.ops.clear()
@@ -155,11 +168,11 @@ def _count_decode_forward(path: str) -> tuple[collections.Counter, collections.C
         if counter.on:
             seen.append((collections.Counter(counter.ops), collections.Counter(calls)))
         counter.on = False
+
     model.register_forward_pre_hook(pre)
     model.register_forward_hook(post)
     with counter:
-        engine.generate([[5, 6, 7, 8, 9], [11, 12, 13]], SamplingParams(max_tokens=3, temperature=0.0,
-                                                                         ignore_eos=True))
+        engine.generate([[5, 6, 7, 8, 9], [11, 12, 13]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert seen, "no decode-only forward ran"
     return seen[-1]
 
@@ -173,13 +186,15 @@ def test_decode_forward_uses_fused_ops(tmp_path):
     (batch 2; at batch 1 the norm + linear fusions save 7 more)."""
     path = make_tiny_model(str(tmp_path / "tiny"), seed=3)
     ops, calls = _count_decode_forward(path)
-    layers = "M*MEM-M*E"                                      # the tiny model's pattern
+    layers = "M*MEM-M*E"  # the tiny model's pattern
     later_mamba = layers[1:].count("M")
     assert calls["rms_norm"] == 1 and calls["add_rms_norm"] == len(layers) - later_mamba
     assert calls["add_rms_norm_linear"] == later_mamba and calls["gated_norm_linear"] == layers.count("M")
     assert calls["selective_state_update_slots_raw_dt"] == layers.count("M")
-    assert calls["relu2"] == layers.count("-")        # the MoE shared expert runs inside moe_experts
+    assert calls["relu2"] == layers.count("-")  # the MoE shared expert runs inside moe_experts
     assert calls["moe_experts"] == layers.count("E")
     assert not [op for op in REMOVED_OPS if ops[op]], dict(ops)
-    print(f"decode forward: {sum(ops.values())} torch ops outside Kernels ops {dict(ops)}; "
-          f"{sum(calls.values())} Kernels calls {dict(calls)}")
+    print(
+        f"decode forward: {sum(ops.values())} torch ops outside Kernels ops {dict(ops)}; "
+        f"{sum(calls.values())} Kernels calls {dict(calls)}"
+    )

@@ -1,24 +1,40 @@
 """Triton GEMV (decode linear layers) vs F.linear: 1-4 rows, odd N and K, bias, split-K with the last-arriver
 reduction, persistent counters, every tuned launch shape; and the MoE decode tile variants vs moe_experts_ref."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.kernels.triton_test_util import DEVICE, TOL, assert_close, assert_pdl_chain_bit_equal, gpu, moe_inputs, needs_cuda
 from service.engine.kernels import moe
-from service.engine.kernels.triton_gemv import gemv
 from service.engine.kernels.linear import gemv_ref
-from service.engine.kernels.tiles import GEMV_SHAPES, GEMV_TILE_VARIANTS, GemvTiles, default_gemv_tiles
+from service.engine.kernels.tiles import (
+    GEMV_SHAPES,
+    GEMV_TILE_VARIANTS,
+    MOE_DECODE_TILE_VARIANTS,
+    GemvTiles,
+    MoeTiles,
+    default_gemv_tiles,
+    default_tiles,
+)
+from service.engine.kernels.triton_gemv import gemv
 from service.engine.kernels.triton_moe import moe_experts_tiled
-from service.engine.kernels.tiles import MOE_DECODE_TILE_VARIANTS, MoeTiles, default_tiles
+from tests.kernels.triton_test_util import (
+    DEVICE,
+    TOL,
+    assert_close,
+    assert_pdl_chain_bit_equal,
+    gpu,
+    moe_inputs,
+    needs_cuda,
+)
 
 
 def _inputs(M, N, K, dtype, seed, bias=True, row_pad=0):
     """x [M, K] (rows strided by K + row_pad, unit inner stride), weight [N, K] ~ N(0, 1/K), bias [N] or None."""
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     x = torch.randn(M, K + row_pad, generator=g, device=DEVICE).to(dtype)[:, row_pad:]
-    w = (torch.randn(N, K, generator=g, device=DEVICE) * K ** -0.5).to(dtype)
+    w = (torch.randn(N, K, generator=g, device=DEVICE) * K**-0.5).to(dtype)
     b = torch.randn(N, generator=g, device=DEVICE).to(dtype) if bias else None
     return x, w, b
 
@@ -32,13 +48,26 @@ def _check(x, w, b, tiles, what, **kw):
     return y
 
 
-SMALL_TILES = [GemvTiles(8, 64, 4), GemvTiles(8, 64, 4, False), GemvTiles(16, 32, 2, True, 3),
-               GemvTiles(4, 128, 4, False, 2), GemvTiles(2, 256, 1, True, 4)]
+SMALL_TILES = [
+    GemvTiles(8, 64, 4),
+    GemvTiles(8, 64, 4, False),
+    GemvTiles(16, 32, 2, True, 3),
+    GemvTiles(4, 128, 4, False, 2),
+    GemvTiles(2, 256, 1, True, 4),
+]
 SMALL_SHAPES = [(1, 1), (37, 100), (64, 256), (5, 1000), (33, 17)]
 
 
-ROWS_DTYPES = [(1, torch.float32), (2, torch.float32), (3, torch.float32), (4, torch.float32), (1, torch.float16),
-               (3, torch.float16), (1, torch.bfloat16), (4, torch.bfloat16)]
+ROWS_DTYPES = [
+    (1, torch.float32),
+    (2, torch.float32),
+    (3, torch.float32),
+    (4, torch.float32),
+    (1, torch.float16),
+    (3, torch.float16),
+    (1, torch.bfloat16),
+    (4, torch.bfloat16),
+]
 
 
 @pytest.mark.parametrize("M,dtype", ROWS_DTYPES, ids=str)
@@ -89,15 +118,20 @@ def test_gemv_empty_and_rejects_bad_arguments():
     assert gemv(x, w[:0], None).shape == (2, 0)
     torch.testing.assert_close(gemv(x[:, :0], w[:, :0].contiguous(), b), b.expand(2, 6))
     bad = [
-        lambda: gemv(torch.randn(5, 8, device=DEVICE), w),                       # 5 rows > MAX_ROWS
-        lambda: gemv(x, w.t().contiguous().t()),                                  # weight not contiguous
-        lambda: gemv(x, w.half()),                                                # dtype mismatch
-        lambda: gemv(x, w, b[:5]),                                                # bias shape
-        lambda: gemv(x, w[:, :7].contiguous()),                                   # K mismatch
-        lambda: gemv(x.t()[:2], w[:, :2].contiguous()),                           # x not unit stride in K
-        lambda: gemv(x.long(), w.long()),                                         # integer dtype
-        lambda: gemv(torch.ones(1, 64, device=DEVICE), torch.ones(6, 64, device=DEVICE), None,
-                     GemvTiles(2, 16, 1, True, 2), torch.zeros(2, dtype=torch.int32, device=DEVICE)),  # 3 blocks
+        lambda: gemv(torch.randn(5, 8, device=DEVICE), w),  # 5 rows > MAX_ROWS
+        lambda: gemv(x, w.t().contiguous().t()),  # weight not contiguous
+        lambda: gemv(x, w.half()),  # dtype mismatch
+        lambda: gemv(x, w, b[:5]),  # bias shape
+        lambda: gemv(x, w[:, :7].contiguous()),  # K mismatch
+        lambda: gemv(x.t()[:2], w[:, :2].contiguous()),  # x not unit stride in K
+        lambda: gemv(x.long(), w.long()),  # integer dtype
+        lambda: gemv(
+            torch.ones(1, 64, device=DEVICE),
+            torch.ones(6, 64, device=DEVICE),
+            None,
+            GemvTiles(2, 16, 1, True, 2),
+            torch.zeros(2, dtype=torch.int32, device=DEVICE),
+        ),  # 3 blocks
     ]
     for call in bad:
         with pytest.raises(ValueError):
@@ -148,7 +182,7 @@ def test_gemv_gpu_cuda_graph(persistent):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        gemv(x, w, None, tiles, counters)                               # compile outside the capture
+        gemv(x, w, None, tiles, counters)  # compile outside the capture
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -180,6 +214,7 @@ def test_linear_dispatch_by_shape():
     """`triton_gemv.linear`: one row on a small weight runs gemv (bit-equal to it), more rows or a weight above
     MAX_GEMV_WEIGHT_ELEMENTS run F.linear (bit-equal to it); both match the reference."""
     from service.engine.kernels.triton_gemv import linear
+
     g = torch.Generator().manual_seed(5)
     w = torch.randn(24, 40, generator=g).to(DEVICE)
     b = torch.randn(24, generator=g).to(DEVICE)
@@ -190,6 +225,7 @@ def test_linear_dispatch_by_shape():
     x3 = torch.randn(3, 40, generator=g).to(DEVICE)
     assert torch.equal(linear(x3, w, b), torch.nn.functional.linear(x3, w, b))
     from service.engine.kernels.triton_gemv import MAX_GEMV_WEIGHT_ELEMENTS
+
     big = torch.randn(MAX_GEMV_WEIGHT_ELEMENTS // 64 + 1, 64, generator=g).to(DEVICE)
     xb = torch.randn(1, 64, generator=g).to(DEVICE)
     assert torch.equal(linear(xb, big), torch.nn.functional.linear(xb, big))
@@ -200,6 +236,7 @@ def test_linear_dispatch_by_shape():
 def test_use_pdl_only_on_cuda():
     """Programmatic dependent launch is chosen by the tensor's device: never for CPU tensors (the interpreter)."""
     from service.engine.kernels.triton_common import use_pdl
+
     assert not use_pdl(torch.zeros(1))
     if torch.cuda.is_available():
         assert use_pdl(torch.zeros(1, device="cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
@@ -212,8 +249,12 @@ def test_gemv_gpu_pdl_chain_in_graph():
     in a CUDA graph with PDL and without: bit-equal outputs on every replay with new inputs, and equal to the
     eager chain. A PDL kernel reading its input before the previous kernel finished would break this."""
     g = torch.Generator(device=DEVICE).manual_seed(5)
-    ws = [(torch.randn((3712, 2688) if i % 2 == 0 else (2688, 3712), generator=g, device=DEVICE) * 0.02)
-          .to(torch.bfloat16) for i in range(12)]
+    ws = [
+        (torch.randn((3712, 2688) if i % 2 == 0 else (2688, 3712), generator=g, device=DEVICE) * 0.02).to(
+            torch.bfloat16
+        )
+        for i in range(12)
+    ]
     x = torch.randn(1, 2688, generator=g, device=DEVICE).to(torch.bfloat16)
 
     def chain(pdl: bool) -> torch.Tensor:
@@ -221,5 +262,7 @@ def test_gemv_gpu_pdl_chain_in_graph():
         for w in ws:
             y = gemv(y, w, pdl=pdl)
         return y
-    assert_pdl_chain_bit_equal(chain, lambda: x.copy_(torch.randn(1, 2688, generator=g, device=DEVICE)
-                                                      .to(torch.bfloat16)))
+
+    assert_pdl_chain_bit_equal(
+        chain, lambda: x.copy_(torch.randn(1, 2688, generator=g, device=DEVICE).to(torch.bfloat16))
+    )

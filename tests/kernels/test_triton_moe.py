@@ -1,17 +1,17 @@
 """Triton MoE: the router and the expert alignment (one launch each) and the sorted-token grouped GEMMs, each vs
 its torch reference."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.kernels.triton_test_util import DEVICE, assert_close, gpu, moe_inputs, needs_cuda
 from service.engine.kernels import moe
-from service.engine.kernels.triton_moe import align_by_expert, align_into, moe_experts, moe_route
 from service.engine.kernels.moe import align_by_expert_ref
-from service.engine.kernels.tiles import ALIGN_TILE_VARIANTS, AlignTiles, default_tiles
+from service.engine.kernels.tiles import ALIGN_TILE_VARIANTS, ROUTE_TILE_VARIANTS, AlignTiles, RouteTiles, default_tiles
+from service.engine.kernels.triton_moe import align_by_expert, align_into, moe_experts, moe_route
 from service.engine.kernels.triton_moe_route import moe_route_tiled
-from service.engine.kernels.tiles import ROUTE_TILE_VARIANTS, RouteTiles
+from tests.kernels.triton_test_util import DEVICE, assert_close, gpu, moe_inputs, needs_cuda
 
 NANO = dict(d=2688, E=128, k=6)
 SUPER = dict(d=4096, E=512, k=22)
@@ -25,7 +25,7 @@ def _router_inputs(T, E, d, dtype, seed):
     """h [T, d], gate [E, d] fp32 with logits ~ N(0, 1), bias [E] ~ N(0, 0.1)."""
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(T, d, generator=g).to(DEVICE, dtype)
-    gate = (torch.randn(E, d, generator=g) * d ** -0.5).to(DEVICE)
+    gate = (torch.randn(E, d, generator=g) * d**-0.5).to(DEVICE)
     return h, gate, (torch.randn(E, generator=g) * 0.1).to(DEVICE)
 
 
@@ -85,11 +85,11 @@ def test_moe_route_prefill_blocks():
     _assert_route_matches(*_router_inputs(1100, 64, 32, torch.float32, seed=8), 6, 4, 2, True)
 
 
-ROUTE_TILES_CPU = [          # (T, E, d, h dtype, tiles): K split in several slices, several token blocks
-    (1, 64, 100, torch.float32, RouteTiles("fma", 1, 8, 16, 1, 4)),           # 8 x 7 arrivals, one step
-    (7, 64, 100, torch.float16, RouteTiles("fma", 4, 16, 16, 2, 2)),          # 2 token blocks, 4 x 4 arrivals
-    (40, 48, 100, torch.float32, RouteTiles("ieee", 16, 16, 16, 2, 4)),       # E not a power of 2, ragged K
-    (40, 64, 160, torch.float32, RouteTiles("ieee", 16, 64, 16, 1, 4)),       # 10 K slices: two partial-sum loads
+ROUTE_TILES_CPU = [  # (T, E, d, h dtype, tiles): K split in several slices, several token blocks
+    (1, 64, 100, torch.float32, RouteTiles("fma", 1, 8, 16, 1, 4)),  # 8 x 7 arrivals, one step
+    (7, 64, 100, torch.float16, RouteTiles("fma", 4, 16, 16, 2, 2)),  # 2 token blocks, 4 x 4 arrivals
+    (40, 48, 100, torch.float32, RouteTiles("ieee", 16, 16, 16, 2, 4)),  # E not a power of 2, ragged K
+    (40, 64, 160, torch.float32, RouteTiles("ieee", 16, 64, 16, 1, 4)),  # 10 K slices: two partial-sum loads
     (40, 64, 100, torch.bfloat16, RouteTiles("bf16x3", 16, 32, 16, 1, 4)),
     (33, 64, 100, torch.bfloat16, RouteTiles("bf16x3", 32, 16, 32, 2, 4)),
 ]
@@ -103,15 +103,21 @@ def test_moe_route_tiles_split_k(T, E, d, dtype, tiles):
     _assert_route_matches(h, gate, bias, 6, 4, 2, False, tiles)
 
 
-@pytest.mark.parametrize("T,dtype,tiles", [(5, torch.float32, None), (40, torch.float32, None),
-                                           (40, torch.bfloat16, None),
-                                           (3, torch.float32, RouteTiles("fma", 4, 4, 8, 2, 1))])
+@pytest.mark.parametrize(
+    "T,dtype,tiles",
+    [
+        (5, torch.float32, None),
+        (40, torch.float32, None),
+        (40, torch.bfloat16, None),
+        (3, torch.float32, RouteTiles("fma", 4, 4, 8, 2, 1)),
+    ],
+)
 def test_moe_route_exact_ties_pick_the_lowest_index(T, dtype, tiles):
     """Exact ties (integer h, gate rows repeated, multiples of 1/16: every summation order is exact): the picks
     are the stable descending order of the choices, i.e. ties go to the lowest expert index."""
     g = torch.Generator().manual_seed(T)
     h = torch.randint(-3, 4, (T, 32), generator=g).float()
-    gate = (torch.randint(-2, 3, (8, 32), generator=g).float() / 16).repeat(8, 1)        # 64 experts, 8 distinct
+    gate = (torch.randint(-2, 3, (8, 32), generator=g).float() / 16).repeat(8, 1)  # 64 experts, 8 distinct
     bias = torch.zeros(64)
     bias[40:] = 1 / 64
     w, ids = moe_route_tiled(h.to(DEVICE, dtype), gate.to(DEVICE), bias.to(DEVICE), 6, 1, 1, True, 1.0, tiles)
@@ -124,9 +130,12 @@ def test_moe_route_exact_ties_pick_the_lowest_index(T, dtype, tiles):
 
 def test_moe_route_rejects_bad_tiles():
     h, gate, bias = _router_inputs(3, 8, 16, torch.float32, seed=0)
-    for tiles in (RouteTiles("bf16x3", 16, 16, 16, 1, 4),          # fp32 h: the bf16 split is not exact
-                  RouteTiles("ieee", 8, 16, 16, 1, 4),            # tl.dot needs 16-wide tiles
-                  RouteTiles("fma", 1, 8, 24, 1, 4), RouteTiles("tf32", 16, 16, 16, 1, 4)):
+    for tiles in (
+        RouteTiles("bf16x3", 16, 16, 16, 1, 4),  # fp32 h: the bf16 split is not exact
+        RouteTiles("ieee", 8, 16, 16, 1, 4),  # tl.dot needs 16-wide tiles
+        RouteTiles("fma", 1, 8, 24, 1, 4),
+        RouteTiles("tf32", 16, 16, 16, 1, 4),
+    ):
         with pytest.raises(ValueError):
             moe_route_tiled(h, gate, bias, 2, 1, 1, True, 1.0, tiles)
 
@@ -140,7 +149,7 @@ def test_moe_route_group_limit_changes_the_choice():
 
 def test_moe_route_strided_h_and_empty():
     base, gate, bias = _router_inputs(9, 16, 40, torch.float32, seed=2)
-    h = base[:, 4:36]                                  # unit stride in d, row stride 40
+    h = base[:, 4:36]  # unit stride in d, row stride 40
     gate = gate[:, :32].contiguous()
     _assert_route_matches(h, gate, bias, 3, 1, 1, True)
     w0, ids0 = moe_route(h[:0], gate, bias, 3, 1, 1, True, 1.0)
@@ -150,13 +159,13 @@ def test_moe_route_strided_h_and_empty():
 def test_moe_route_rejects_bad_arguments():
     h, gate, bias = _router_inputs(3, 8, 16, torch.float32, seed=0)
     with pytest.raises(ValueError):
-        moe_route(h, gate, bias, 9, 1, 1, True, 1.0)          # top_k > E
+        moe_route(h, gate, bias, 9, 1, 1, True, 1.0)  # top_k > E
     with pytest.raises(ValueError):
-        moe_route(h, gate, bias, 2, 3, 1, True, 1.0)          # n_group does not divide E
+        moe_route(h, gate, bias, 2, 3, 1, True, 1.0)  # n_group does not divide E
     with pytest.raises(ValueError):
-        moe_route(h, gate, bias, 5, 4, 2, True, 1.0)          # top_k > experts in the kept groups
+        moe_route(h, gate, bias, 5, 4, 2, True, 1.0)  # top_k > experts in the kept groups
     with pytest.raises(ValueError):
-        moe_route(h, gate[:, :8], bias, 2, 1, 1, True, 1.0)   # d mismatch
+        moe_route(h, gate[:, :8], bias, 2, 1, 1, True, 1.0)  # d mismatch
 
 
 # ---------------- align_by_expert ----------------
@@ -188,8 +197,16 @@ def test_align_by_expert_many_chunks_and_odd_sizes():
     _assert_alignment_equal(torch.zeros(0, 6, dtype=torch.int64, device=DEVICE), 8, 16)
 
 
-@pytest.mark.parametrize("tiles", [AlignTiles(True, 4, 2, 4), AlignTiles(True, 8, 64, 2), AlignTiles(True, 32, 8, 4),
-                                   AlignTiles(False, 128, 4, 4), AlignTiles(False, 256, 2, 8)])
+@pytest.mark.parametrize(
+    "tiles",
+    [
+        AlignTiles(True, 4, 2, 4),
+        AlignTiles(True, 8, 64, 2),
+        AlignTiles(True, 32, 8, 4),
+        AlignTiles(False, 128, 4, 4),
+        AlignTiles(False, 256, 2, 8),
+    ],
+)
 def test_align_by_expert_tiles(tiles):
     """Chunk owners (pairs before the chunk from a prefix histogram, ranks inside it from a [chunk, chunk] compare)
     and expert owners (several scan steps, the next one prefetched), uniform and skewed ids."""
@@ -198,7 +215,7 @@ def test_align_by_expert_tiles(tiles):
 
 
 def test_align_by_expert_rejects_bad_tiles():
-    ids = _random_ids(700, 8, 3, seed=0)                                          # 2100 pairs: too many for one tile
+    ids = _random_ids(700, 8, 3, seed=0)  # 2100 pairs: too many for one tile
     for tiles in (AlignTiles(True, 16, 1, 4), AlignTiles(False, 64, 1, 4), AlignTiles(False, 128, 3, 4)):
         with pytest.raises(ValueError):
             _assert_alignment_equal(ids, 8, 16, tiles=tiles)
@@ -325,10 +342,11 @@ def test_moe_route_and_align_in_cuda_graph_without_sync(T):
     def step():
         w, ids = moe_route(h, gate, bias, NANO["k"], 1, 1, True, 2.5)
         return w, ids, align_by_expert(ids, NANO["E"], 16)
+
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        step()                                                          # compile outside the capture
+        step()  # compile outside the capture
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -341,7 +359,7 @@ def test_moe_route_and_align_in_cuda_graph_without_sync(T):
     for seed in (1, 2, 3):
         h.copy_(_router_inputs(T, NANO["E"], NANO["d"], torch.bfloat16, seed=seed)[0])
         graph.replay()
-        w_eager, ids_eager = moe_route(h, gate, bias, NANO["k"], 1, 1, True, 2.5)     # checked vs the ref above
+        w_eager, ids_eager = moe_route(h, gate, bias, NANO["k"], 1, 1, True, 2.5)  # checked vs the ref above
         assert torch.equal(ids, ids_eager) and torch.equal(w, w_eager)
         ref = align_by_expert_ref(ids_eager, NANO["E"], 16)
         assert torch.equal(al.sorted_pairs, ref.sorted_pairs) and torch.equal(al.block_expert, ref.block_expert)
@@ -349,18 +367,20 @@ def test_moe_route_and_align_in_cuda_graph_without_sync(T):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("T,dtype", [(1, torch.bfloat16), (128, torch.bfloat16), (2048, torch.bfloat16),
-                                     (128, torch.float32), (2048, torch.float32)])
+@pytest.mark.parametrize(
+    "T,dtype",
+    [(1, torch.bfloat16), (128, torch.bfloat16), (2048, torch.bfloat16), (128, torch.float32), (2048, torch.float32)],
+)
 def test_moe_experts_gpu_nano_shapes(T, dtype):
     args = _inputs(T, E=128, k=6, d=2688, inter=1856, dtype=dtype, seed=T)
     assert_close(moe_experts(*args), moe.moe_experts_ref(*args), dtype, "moe_experts")
-
 
 
 def test_max_expert_blocks_bounds_every_routing():
     """The static block count covers sum_e ceil(count_e / block_m) for any split of the pairs over the experts,
     including the worst case (every non-empty expert one pair past a block boundary)."""
     from service.engine.kernels.moe import max_expert_blocks
+
     g = torch.Generator().manual_seed(0)
     for _ in range(300):
         E = int(torch.randint(1, 300, (1,), generator=g))
@@ -368,9 +388,9 @@ def test_max_expert_blocks_bounds_every_routing():
         tk = int(torch.randint(0, 5000, (1,), generator=g))
         counts = torch.bincount(torch.randint(0, E, (tk,), generator=g), minlength=E) if tk else torch.zeros(E)
         assert int(((counts + bm - 1) // bm).sum()) <= max_expert_blocks(tk, E, bm)
-        worst = min(E, tk)                               # worst: `worst` experts with 1 + j * bm pairs
+        worst = min(E, tk)  # worst: `worst` experts with 1 + j * bm pairs
         if worst and tk >= worst:
             per = [1] * worst
             per[0] += tk - worst
             assert sum(-(-c // bm) for c in per) <= max_expert_blocks(tk, E, bm)
-    assert max_expert_blocks(6, 128, 16) == 7                   # Nano decode, batch 1: 7 blocks, not 129
+    assert max_expert_blocks(6, 128, 16) == 7  # Nano decode, batch 1: 7 blocks, not 129

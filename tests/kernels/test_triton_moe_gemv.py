@@ -1,23 +1,31 @@
 """Grouped-GEMV MoE experts (batch-1/2 decode) vs the torch reference and the tiled Triton path; the shared expert
 folded into them (and into the reference, vs a plain-torch oracle)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.kernels.triton_test_util import DEVICE, assert_close, gpu, moe_inputs, needs_cuda
 from service.engine.kernels import moe
-from service.engine.kernels.triton_moe import moe_experts
-from service.engine.kernels.triton_moe_gemv import MAX_GEMV_PAIRS, moe_experts_by_size, moe_experts_gemv, moe_experts_tiled_shared
 from service.engine.kernels.tiles import EXPERT_GEMV_TILE_VARIANTS, ExpertGemvTiles
+from service.engine.kernels.triton_moe import moe_experts
+from service.engine.kernels.triton_moe_gemv import (
+    MAX_GEMV_PAIRS,
+    moe_experts_by_size,
+    moe_experts_gemv,
+    moe_experts_tiled_shared,
+)
+from tests.kernels.triton_test_util import DEVICE, assert_close, gpu, moe_inputs, needs_cuda
 
 
 def _shared_weights(S: int, d: int, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
     """The shared expert's keyword args: shared_up [S, d], shared_down [d, S] (scaled like `moe_inputs`' experts)."""
     g = torch.Generator().manual_seed(seed)
-    return dict(shared_up=(torch.randn(S, d, generator=g) * d ** -0.5).to(DEVICE, dtype),
-                shared_down=(torch.randn(d, S, generator=g) * S ** -0.5).to(DEVICE, dtype))
+    return dict(
+        shared_up=(torch.randn(S, d, generator=g) * d**-0.5).to(DEVICE, dtype),
+        shared_down=(torch.randn(d, S, generator=g) * S**-0.5).to(DEVICE, dtype),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -36,8 +44,12 @@ def test_moe_experts_gemv_repeated_expert_and_limits():
     x, up, down, _, _ = moe_inputs(2, E=4, k=2, d=24, inter=20, dtype=torch.float32, seed=3)
     ids = torch.tensor([[1, 1], [3, 0]], device=DEVICE)
     w = torch.tensor([[0.25, 0.5], [1.0, 2.0]], device=DEVICE)
-    assert_close(moe_experts_gemv(x, up, down, w, ids), moe.moe_experts_ref(x, up, down, w, ids), torch.float32,
-                 "repeated expert")
+    assert_close(
+        moe_experts_gemv(x, up, down, w, ids),
+        moe.moe_experts_ref(x, up, down, w, ids),
+        torch.float32,
+        "repeated expert",
+    )
     assert moe_experts_gemv(x[:0], up, down, w[:0], ids[:0]).shape == (0, 24)
     many = MAX_GEMV_PAIRS // 2 + 1
     with pytest.raises(ValueError, match="pairs"):
@@ -46,8 +58,10 @@ def test_moe_experts_gemv_repeated_expert_and_limits():
 
 # ---------------- the shared expert ----------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("T,k,d,inter,S", [(1, 6, 40, 24, 37), (2, 3, 33, 70, 13), (1, 1, 700, 9, 30),
-                                           (2, 1, 64, 128, 64), (2, 6, 16, 64, 128)])
+@pytest.mark.parametrize(
+    "T,k,d,inter,S",
+    [(1, 6, 40, 24, 37), (2, 3, 33, 70, 13), (1, 1, 700, 9, 30), (2, 1, 64, 128, 64), (2, 6, 16, 64, 128)],
+)
 def test_moe_experts_gemv_shared_matches_ref(T, k, d, inter, S, dtype):
     """S above and below I, S not a multiple of BLOCK_N, d_in and I / S each even and uneven in BLOCK_K."""
     args = moe_inputs(T, E=12, k=k, d=d, inter=inter, dtype=dtype, seed=T * 100 + d)
@@ -60,11 +74,16 @@ def test_moe_experts_gemv_shared_matches_ref(T, k, d, inter, S, dtype):
     assert_close(moe_experts_tiled_shared(*args, **shared), ref, dtype, "tiled + shared")
 
 
-@pytest.mark.parametrize("up_tiles,down_tiles", [
-    (ExpertGemvTiles(4, 32, 2, depth=1), None),
-    (ExpertGemvTiles(4, 32, 2, depth=3), ExpertGemvTiles(8, 16, 4, depth=4)),
-    (ExpertGemvTiles(8, 32, 4, depth=1, stages=3), ExpertGemvTiles(4, 64, 2, depth=1, stages=2)),
-    (ExpertGemvTiles(2, 128, 1, depth=4), ExpertGemvTiles(2, 16, 1, depth=3))], ids=str)
+@pytest.mark.parametrize(
+    "up_tiles,down_tiles",
+    [
+        (ExpertGemvTiles(4, 32, 2, depth=1), None),
+        (ExpertGemvTiles(4, 32, 2, depth=3), ExpertGemvTiles(8, 16, 4, depth=4)),
+        (ExpertGemvTiles(8, 32, 4, depth=1, stages=3), ExpertGemvTiles(4, 64, 2, depth=1, stages=2)),
+        (ExpertGemvTiles(2, 128, 1, depth=4), ExpertGemvTiles(2, 16, 1, depth=3)),
+    ],
+    ids=str,
+)
 def test_moe_experts_gemv_tile_knobs(up_tiles, down_tiles):
     """The tuning knobs (register prefetch depth 1-4, Triton's loop pipeline) and separate down-pass tiles: same
     result as the reference with the shared expert; d_in and I / S even and uneven in BLOCK_K, K of one step."""
@@ -76,7 +95,7 @@ def test_moe_experts_gemv_tile_knobs(up_tiles, down_tiles):
 
 
 def test_expert_gemv_tiles_rejects_bad_knobs():
-    for kw in (dict(depth=0), dict(depth=5), dict(stages=0), dict(stages=3)):     # stages > 1 needs depth 1
+    for kw in (dict(depth=0), dict(depth=5), dict(stages=0), dict(stages=3)):  # stages > 1 needs depth 1
         with pytest.raises(ValueError):
             ExpertGemvTiles(**kw)
 
@@ -98,8 +117,12 @@ def test_moe_experts_by_size_shared(T):
     """Both sides of the GEMV limit (k = 6: T <= 2 grouped GEMVs, T >= 3 tiled GEMMs + the shared MLP)."""
     args = moe_inputs(T, E=16, k=6, d=40, inter=24, dtype=torch.float16, seed=T)
     shared = _shared_weights(36, 40, torch.float16, seed=T + 1)
-    assert_close(moe_experts_by_size(*args, **shared), moe.moe_experts_ref(*args, **shared), torch.float16,
-                 f"moe_experts_by_size + shared T={T}")
+    assert_close(
+        moe_experts_by_size(*args, **shared),
+        moe.moe_experts_ref(*args, **shared),
+        torch.float16,
+        f"moe_experts_by_size + shared T={T}",
+    )
     assert_close(moe_experts_by_size(*args), moe.moe_experts_ref(*args), torch.float16, f"by size T={T}")
 
 

@@ -2,6 +2,7 @@
 triton_gemv.gemv with the same tiles: bit-equal under the interpreter) and vs the torch references: residual add +
 RMSNorm + linear, gated group RMSNorm + linear; split-K with persistent counters, K not a multiple of BLOCK_K,
 chunks inside a group / spanning groups / straddling a group edge; the bundle ops' dispatch by shape."""
+
 from __future__ import annotations
 
 import collections
@@ -9,32 +10,48 @@ import collections
 import pytest
 import torch
 
-from tests.kernels.triton_test_util import DEVICE, assert_close, assert_pdl_chain_bit_equal, gpu, needs_cuda
 from service.engine import Engine, EngineConfig, SamplingParams
-from service.engine.kernels import norm, triton_gemv, triton_norm, triton_norm_gemv
-from service.engine.kernels.triton_gemv import gemv
-from service.engine.kernels.tiles import GEMV_TILE_VARIANTS, GemvTiles, default_gemv_tiles
-from service.engine.kernels.triton_norm_gemv import (add_rms_norm_gemv, add_rms_norm_linear, gated_norm_gemv,
-                                                     gated_norm_linear)
 from service.engine.config import ModelConfig
+from service.engine.kernels import norm, triton_gemv, triton_norm, triton_norm_gemv
+from service.engine.kernels.tiles import GEMV_TILE_VARIANTS, GemvTiles, default_gemv_tiles
 from service.engine.kernels.triton_backend import triton_kernels
-from service.testing.tiny import make_tiny_model
+from service.engine.kernels.triton_gemv import gemv
+from service.engine.kernels.triton_norm_gemv import (
+    add_rms_norm_gemv,
+    add_rms_norm_linear,
+    gated_norm_gemv,
+    gated_norm_linear,
+)
 from service.engine.runner.model_runner import build_model
+from service.testing.tiny import make_tiny_model
+from tests.kernels.triton_test_util import DEVICE, assert_close, assert_pdl_chain_bit_equal, gpu, needs_cuda
 from tests.outputs import assert_same_outputs
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 EPS = 1e-5
-INTERPRETED = DEVICE == "cpu"       # bit-equality with the unfused kernels holds where the reductions match
+INTERPRETED = DEVICE == "cpu"  # bit-equality with the unfused kernels holds where the reductions match
 # (N, K, tiles): split-K over a K that BLOCK_K does not divide, no prefetch, K < BLOCK_K, default tiles with split-K,
 # rows longer than the prologue's 512-element chunk (its chunk sums added pairwise)
-ADD_CASES = [(50, 300, GemvTiles(8, 32, 4, True, 3)), (37, 256, GemvTiles(4, 64, 4, False)),
-             (64, 100, GemvTiles(16, 32, 2, True, 2)), (130, 1000, None), (200, 64, None),
-             (33, 17, GemvTiles(2, 256, 1, True, 4)), (20, 2688, GemvTiles(8, 256, 4))]   # last: Nano's K
+ADD_CASES = [
+    (50, 300, GemvTiles(8, 32, 4, True, 3)),
+    (37, 256, GemvTiles(4, 64, 4, False)),
+    (64, 100, GemvTiles(16, 32, 2, True, 2)),
+    (130, 1000, None),
+    (200, 64, None),
+    (33, 17, GemvTiles(2, 256, 1, True, 4)),
+    (20, 2688, GemvTiles(8, 256, 4)),
+]  # last: Nano's K
 # (N, Di, group, tiles): chunks inside a group, spanning 2 groups, straddling group edges, split-K + ragged K,
 # the tiny model's out_proj, one non-power-of-two group, groups > the prologue's 512-element chunk
-GATED_CASES = [(50, 256, 128, GemvTiles(8, 32, 4)), (40, 96, 16, GemvTiles(4, 32, 4, False)),
-               (40, 96, 48, GemvTiles(8, 64, 4)), (64, 300, 100, GemvTiles(8, 64, 4, True, 3)),
-               (64, 64, 32, None), (30, 80, 80, None), (16, 3072, 1536, GemvTiles(8, 512, 4, True, 2))]
+GATED_CASES = [
+    (50, 256, 128, GemvTiles(8, 32, 4)),
+    (40, 96, 16, GemvTiles(4, 32, 4, False)),
+    (40, 96, 48, GemvTiles(8, 64, 4)),
+    (64, 300, 100, GemvTiles(8, 64, 4, True, 3)),
+    (64, 64, 32, None),
+    (30, 80, 80, None),
+    (16, 3072, 1536, GemvTiles(8, 512, 4, True, 2)),
+]
 
 
 def _randn(*shape, g, scale=1.0, dtype=torch.float32):
@@ -42,7 +59,7 @@ def _randn(*shape, g, scale=1.0, dtype=torch.float32):
 
 
 def _weights(N, K, dtype, g, bias):
-    w = _randn(N, K, g=g, scale=K ** -0.5, dtype=dtype)
+    w = _randn(N, K, g=g, scale=K**-0.5, dtype=dtype)
     return w, _randn(N, g=g, dtype=dtype) if bias else None
 
 
@@ -65,11 +82,12 @@ def _check_add(N, K, tiles, dtype, seed, bias, counters=None):
     normed, res_unfused = triton_norm.add_rms_norm(x, res, nw, EPS)
     assert torch.equal(new_res, res_unfused)
     _assert_unfused(y, gemv(normed, w, b, tiles), dtype, f"add_rms_norm_gemv N={N} K={K} {tiles}")
-    y_ref, res_ref = norm.add_rms_norm_linear_ref(x.float(), res.float(), nw.float(), EPS, w.float(),
-                                                  None if b is None else b.float())
+    y_ref, res_ref = norm.add_rms_norm_linear_ref(
+        x.float(), res.float(), nw.float(), EPS, w.float(), None if b is None else b.float()
+    )
     assert_close(y, y_ref, dtype, "add_rms_norm_gemv vs ref")
     assert_close(new_res, res_ref, dtype, "new_residual vs ref")
-    assert torch.equal(x, before[0]) and torch.equal(res, before[1])          # out of place
+    assert torch.equal(x, before[0]) and torch.equal(res, before[1])  # out of place
     return y, new_res
 
 
@@ -77,15 +95,16 @@ def _check_gated(N, Di, group, tiles, dtype, seed, bias, y_dtype=None, counters=
     """y (the SSM output, fp32 in the decode step unless y_dtype) and z (a strided split of a wider row)."""
     g = torch.Generator().manual_seed(seed)
     y = _randn(1, Di, g=g, dtype=y_dtype or dtype)
-    z = _randn(1, Di + 7, g=g, dtype=dtype)[:, 3:3 + Di]
+    z = _randn(1, Di + 7, g=g, dtype=dtype)[:, 3 : 3 + Di]
     nw = _randn(Di, g=g, dtype=dtype)
     w, b = _weights(N, Di, dtype, g, bias)
     out = gated_norm_gemv(y, z, nw, group, EPS, w, b, tiles, counters)
     assert out.shape == (1, N) and out.dtype == dtype
     normed = triton_norm.gated_group_rms_norm(y, z, nw, group, EPS, dtype)
     _assert_unfused(out, gemv(normed, w, b, tiles), dtype, f"gated_norm_gemv N={N} Di={Di} g={group} {tiles}")
-    ref = norm.gated_norm_linear_ref(y.float(), z.float(), nw.float(), group, EPS, w.float(),
-                                     None if b is None else b.float())
+    ref = norm.gated_norm_linear_ref(
+        y.float(), z.float(), nw.float(), group, EPS, w.float(), None if b is None else b.float()
+    )
     assert_close(out, ref, dtype, "gated_norm_gemv vs ref")
     return out
 
@@ -102,7 +121,7 @@ def test_add_rms_norm_gemv_matches_unfused_and_ref(N, K, tiles, dtype):
 def test_gated_norm_gemv_matches_unfused_and_ref(N, Di, group, tiles, dtype):
     for bias in (False, True):
         _check_gated(N, Di, group, tiles, dtype, seed=N + Di + group, bias=bias)
-    _check_gated(N, Di, group, tiles, dtype, seed=1, bias=False, y_dtype=torch.float32)   # as in the decode step
+    _check_gated(N, Di, group, tiles, dtype, seed=1, bias=False, y_dtype=torch.float32)  # as in the decode step
 
 
 def test_default_tiles_split_k_with_persistent_counters():
@@ -134,8 +153,9 @@ def test_bundle_ops_dispatch_by_shape():
     assert torch.equal(y3, triton_gemv.linear(normed, w, b)) and torch.equal(r3, r_unfused)
     ys, zs, nwg = _randn(3, Di, g=g), _randn(3, Di, g=g), _randn(Di, g=g)
     wg, _ = _weights(N, Di, torch.float32, g, bias=False)
-    assert torch.equal(gated_norm_linear(ys[:1], zs[:1], nwg, 32, EPS, wg), gated_norm_gemv(ys[:1], zs[:1], nwg, 32,
-                                                                                          EPS, wg))
+    assert torch.equal(
+        gated_norm_linear(ys[:1], zs[:1], nwg, 32, EPS, wg), gated_norm_gemv(ys[:1], zs[:1], nwg, 32, EPS, wg)
+    )
     unfused = triton_gemv.linear(triton_norm.gated_group_rms_norm(ys, zs, nwg, 32, EPS, wg.dtype), wg)
     assert torch.equal(gated_norm_linear(ys, zs, nwg, 32, EPS, wg), unfused)
 
@@ -184,7 +204,7 @@ def test_fused_gpu_pdl_chain_in_graph():
     to the eager chain. Reading x / the residual before `pdl_wait`, or writing new_residual before it, would race."""
     g = torch.Generator(device=DEVICE).manual_seed(5)
     d = 2688
-    ws = [(torch.randn(d, d, generator=g, device=DEVICE) * d ** -0.5).to(torch.bfloat16) for _ in range(12)]
+    ws = [(torch.randn(d, d, generator=g, device=DEVICE) * d**-0.5).to(torch.bfloat16) for _ in range(12)]
     nw = (1 + 0.1 * torch.randn(d, generator=g, device=DEVICE)).to(torch.bfloat16)
     x = torch.randn(1, d, generator=g, device=DEVICE).to(torch.bfloat16)
     res = torch.randn(1, d, generator=g, device=DEVICE).to(torch.bfloat16)
@@ -199,6 +219,7 @@ def test_fused_gpu_pdl_chain_in_graph():
     def refill() -> None:
         x.copy_(torch.randn(1, d, generator=g, device=DEVICE).to(torch.bfloat16))
         res.copy_(torch.randn(1, d, generator=g, device=DEVICE).to(torch.bfloat16))
+
     assert_pdl_chain_bit_equal(chain, refill)
 
 
@@ -207,11 +228,19 @@ def test_fused_gpu_pdl_chain_in_graph():
 
 def _generate(path: str, fused: bool, graphs: bool = False) -> list:
     """Greedy runs, one request at a time (every decode step is batch 1), eager unless graphs."""
-    cfg = EngineConfig(model_path=path, device=DEVICE, dtype="float32", mamba_cache_strategy="off", page_size=4,
-                       max_num_seqs=1,
-                       max_num_batched_tokens=32, kernel_backend="triton", cuda_graphs=graphs)
+    cfg = EngineConfig(
+        model_path=path,
+        device=DEVICE,
+        dtype="float32",
+        mamba_cache_strategy="off",
+        page_size=4,
+        max_num_seqs=1,
+        max_num_batched_tokens=32,
+        kernel_backend="triton",
+        cuda_graphs=graphs,
+    )
     model = build_model(cfg, ModelConfig.from_model_path(path), torch.float32, torch.device(DEVICE))
-    model.kernels = triton_kernels(fuse_norm_linear=fused)     # before the engine captures its graphs
+    model.kernels = triton_kernels(fuse_norm_linear=fused)  # before the engine captures its graphs
     engine = Engine(cfg, model=model)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=True)
     return engine.generate([[5, 9, 200, 17, 3, 44, 8] * 2, [11, 12, 13]], params)
@@ -232,7 +261,9 @@ def test_engine_batch1_fusion_leaves_tokens_and_logprobs_unchanged(tiny_dir, mon
         def call(*args, **kwargs):
             calls[name] += 1
             return fn(*args, **kwargs)
+
         return call
+
     for name in ("add_rms_norm_gemv", "gated_norm_gemv"):
         monkeypatch.setattr(triton_norm_gemv, name, counted(name, getattr(triton_norm_gemv, name)))
     fused = _generate(tiny_dir, fused=True)

@@ -1,13 +1,18 @@
 """Triton chunk-aligned varlen SSD and selective_state_update vs the torch references (and vs the recurrence)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.kernels.triton_test_util import DEVICE, assert_close, gpu, needs_cuda
 from service.engine.kernels import ssd
-from service.engine.kernels.triton_ssd import (selective_state_update, selective_state_update_slots,
-                                               selective_state_update_slots_raw_dt, ssd_varlen)
+from service.engine.kernels.triton_ssd import (
+    selective_state_update,
+    selective_state_update_slots,
+    selective_state_update_slots_raw_dt,
+    ssd_varlen,
+)
+from tests.kernels.triton_test_util import DEVICE, assert_close, gpu, needs_cuda
 
 
 def _inputs(qlens, plens, H, P, G, N, chunk, dtype, seed):
@@ -17,10 +22,11 @@ def _inputs(qlens, plens, H, P, G, N, chunk, dtype, seed):
     di, gn = H * P, G * N
     packed = torch.randn(T, di + 2 * gn + 3, generator=g).to(DEVICE, dtype)
     x = packed[:, :di].reshape(T, H, P)
-    B = packed[:, di:di + gn].reshape(T, G, N)
-    C = packed[:, di + gn:di + 2 * gn].reshape(T, G, N)
-    dt = ssd.dt_softplus_clamp(torch.randn(T, H, generator=g).to(DEVICE) - 2.0,
-                               torch.randn(H, generator=g).to(DEVICE) * 0.5, (1e-3, 10.0))
+    B = packed[:, di : di + gn].reshape(T, G, N)
+    C = packed[:, di + gn : di + 2 * gn].reshape(T, G, N)
+    dt = ssd.dt_softplus_clamp(
+        torch.randn(T, H, generator=g).to(DEVICE) - 2.0, torch.randn(H, generator=g).to(DEVICE) * 0.5, (1e-3, 10.0)
+    )
     A = -torch.exp(torch.rand(H, generator=g) * 2.5).to(DEVICE)
     D = torch.randn(H, generator=g).to(DEVICE, dtype)
     init = torch.randn(len(qlens), H, P, N, generator=g).to(DEVICE)
@@ -47,9 +53,9 @@ def _check_ssd(qlens, plens, H, P, G, N, chunk, dtype, seed=0):
 
 C_SMALL = 16
 CPU_CASES = [
-    ([2 * C_SMALL + 3, 3 * C_SMALL - 1, C_SMALL + 1], [0, 0, 0]),                 # first request unaligned
+    ([2 * C_SMALL + 3, 3 * C_SMALL - 1, C_SMALL + 1], [0, 0, 0]),  # first request unaligned
     ([C_SMALL - 3, C_SMALL, 2 * C_SMALL + 1, 3 * C_SMALL - 1], [5, 0, C_SMALL + 3, 2 * C_SMALL - 1]),  # p % C != 0
-    ([1, C_SMALL, 7, C_SMALL + 1], [C_SMALL - 1, 2 * C_SMALL, 0, 3]),             # < C, = C, k*C +- 1
+    ([1, C_SMALL, 7, C_SMALL + 1], [C_SMALL - 1, 2 * C_SMALL, 0, 3]),  # < C, = C, k*C +- 1
 ]
 
 
@@ -67,12 +73,14 @@ def test_ssd_varlen_equals_token_recurrence():
     y, states = ssd_varlen(x, dt, A, B, C, D, init, layout)
     start = 0
     for i, l in enumerate(qlens):
-        state = init[i:i + 1]
+        state = init[i : i + 1]
         for t in range(start, start + l):
-            yt, state = ssd.selective_state_update_ref(state, x[t:t + 1], dt[t:t + 1], A, B[t:t + 1], C[t:t + 1], D)
-            assert_close(y[t:t + 1], yt, torch.float32, f"y of token {t}")
+            yt, state = ssd.selective_state_update_ref(
+                state, x[t : t + 1], dt[t : t + 1], A, B[t : t + 1], C[t : t + 1], D
+            )
+            assert_close(y[t : t + 1], yt, torch.float32, f"y of token {t}")
         last = layout.first_chunk[i].item() + layout.num_chunks[i].item() - 1
-        assert_close(states[last:last + 1], state, torch.float32, f"final state of request {i}")
+        assert_close(states[last : last + 1], state, torch.float32, f"final state of request {i}")
         start += l
 
 
@@ -91,9 +99,9 @@ def test_selective_state_update_matches_ref(dtype):
     g = torch.Generator().manual_seed(3)
     Bq, H, P, G, N = 5, 4, 8, 2, 16
     packed = torch.randn(Bq, H * P + 2 * G * N, generator=g).to(DEVICE, dtype)
-    x = packed[:, :H * P].reshape(Bq, H, P)
-    Bm = packed[:, H * P:H * P + G * N].reshape(Bq, G, N)
-    Cm = packed[:, H * P + G * N:].reshape(Bq, G, N)
+    x = packed[:, : H * P].reshape(Bq, H, P)
+    Bm = packed[:, H * P : H * P + G * N].reshape(Bq, G, N)
+    Cm = packed[:, H * P + G * N :].reshape(Bq, G, N)
     state = torch.randn(Bq, H, P, N, generator=g).to(DEVICE)
     dt = torch.rand(Bq, H, generator=g).to(DEVICE) * 0.2
     A = -torch.exp(torch.rand(H, generator=g)).to(DEVICE)
@@ -157,7 +165,7 @@ def _check_ssu_slots(Bq, H, P, G, N, S, dtype, seed):
     untouched = torch.ones(S, dtype=torch.bool, device=DEVICE)
     untouched[slots] = False
     assert torch.equal(pool[untouched], pool_ref[untouched])
-    assert not torch.equal(y_next, y)         # the pool holds the advanced state: a second step differs
+    assert not torch.equal(y_next, y)  # the pool holds the advanced state: a second step differs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -173,7 +181,7 @@ def test_selective_state_update_slots_gpu(dtype):
 
 
 # ---------------- decode step from the raw dt / A_log (softplus, clamp, -exp inside the kernel) ----------------
-CLAMPS = [(0.0, float("inf")), (1e-3, float("inf")), (1e-2, 0.1), (1e-3, 1e9)]   # off, Nano's, both sides, tiny's
+CLAMPS = [(0.0, float("inf")), (1e-3, float("inf")), (1e-2, 0.1), (1e-3, 1e9)]  # off, Nano's, both sides, tiny's
 
 
 def _raw_dt_inputs(Bq, H, P, G, N, S, dtype, seed):
@@ -181,12 +189,12 @@ def _raw_dt_inputs(Bq, H, P, G, N, S, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     di, gn = H * P, G * N
     packed = torch.randn(Bq, di + 2 * gn + H + 5, generator=g)
-    packed[:, di + 2 * gn:di + 2 * gn + H] *= 12.0                   # raw dt + bias spans softplus' regimes
+    packed[:, di + 2 * gn : di + 2 * gn + H] *= 12.0  # raw dt + bias spans softplus' regimes
     packed = packed.to(DEVICE, dtype)
     x = packed[:, :di].reshape(Bq, H, P)
-    Bm = packed[:, di:di + gn].reshape(Bq, G, N)
-    Cm = packed[:, di + gn:di + 2 * gn].reshape(Bq, G, N)
-    dt = packed[:, di + 2 * gn:di + 2 * gn + H]
+    Bm = packed[:, di : di + gn].reshape(Bq, G, N)
+    Cm = packed[:, di + gn : di + 2 * gn].reshape(Bq, G, N)
+    dt = packed[:, di + 2 * gn : di + 2 * gn + H]
     dt_bias = (torch.randn(H, generator=g) * 2.0).to(DEVICE, dtype)
     A_log = (torch.rand(H, generator=g) * 2.5).to(DEVICE)
     D = torch.randn(H, generator=g).to(DEVICE, dtype)
@@ -197,7 +205,7 @@ def _raw_dt_inputs(Bq, H, P, G, N, S, dtype, seed):
 
 def _check_ssu_raw_dt(Bq, H, P, G, N, S, dtype, clamp, seed):
     pool, slots, x, dt, A_log, Bm, Cm, D, dt_bias = _raw_dt_inputs(Bq, H, P, G, N, S, dtype, seed)
-    assert dt.stride(-1) == 1 and dt.stride(0) > H                  # a strided split, not a copy
+    assert dt.stride(-1) == 1 and dt.stride(0) > H  # a strided split, not a copy
     pool_ref, pool_old = pool.clone(), pool.clone()
     y = selective_state_update_slots_raw_dt(pool, slots, x, dt, A_log, Bm, Cm, D, dt_bias, clamp)
     y_ref = ssd.selective_state_update_slots_raw_dt_ref(pool_ref, slots, x, dt, A_log, Bm, Cm, D, dt_bias, clamp)
@@ -228,12 +236,21 @@ def test_ssu_slots_raw_dt_softplus_per_element(clamp):
     pool = torch.zeros(Bq + 1, H, P, N, device=DEVICE)
     slots = torch.arange(1, Bq + 1, device=DEVICE)
     ones = torch.ones(Bq, G, N, device=DEVICE)
-    selective_state_update_slots_raw_dt(pool, slots, torch.ones(Bq, H, P, device=DEVICE), raw,
-                                        torch.zeros(H, device=DEVICE), ones, ones, torch.zeros(H, device=DEVICE),
-                                        dt_bias, clamp)
+    selective_state_update_slots_raw_dt(
+        pool,
+        slots,
+        torch.ones(Bq, H, P, device=DEVICE),
+        raw,
+        torch.zeros(H, device=DEVICE),
+        ones,
+        ones,
+        torch.zeros(H, device=DEVICE),
+        dt_bias,
+        clamp,
+    )
     got, want = pool[1:], ssd.dt_softplus_clamp(raw, dt_bias, clamp)[:, :, None, None].expand(Bq, H, P, N)
     rel = ((got - want).abs() / want.abs().clamp_min(1e-30)).max().item()
-    assert rel <= 1e-5, rel              # GPU exp/log are approximate (ex2/lg2.approx); a naive log(1 + exp(v)) fails
+    assert rel <= 1e-5, rel  # GPU exp/log are approximate (ex2/lg2.approx); a naive log(1 + exp(v)) fails
 
 
 def test_ssu_slots_raw_dt_rejects_bad_shapes():

@@ -1,4 +1,5 @@
 """Shared helpers for the Triton kernel tests."""
+
 from __future__ import annotations
 
 import pytest
@@ -28,10 +29,11 @@ def moe_inputs(T: int, E: int, k: int, d: int, inter: int, dtype: torch.dtype, s
     """(x [T, d], up [E, I, d], down [E, d, I], topk_weights, topk_ids) for the routed-experts ops, routed by the
     torch reference (correction bias ~ 0.1 N(0, 1) when with_bias, else 0)."""
     from service.engine.kernels import moe
+
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, d, generator=g).to(DEVICE, dtype)
-    up = (torch.randn(E, inter, d, generator=g) * d ** -0.5).to(DEVICE, dtype)
-    down = (torch.randn(E, d, inter, generator=g) * inter ** -0.5).to(DEVICE, dtype)
+    up = (torch.randn(E, inter, d, generator=g) * d**-0.5).to(DEVICE, dtype)
+    down = (torch.randn(E, d, inter, generator=g) * inter**-0.5).to(DEVICE, dtype)
     gate = torch.randn(E, d, generator=g).to(DEVICE)
     bias = (torch.randn(E, generator=g) * 0.1).to(DEVICE) if with_bias else torch.zeros(E, device=DEVICE)
     weights, ids = moe.moe_route_ref(x, gate, bias, k, 1, 1, True, 2.5)
@@ -42,11 +44,13 @@ def assert_pdl_chain_bit_equal(chain, refill, replays: int = 5) -> None:
     """chain(pdl) -> a tensor or a tuple of tensors, from inputs that refill() overwrites in place. Captures the
     chain in a CUDA graph with PDL and without, then on every replay with new inputs both graphs and the eager
     chain must agree bit for bit (a PDL kernel reading its input before the kernel before it finished breaks it)."""
+
     def as_tuple(out):
         return out if isinstance(out, tuple) else (out,)
+
     outs, graphs = {}, {}
     for pdl in (False, True):
-        chain(pdl)                                  # compile outside the capture
+        chain(pdl)  # compile outside the capture
         torch.cuda.synchronize()
         graphs[pdl] = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graphs[pdl]):

@@ -1,24 +1,51 @@
 """Reasoning (`nemotron_3`) and tool-call (`qwen3_coder`) parsers: streaming output, for every way of
 cutting the text into deltas, must equal the non-streaming parse; the non-streaming parse must equal the
 hand-written expectation of what the model meant."""
+
 from __future__ import annotations
 
 import json
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from service.openai import reasoning, tool_calls
 from service.openai.chat_output import ChatOutputStreamParser, chat_finish_reason, parse_chat_output
 
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
-        "city": {"type": "string"}, "days": {"type": "integer"}, "threshold": {"type": "number"},
-        "metric": {"type": "boolean"}, "note": {"type": ["string", "null"]}}}}},
-    {"type": "function", "function": {"name": "write_file", "parameters": {"type": "object", "properties": {
-        "path": {"type": "string"}, "content": {"type": "string"}, "options": {"type": "object"},
-        "mode": {"anyOf": [{"type": "integer"}, {"type": "string"}]}}}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "days": {"type": "integer"},
+                    "threshold": {"type": "number"},
+                    "metric": {"type": "boolean"},
+                    "note": {"type": ["string", "null"]},
+                },
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "write_file",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "path": {"type": "string"},
+                    "content": {"type": "string"},
+                    "options": {"type": "object"},
+                    "mode": {"anyOf": [{"type": "integer"}, {"type": "string"}]},
+                },
+            },
+        },
+    },
 ]
 
 REASONING = "The user wants weather in Paris; 3 < 4 and <b> is not a tag.\nI'll call get_weather, then write."
@@ -50,11 +77,17 @@ EXPECTED_ARGS = [
 EXTRA_TEXTS = [
     (False, "Plain answer, no thinking.\n"),
     (False, "<think>\nopened by the model\n</think>\n\nAnswer"),
-    (True, "thinking then a call\n<tool_call>\n<function=get_weather>\n<parameter=days>\n7\n</parameter>\n"
-           "</function>\n</tool_call>\nDone."),
+    (
+        True,
+        "thinking then a call\n<tool_call>\n<function=get_weather>\n<parameter=days>\n7\n</parameter>\n"
+        "</function>\n</tool_call>\nDone.",
+    ),
     (True, "short</think><tool_call><function=mystery><parameter=x>1</parameter></function></tool_call>"),
-    (True, "r</think>\ntext <tool_call>\nnot a call\n</tool_call>\n more <tool_call><function=get_weather>"
-           "<parameter=city>\nRome\n<parameter=days>\n2\n</function></tool_call>  \n"),
+    (
+        True,
+        "r</think>\ntext <tool_call>\nnot a call\n</tool_call>\n more <tool_call><function=get_weather>"
+        "<parameter=city>\nRome\n<parameter=days>\n2\n</function></tool_call>  \n",
+    ),
     (True, "r\n</think>\n<tool_call>\n<function=write_file>\n<parameter=content>\nunterminated"),
     (True, "never closes reasoning\n"),
     (True, "</think>\n<tool_call>\n<function=get_weather>\n</function>\n</tool_call>"),
@@ -62,16 +95,22 @@ EXTRA_TEXTS = [
 
 
 def _non_streaming(text: str, starts_in_reasoning: bool) -> tuple[str, str, list[tuple[str, str]]]:
-    out = parse_chat_output(text, reasoning_parser="nemotron_3", tool_parser="qwen3_coder", tools=TOOLS,
-                            starts_in_reasoning=starts_in_reasoning)
+    out = parse_chat_output(
+        text,
+        reasoning_parser="nemotron_3",
+        tool_parser="qwen3_coder",
+        tools=TOOLS,
+        starts_in_reasoning=starts_in_reasoning,
+    )
     calls = [(c.function.name, c.function.arguments) for c in out.tool_calls]
     return out.reasoning_content or "", out.content or "", calls
 
 
 def _streaming(chunks: list[str], starts_in_reasoning: bool) -> tuple[str, str, list[tuple[str, str]]]:
     """Feeds the chained parser and accumulates deltas the way an OpenAI client does."""
-    p = ChatOutputStreamParser(reasoning_parser="nemotron_3", tool_parser="qwen3_coder", tools=TOOLS,
-                               starts_in_reasoning=starts_in_reasoning)
+    p = ChatOutputStreamParser(
+        reasoning_parser="nemotron_3", tool_parser="qwen3_coder", tools=TOOLS, starts_in_reasoning=starts_in_reasoning
+    )
     r, c, calls = [], [], {}
     for delta in [p.feed(x) for x in chunks] + [p.finish()]:
         if delta is None:
@@ -90,8 +129,9 @@ def _streaming(chunks: list[str], starts_in_reasoning: bool) -> tuple[str, str, 
 
 
 def test_non_streaming_matches_what_the_model_meant():
-    out = parse_chat_output(TEXT, reasoning_parser="nemotron_3", tool_parser="qwen3_coder", tools=TOOLS,
-                            starts_in_reasoning=True)
+    out = parse_chat_output(
+        TEXT, reasoning_parser="nemotron_3", tool_parser="qwen3_coder", tools=TOOLS, starts_in_reasoning=True
+    )
     assert out.reasoning_content == REASONING
     assert out.content == "Let me check."
     assert [c.function.name for c in out.tool_calls] == ["get_weather", "write_file"]
@@ -140,15 +180,43 @@ def test_random_chunkings(cuts):
     assert _streaming(chunks, True) == _non_streaming(TEXT, True)
 
 
-_PIECES = ["<think>", "</think>", "\n", "\n\n", " ", "<tool_call>", "</tool_call>", "<function=get_weather>",
-           "<function=write_file>", "<function=nope>", "<parameter=city>", "<parameter=days>",
-           "<parameter=options>", "</parameter>", "</function>", "<", ">", "</thi", "<tool_", "</para", "a",
-           "3", "-2.5", "true", '{"k": [1]}', "null", "x y"]
+_PIECES = [
+    "<think>",
+    "</think>",
+    "\n",
+    "\n\n",
+    " ",
+    "<tool_call>",
+    "</tool_call>",
+    "<function=get_weather>",
+    "<function=write_file>",
+    "<function=nope>",
+    "<parameter=city>",
+    "<parameter=days>",
+    "<parameter=options>",
+    "</parameter>",
+    "</function>",
+    "<",
+    ">",
+    "</thi",
+    "<tool_",
+    "</para",
+    "a",
+    "3",
+    "-2.5",
+    "true",
+    '{"k": [1]}',
+    "null",
+    "x y",
+]
 
 
 @settings(max_examples=300, deadline=None)
-@given(pieces=st.lists(st.sampled_from(_PIECES), max_size=30), starts=st.booleans(),
-       cuts=st.lists(st.integers(0, 400), max_size=12))
+@given(
+    pieces=st.lists(st.sampled_from(_PIECES), max_size=30),
+    starts=st.booleans(),
+    cuts=st.lists(st.integers(0, 400), max_size=12),
+)
 def test_random_tag_soup_streams_like_it_parses(pieces, starts, cuts):
     """Arbitrary mixes of tags, partial tags and text: both paths agree whatever the chunking."""
     text = "".join(pieces)
@@ -159,6 +227,7 @@ def test_random_tag_soup_streams_like_it_parses(pieces, starts, cuts):
 
 
 # ------------------------------------------------------------------------------ targeted behaviour
+
 
 def test_reasoning_rules():
     assert reasoning.parse("abc\n</think>\nanswer", True) == ("abc", "answer")
@@ -222,14 +291,18 @@ def test_stream_emits_each_argument_once_complete():
     assert name_event.name == "get_weather" and name_event.tool_index == 0 and name_event.arguments == ""
     assert p.feed("is\n</parameter") == []  # the value is not complete until its end tag
     assert [e.arguments for e in p.feed(">\n<parameter=days>\n3\n</parameter>\n")] == [
-        '{"city": "Paris"', ', "days": 3']
+        '{"city": "Paris"',
+        ', "days": 3',
+    ]
     assert [e.arguments for e in p.feed("</function>\n</tool_call>")] == ["}"]
     assert p.finish() == []
 
 
 def test_duplicate_parameter_keeps_first_value():
-    text = "<tool_call><function=get_weather><parameter=days>1</parameter><parameter=days>2</parameter>" \
-           "</function></tool_call>"
+    text = (
+        "<tool_call><function=get_weather><parameter=days>1</parameter><parameter=days>2</parameter>"
+        "</function></tool_call>"
+    )
     _, calls = tool_calls.parse(text, TOOLS)
     assert calls[0].function.arguments == '{"days": 1}'
     assert _streaming(list("</think>" + text), True)[2] == [("get_weather", '{"days": 1}')]

@@ -4,6 +4,7 @@ Standard library only (runs in any image with python3). Env: OPENAI_BASE_URL (e.
 http://NAME-openai.NS.svc:8000), SMOKE_TIMEOUT_S (seconds to wait for the model to come up),
 OPENAI_API_KEY_FILE (optional: the API keys file; its first key is sent as a Bearer token).
 Exit code 0 on success, 1 with a reason on stderr otherwise."""
+
 from __future__ import annotations
 
 import json
@@ -63,8 +64,12 @@ def wait_for_model(base_url: str, deadline: float) -> str:
 
 def check_chat(base_url: str, model: str) -> str:
     """One greedy chat completion; returns a one-line summary or raises."""
-    request = {"model": model, "messages": [{"role": "user", "content": "Say hello in one word."}],
-               "max_tokens": 16, "temperature": 0}
+    request = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Say hello in one word."}],
+        "max_tokens": 16,
+        "temperature": 0,
+    }
     status, body = call(base_url + "/v1/chat/completions", request, 120.0)
     if status != 200:
         raise RuntimeError(f"/v1/chat/completions answered {status}: {body}")

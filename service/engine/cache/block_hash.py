@@ -3,11 +3,12 @@
 `chained_block_hashes(ids, block_size)[k]` identifies the whole prefix `ids[:(k+1)*block_size]`
 (each hash folds in its parent's), so equal hashes mean equal prefixes with overwhelming
 probability. Only full blocks are hashed. Deterministic across processes (no Python `hash`)."""
+
 from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Sequence
+from collections.abc import Sequence
 
 _ROOT = 0
 
@@ -22,7 +23,7 @@ def chained_block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: 
     hashes: list[int] = []
     parent = _ROOT
     for k in range(n_blocks):
-        block = token_ids[k * block_size:(k + 1) * block_size]
+        block = token_ids[k * block_size : (k + 1) * block_size]
         digest = hashlib.blake2b(struct.pack(f"<q{len(block)}q", parent, *block), digest_size=8).digest()
         parent = int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
         hashes.append(parent)

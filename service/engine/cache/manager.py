@@ -8,6 +8,7 @@ Slot protocol: snapshot slots are allocated when a step is scheduled, filled by 
 and published to the tree only after it (`publish`); a hit copies the snapshot into a fresh live
 slot before the forward (copy-on-write; cached slots are never written); at least one prompt token
 is always recomputed."""
+
 from __future__ import annotations
 
 import math
@@ -21,25 +22,26 @@ from service.engine.request import Request
 
 @dataclass
 class CacheCounters:
-    queried_tokens: int = 0       # prompt tokens looked up
-    hit_tokens: int = 0           # prompt tokens served from cache
-    snapshot_hits: int = 0        # lookups that resumed from a snapshot
-    snapshot_misses: int = 0      # lookups whose KV matched deeper than the deepest snapshot
+    queried_tokens: int = 0  # prompt tokens looked up
+    hit_tokens: int = 0  # prompt tokens served from cache
+    snapshot_hits: int = 0  # lookups that resumed from a snapshot
+    snapshot_misses: int = 0  # lookups whose KV matched deeper than the deepest snapshot
 
 
 class CacheManager:
-    def __init__(self, pools: SlotPools, strategy: str, page_size: int, chunk_size: int,
-                 track_interval: int | None):
+    def __init__(self, pools: SlotPools, strategy: str, page_size: int, chunk_size: int, track_interval: int | None):
         self.pools, self.strategy, self.page_size = pools, strategy, page_size
         self.grid = page_size if strategy == "no_buffer" else math.lcm(chunk_size, page_size)
         if track_interval is not None and track_interval % self.grid:
-            raise ValueError(f"mamba_track_interval ({track_interval}) must be a multiple of the snapshot grid "
-                             f"lcm(chunk_size, page_size) = {self.grid}")
+            raise ValueError(
+                f"mamba_track_interval ({track_interval}) must be a multiple of the snapshot grid "
+                f"lcm(chunk_size, page_size) = {self.grid}"
+            )
         self.track_interval = track_interval or self.grid
         self.tree = RadixCache(pools, page_size) if strategy != "off" else None
         self.counters = CacheCounters()
-        self.pending_slots: set[int] = set()   # snapshot slots allocated this step, not yet published
-        self.publish_copies: list[tuple[int, int]] = []   # (live slot, snapshot slot) the ranks have not copied yet
+        self.pending_slots: set[int] = set()  # snapshot slots allocated this step, not yet published
+        self.publish_copies: list[tuple[int, int]] = []  # (live slot, snapshot slot) the ranks have not copied yet
 
     # ---------- admission ----------
     def admit(self, req: Request, num_new_tokens_budget: int) -> int | None:
@@ -52,8 +54,9 @@ class CacheManager:
         if self.tree is not None and not req.bypass_cache:
             m = self.tree.match(req.all_token_ids, req.num_tokens - 1)
             num_cached, node, hit_pages = m.num_cached_tokens, m.node, m.page_ids
-            req.branch_point = (m.num_kv_matched_tokens // self.grid) * self.grid \
-                if m.num_kv_matched_tokens > num_cached else 0
+            req.branch_point = (
+                (m.num_kv_matched_tokens // self.grid) * self.grid if m.num_kv_matched_tokens > num_cached else 0
+            )
         n = min(req.num_tokens - num_cached, num_new_tokens_budget)
         need = self._pages_for(num_cached + n) - len(hit_pages)
         hit_node = node if num_cached > 0 else None
@@ -139,7 +142,7 @@ class CacheManager:
             if last > p:
                 positions.add(last)
             if last == req.num_tokens and last - g > p:  # a repeat must recompute >= 1 token:
-                positions.add(last - g)                  # keep the grid point below the end too
+                positions.add(last - g)  # keep the grid point below the end too
         if p < req.branch_point <= end:
             positions.add(req.branch_point)
         return positions
@@ -156,8 +159,8 @@ class CacheManager:
         tokens = req.all_token_ids
         for pt in points:
             self.pending_slots.discard(pt.slot_id)
-            pages = req.page_ids[:pt.position // self.page_size]
-            if not self.tree.insert(tokens[:pt.position], pages, pt.slot_id):
+            pages = req.page_ids[: pt.position // self.page_size]
+            if not self.tree.insert(tokens[: pt.position], pages, pt.slot_id):
                 self.pools.snapshots.free(pt.slot_id)
 
     # ---------- release ----------
@@ -181,7 +184,7 @@ class CacheManager:
         if self.pools.snapshots.num_free == 0 and not self.tree.evict_snapshot():
             return
         slot = self.pools.snapshots.alloc()
-        self.publish_copies.append((req.live_slot, slot))   # before anything reuses the live slot (take_publish_copies)
+        self.publish_copies.append((req.live_slot, slot))  # before anything reuses the live slot (take_publish_copies)
         if not self.tree.insert(req.all_token_ids[:n], req.page_ids[:n], slot):
             self.pools.snapshots.free(slot)
 

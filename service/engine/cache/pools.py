@@ -6,6 +6,7 @@ a reserved scratch page (padding target), never handed out. Slot ids index the m
 `conv [L_mamba, S, conv_dim, K-1]` and `ssm [L_mamba, S, H, P, N]` (fp32); slot 0 is scratch.
 Live slots (one per running request) and snapshot slots (owned by the radix cache) come from
 separate ranges so each is bounded on its own."""
+
 from __future__ import annotations
 
 import heapq
@@ -18,9 +19,9 @@ class PagePool:
     def __init__(self, num_pages: int, page_size: int):
         if num_pages < 2:
             raise ValueError(f"num_kv_pages must be >= 2 (page 0 is reserved), got {num_pages}")
-        self.num_pages = num_pages           # including the reserved page 0
-        self.page_size = page_size           # tokens per page
-        self.refcount = [0] * num_pages      # page_id -> number of owners (requests + radix nodes)
+        self.num_pages = num_pages  # including the reserved page 0
+        self.page_size = page_size  # tokens per page
+        self.refcount = [0] * num_pages  # page_id -> number of owners (requests + radix nodes)
         self.free_ids = list(range(num_pages - 1, 0, -1))  # stack of free page ids
 
     @property
@@ -69,10 +70,10 @@ class SlotAllocator:
     view of the pool (no gather / scatter)."""
 
     def __init__(self, first: int, count: int, kind: str):
-        self.kind = kind                     # "live" | "snapshot", for messages
+        self.kind = kind  # "live" | "snapshot", for messages
         self.first, self.count = first, count
-        self.free_ids = list(range(first, first + count))   # a min-heap (heapq) of free slot ids
-        self.in_use: set[int] = set()        # slot ids handed out
+        self.free_ids = list(range(first, first + count))  # a min-heap (heapq) of free slot ids
+        self.in_use: set[int] = set()  # slot ids handed out
 
     @property
     def num_free(self) -> int:
@@ -98,8 +99,8 @@ class SlotAllocator:
 
 @dataclass(frozen=True)
 class PoolSizes:
-    num_kv_pages: int        # including reserved page 0
-    num_live_slots: int      # running requests at most
+    num_kv_pages: int  # including reserved page 0
+    num_live_slots: int  # running requests at most
     num_snapshot_slots: int  # prefix-cache snapshots at most
 
     @property

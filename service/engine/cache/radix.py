@@ -12,6 +12,7 @@ Invariants (`check_integrity`):
 - each tree page holds exactly one tree reference (refcount >= 1); each snapshot slot is owned by
   exactly one node and is in use in the snapshot allocator.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -23,21 +24,21 @@ from service.engine.cache.pools import SlotPools
 
 @dataclass(eq=False)
 class Node:
-    tokens: tuple[int, ...]                 # token ids of this node's span (multiple of page_size)
-    page_ids: list[int]                     # KV page per page_size tokens of the span
-    parent: "Node | None"
-    depth: int                              # tokens from the root to the end of this node
-    snapshot_slot: int | None = None        # mamba slot with the state after the span's last token
-    children: dict[tuple[int, ...], "Node"] = field(default_factory=dict)  # first page tokens -> child
-    lock_ref: int = 0                       # running requests (or copy sources) depending on this path
-    last_access: int = 0                    # logical clock for LRU
+    tokens: tuple[int, ...]  # token ids of this node's span (multiple of page_size)
+    page_ids: list[int]  # KV page per page_size tokens of the span
+    parent: Node | None
+    depth: int  # tokens from the root to the end of this node
+    snapshot_slot: int | None = None  # mamba slot with the state after the span's last token
+    children: dict[tuple[int, ...], Node] = field(default_factory=dict)  # first page tokens -> child
+    lock_ref: int = 0  # running requests (or copy sources) depending on this path
+    last_access: int = 0  # logical clock for LRU
 
 
 @dataclass(frozen=True)
 class Match:
-    node: Node                 # deepest fully matched node with a snapshot (root if none)
-    num_cached_tokens: int     # node.depth: tokens resumable from the snapshot
-    page_ids: list[int]        # KV pages covering [0, num_cached_tokens)
+    node: Node  # deepest fully matched node with a snapshot (root if none)
+    num_cached_tokens: int  # node.depth: tokens resumable from the snapshot
+    page_ids: list[int]  # KV pages covering [0, num_cached_tokens)
     num_kv_matched_tokens: int  # deepest page-aligned KV match (>= num_cached_tokens)
 
 
@@ -46,12 +47,12 @@ class RadixCache:
         self.pools = pools
         self.page_size = page_size
         self.root = Node(tokens=(), page_ids=[], parent=None, depth=0)
-        self.root.lock_ref = 1                 # the root is never evicted
+        self.root.lock_ref = 1  # the root is never evicted
         self._clock = itertools.count(1)
         # (last_access, id, node) of nodes that got a snapshot; stale entries are re-keyed or dropped lazily
         self._snapshot_heap: list[tuple[int, int, Node]] = []
-        self.num_evicted_pages = 0             # KV pages freed by eviction
-        self.num_evicted_snapshots = 0         # snapshots dropped by eviction
+        self.num_evicted_pages = 0  # KV pages freed by eviction
+        self.num_evicted_snapshots = 0  # snapshots dropped by eviction
 
     # ---------- lookup ----------
     def match(self, token_ids: list[int], max_tokens: int) -> Match:
@@ -61,11 +62,11 @@ class RadixCache:
         best, best_pages = self.root, []
         pages: list[int] = []
         while pos + ps <= len(token_ids):
-            child = node.children.get(tuple(token_ids[pos:pos + ps]))
+            child = node.children.get(tuple(token_ids[pos : pos + ps]))
             if child is None:
                 break
             n = self._common_pages(child.tokens, token_ids, pos)
-            pages.extend(child.page_ids[:n // ps])
+            pages.extend(child.page_ids[: n // ps])
             pos += n
             child.last_access = now
             if n < len(child.tokens):
@@ -77,8 +78,11 @@ class RadixCache:
 
     def _common_pages(self, span: tuple[int, ...], token_ids: list[int], pos: int) -> int:
         ps, n = self.page_size, 0
-        while n < len(span) and pos + n + ps <= len(token_ids) and \
-                span[n:n + ps] == tuple(token_ids[pos + n:pos + n + ps]):
+        while (
+            n < len(span)
+            and pos + n + ps <= len(token_ids)
+            and span[n : n + ps] == tuple(token_ids[pos + n : pos + n + ps])
+        ):
             n += ps
         return n
 
@@ -91,11 +95,11 @@ class RadixCache:
         assert len(token_ids) % ps == 0 and len(page_ids) == len(token_ids) // ps, "insert must be page aligned"
         node, pos, now = self.root, 0, next(self._clock)
         while pos < len(token_ids):
-            key = tuple(token_ids[pos:pos + ps])
+            key = tuple(token_ids[pos : pos + ps])
             child = node.children.get(key)
             if child is None:
                 span = tuple(token_ids[pos:])
-                new_pages = page_ids[pos // ps:]
+                new_pages = page_ids[pos // ps :]
                 self.pools.pages.incref(new_pages)
                 child = Node(span, list(new_pages), node, node.depth + len(span), last_access=now)
                 node.children[key] = child
@@ -116,10 +120,16 @@ class RadixCache:
         """Splits node after n tokens; returns the new upper node (no snapshot: a tombstone)."""
         ps = self.page_size
         parent = node.parent
-        upper = Node(node.tokens[:n], node.page_ids[:n // ps], parent, node.depth - len(node.tokens) + n,
-                     lock_ref=node.lock_ref, last_access=node.last_access)
+        upper = Node(
+            node.tokens[:n],
+            node.page_ids[: n // ps],
+            parent,
+            node.depth - len(node.tokens) + n,
+            lock_ref=node.lock_ref,
+            last_access=node.last_access,
+        )
         parent.children[node.tokens[:ps]] = upper
-        node.tokens, node.page_ids, node.parent = node.tokens[n:], node.page_ids[n // ps:], upper
+        node.tokens, node.page_ids, node.parent = node.tokens[n:], node.page_ids[n // ps :], upper
         upper.children[node.tokens[:ps]] = node
         return upper
 
@@ -166,7 +176,7 @@ class RadixCache:
             self.pools.snapshots.free(leaf.snapshot_slot)
             self.num_evicted_snapshots += 1
             leaf.snapshot_slot = None
-        del leaf.parent.children[leaf.tokens[:self.page_size]]
+        del leaf.parent.children[leaf.tokens[: self.page_size]]
         freed = self.pools.pages.decref(leaf.page_ids)
         self.num_evicted_pages += len(leaf.page_ids)
         return freed

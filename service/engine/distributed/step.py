@@ -5,6 +5,7 @@ receives the same plan and carries out the device work it lists: slot copies and
 snapshot copies taken during the forward, and (rank 0 only) sampling. No `Request` object crosses: a row names
 its request by id and lists the ids (pages, slots), positions and tokens it needs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,21 +15,22 @@ from service.engine.request import SamplingParams
 
 @dataclass(frozen=True)
 class SnapshotPoint:
-    position: int      # absolute token position s: the snapshot holds the state after tokens [0, s)
-    slot_id: int       # snapshot slot filled during the forward
+    position: int  # absolute token position s: the snapshot holds the state after tokens [0, s)
+    slot_id: int  # snapshot slot filled during the forward
 
 
 @dataclass(frozen=True)
 class StepRow:
     """One request's part of a step (its tokens are fed at positions [prefix_len, prefix_len + num_new_tokens))."""
-    request_id: str                           # names the row's seeded generator (sampling rank) and carried token
-    prefix_len: int                           # p: tokens already in the request's KV pages and live slot
-    num_new_tokens: int                       # l: tokens fed this step
-    live_slot: int                            # mamba slot holding the request's live state
-    page_ids: tuple[int, ...]                 # KV pages covering positions [0, p + l), in order
-    token_ids: tuple[int, ...]                # the l tokens fed; () when the plan's tokens are carried
-    snapshots: tuple[SnapshotPoint, ...]      # states to copy into snapshot slots during the forward
-    params: SamplingParams | None             # set iff the row samples (its chunk ends at the last known token)
+
+    request_id: str  # names the row's seeded generator (sampling rank) and carried token
+    prefix_len: int  # p: tokens already in the request's KV pages and live slot
+    num_new_tokens: int  # l: tokens fed this step
+    live_slot: int  # mamba slot holding the request's live state
+    page_ids: tuple[int, ...]  # KV pages covering positions [0, p + l), in order
+    token_ids: tuple[int, ...]  # the l tokens fed; () when the plan's tokens are carried
+    snapshots: tuple[SnapshotPoint, ...]  # states to copy into snapshot slots during the forward
+    params: SamplingParams | None  # set iff the row samples (its chunk ends at the last known token)
 
     @property
     def sample(self) -> bool:
@@ -38,12 +40,13 @@ class StepRow:
 @dataclass(frozen=True)
 class StepPlan:
     """One step for every rank. Order of device work: publish copies, slot copies, slot zeros, forward, sample."""
-    rows: tuple[StepRow, ...]                       # in batch order
-    slot_copies: tuple[tuple[int, int], ...] = ()   # (src snapshot slot, dst live slot): cache hits, before the forward
-    slot_zeros: tuple[int, ...] = ()                # fresh live slots to zero before the forward
+
+    rows: tuple[StepRow, ...]  # in batch order
+    slot_copies: tuple[tuple[int, int], ...] = ()  # (src snapshot slot, dst live slot): cache hits, before the forward
+    slot_zeros: tuple[int, ...] = ()  # fresh live slots to zero before the forward
     publish_copies: tuple[tuple[int, int], ...] = ()  # (src live slot, dst snapshot slot): states published since
     #                                                   the previous plan, copied first (a slot may be reused here)
-    carried: bool = False   # every row decodes one token: the previous launched plan's sampled token of its request
+    carried: bool = False  # every row decodes one token: the previous launched plan's sampled token of its request
 
     @property
     def num_tokens(self) -> int:
@@ -53,8 +56,9 @@ class StepPlan:
 @dataclass(frozen=True)
 class SlotOps:
     """Device work between steps, in this order: publish copies, then dropping finished requests' generators."""
-    publish_copies: tuple[tuple[int, int], ...] = ()   # (src live slot, dst snapshot slot)
-    released: tuple[str, ...] = ()                     # request ids whose seeded generators are dropped
+
+    publish_copies: tuple[tuple[int, int], ...] = ()  # (src live slot, dst snapshot slot)
+    released: tuple[str, ...] = ()  # request ids whose seeded generators are dropped
 
     def __bool__(self) -> bool:
         return bool(self.publish_copies or self.released)
@@ -63,8 +67,9 @@ class SlotOps:
 @dataclass(frozen=True)
 class LaunchLimits:
     """What a rank can launch without waiting (a plain decode step, graph-replayed when it has graphs)."""
-    max_batch: int          # rows at most
-    max_pages: int          # pages per row at most (the static page table's width)
+
+    max_batch: int  # rows at most
+    max_pages: int  # pages per row at most (the static page table's width)
 
 
 def is_plain_decode(row: StepRow, max_pages: int) -> bool:

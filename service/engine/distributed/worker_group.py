@@ -11,6 +11,7 @@ Lifetime: `shutdown()`, garbage collection of the group, or the engine process d
 (each watches its parent's pid and its pipe). A rank that dies makes the next call raise `RankFailedError`
 naming it (the parent waits on the pipes and the process sentinels together, never on a collective).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,10 +39,10 @@ from service.engine.runner.sampler import SamplerOutput
 
 log = logging.getLogger("hybrid_serve.engine")
 
-COLLECTIVE_TIMEOUT_S = 300.0    # a collective waiting this long for a peer fails (the parent notices dead ranks first)
-START_TIMEOUT_S = 600.0         # rank processes must build their model within this
-STOP_TIMEOUT_S = 5.0            # shutdown waits this long for each rank before killing it
-PARENT_POLL_S = 0.5             # how often a rank checks that the engine process is alive
+COLLECTIVE_TIMEOUT_S = 300.0  # a collective waiting this long for a peer fails (the parent notices dead ranks first)
+START_TIMEOUT_S = 600.0  # rank processes must build their model within this
+STOP_TIMEOUT_S = 5.0  # shutdown waits this long for each rank before killing it
+PARENT_POLL_S = 0.5  # how often a rank checks that the engine process is alive
 
 
 class RankFailedError(RuntimeError):
@@ -54,7 +55,7 @@ class LocalWorkers:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         self.limits: LaunchLimits = runner.limits
-        self.pool_sizes: PoolSizes = runner.pool_sizes     # what the engine's allocators hand out
+        self.pool_sizes: PoolSizes = runner.pool_sizes  # what the engine's allocators hand out
         self.memory_stats: dict[str, float] = runner.memory_plan.stats() if runner.memory_plan is not None else {}
         self.tp = 1
 
@@ -91,7 +92,7 @@ def start_workers(cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int,
 class _Pending:
     """A launched step's results, read from rank 0 when asked."""
 
-    def __init__(self, group: "ProcessWorkers", seq: int):
+    def __init__(self, group: ProcessWorkers, seq: int):
         self.group, self.seq = group, seq
 
     def result(self) -> SamplerOutput:
@@ -101,7 +102,7 @@ class _Pending:
 class ProcessWorkers:
     """tp > 1: one spawned process per rank (see the module docstring)."""
 
-    runner = None     # no rank runs in the engine's process
+    runner = None  # no rank runs in the engine's process
 
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int):
         self.tp = cfg.tp
@@ -111,22 +112,27 @@ class ProcessWorkers:
         self.procs: list[mp.process.BaseProcess] = []
         for rank in range(cfg.tp):
             parent_end, child_end = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=_rank_main, name=f"hybrid-serve-rank{rank}", daemon=True,
-                               args=(rank, port, cfg, model_cfg, max_model_len, child_end, os.getpid()))
+            proc = ctx.Process(
+                target=_rank_main,
+                name=f"hybrid-serve-rank{rank}",
+                daemon=True,
+                args=(rank, port, cfg, model_cfg, max_model_len, child_end, os.getpid()),
+            )
             proc.start()
             child_end.close()
             self.conns.append(parent_end)
             self.procs.append(proc)
         self._finalizer = weakref.finalize(self, _stop_ranks, list(self.procs), list(self.conns))
-        self._seq = 0                                # id of the last message that expects a reply
-        self._replies: dict[int, Any] = {}           # seq -> reply read from rank 0 ahead of its turn
-        self._failed: str | None = None              # why the group is unusable
+        self._seq = 0  # id of the last message that expects a reply
+        self._replies: dict[int, Any] = {}  # seq -> reply read from rank 0 ahead of its turn
+        self._failed: str | None = None  # why the group is unusable
         ready = [self._read(rank, time.monotonic() + START_TIMEOUT_S)[1] for rank in range(self.tp)]
         self.limits: LaunchLimits = ready[0][0]
         # every rank's tensors hold at least these ids (ranks may plan their memory apart)
-        self.pool_sizes = PoolSizes(*(min(getattr(r[1], f) for r in ready)
-                                      for f in ("num_kv_pages", "num_live_slots", "num_snapshot_slots")))
-        self.memory_stats: dict[str, float] = ready[0][2]     # rank 0's memory plan (memory_plan_* keys)
+        self.pool_sizes = PoolSizes(
+            *(min(getattr(r[1], f) for r in ready) for f in ("num_kv_pages", "num_live_slots", "num_snapshot_slots"))
+        )
+        self.memory_stats: dict[str, float] = ready[0][2]  # rank 0's memory plan (memory_plan_* keys)
         log.info("tensor parallelism: %d rank processes %s ready", self.tp, [p.pid for p in self.procs])
 
     # ---------- engine-facing calls ----------
@@ -198,7 +204,7 @@ class ProcessWorkers:
                 try:
                     kind, seq, value = pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):
-                    continue                       # the rank is gone: its sentinel is ready, check_alive says so
+                    continue  # the rank is gone: its sentinel is ready, check_alive says so
                 if kind == "error":
                     self._fail(f"rank {rank} failed:\n{value}")
                     raise RankFailedError(self._failed)
@@ -255,18 +261,29 @@ def rank_config(cfg: EngineConfig, rank: int) -> EngineConfig:
     return dataclasses.replace(cfg, device=f"cuda:{base + rank}")
 
 
-def _rank_main(rank: int, port: int, cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int,
-               conn: Connection, parent_pid: int) -> None:
+def _rank_main(
+    rank: int,
+    port: int,
+    cfg: EngineConfig,
+    model_cfg: ModelConfig,
+    max_model_len: int,
+    conn: Connection,
+    parent_pid: int,
+) -> None:
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     try:
         cfg = rank_config(cfg, rank)
         if cfg.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(cfg.device))
-        else:   # the ranks share the machine's cores
+        else:  # the ranks share the machine's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.tp))
         torch.distributed.init_process_group(
-            "nccl" if cfg.device.startswith("cuda") else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-            world_size=cfg.tp, rank=rank, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+            "nccl" if cfg.device.startswith("cuda") else "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            world_size=cfg.tp,
+            rank=rank,
+            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        )
         parallel = ParallelContext(cfg.tp, cfg.ep, rank, torch.distributed.group.WORLD)
         runner = ModelRunner(cfg, model_cfg, max_model_len, parallel=parallel)
         plan = runner.memory_plan.stats() if runner.memory_plan is not None else {}
@@ -274,13 +291,13 @@ def _rank_main(rank: int, port: int, cfg: EngineConfig, model_cfg: ModelConfig, 
         _serve(runner, conn)
     except (EOFError, KeyboardInterrupt):
         pass
-    except BaseException:   # noqa: BLE001 - the parent gets the traceback, then this rank exits
+    except BaseException:  # noqa: BLE001 - the parent gets the traceback, then this rank exits
         try:
             _send(conn, "error", 0, traceback.format_exc())
         except OSError:
             pass
         os._exit(1)
-    os._exit(0)     # no interpreter teardown: a collective peer may already be gone
+    os._exit(0)  # no interpreter teardown: a collective peer may already be gone
 
 
 def _send(conn: Connection, kind: str, seq: int, value: Any) -> None:
@@ -290,7 +307,7 @@ def _send(conn: Connection, kind: str, seq: int, value: Any) -> None:
 def _serve(runner: ModelRunner, conn: Connection) -> None:
     """The rank's loop. A launched step's results are sent after the next message (if one is already waiting)
     has been started, so rank 0 keeps the device busy while the engine reads them."""
-    pending: tuple[int, Any] | None = None      # (seq, InFlightStep) launched, results not sent yet (rank 0)
+    pending: tuple[int, Any] | None = None  # (seq, InFlightStep) launched, results not sent yet (rank 0)
     while True:
         if pending is not None and not conn.poll():
             _send(conn, "result", pending[0], pending[1].result())

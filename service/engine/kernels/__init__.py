@@ -6,57 +6,67 @@ explicit backend choice ("torch" or "triton"). There is no silent fallback betwe
 The "torch" bundle runs the fast pure-torch kernels where they exist (tuned on CPU; each is tested against its
 `*_ref` oracle) and the references elsewhere; `torch_reference_kernels()` is the all-reference bundle (same name,
 for tests and benchmarks)."""
+
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch.nn.functional as F
 
-from service.engine.kernels import attention, conv1d, cpu_attention, cpu_conv1d, cpu_moe, cpu_ssd, fp8, moe, norm, \
-    ssd
+from service.engine.kernels import attention, conv1d, cpu_attention, cpu_conv1d, cpu_moe, cpu_ssd, fp8, moe, norm, ssd
 
 
 @dataclass(frozen=True)
 class Kernels:
     name: str
-    ssd_varlen: Callable               # ssd.ssd_varlen_ref signature
-    selective_state_update: Callable   # ssd.selective_state_update_ref signature
+    ssd_varlen: Callable  # ssd.ssd_varlen_ref signature
+    selective_state_update: Callable  # ssd.selective_state_update_ref signature
     selective_state_update_slots_raw_dt: Callable  # ssd.selective_state_update_slots_raw_dt_ref (pool in place)
-    conv_varlen: Callable              # conv1d.causal_conv1d_varlen_ref signature
-    conv_update: Callable              # conv1d.causal_conv1d_update_ref signature
-    conv_update_slots: Callable        # conv1d.causal_conv1d_update_slots_ref signature (pool in place)
-    conv_windows: Callable             # conv1d.conv_state_windows_ref signature
-    write_kv: Callable                 # attention.write_kv_ref signature
-    paged_attention: Callable          # attention.paged_attention_ref signature
-    moe_route: Callable                # moe.moe_route_ref signature
-    moe_experts: Callable              # moe.moe_experts_ref signature (+ optional shared expert, keyword args)
-    rms_norm: Callable                 # norm.rms_norm_ref signature
-    add_rms_norm: Callable             # norm.add_rms_norm_ref signature (residual add + the next RMSNorm)
-    gated_rms_norm: Callable           # norm.gated_group_rms_norm_ref signature
-    relu2: Callable                    # moe.relu2 signature (dense MLP / shared expert activation)
-    linear: Callable                   # F.linear signature (every projection: in/out, q/k/v/o, MLPs, lm_head)
-    add_rms_norm_linear: Callable      # norm.add_rms_norm_linear_ref signature (residual add + norm + in_proj)
-    gated_norm_linear: Callable        # norm.gated_norm_linear_ref signature (mamba gated norm + out_proj)
-    fp8_linear: Callable               # fp8.fp8_linear_ref signature (FP8 weight, per-tensor scales)
-    fp8_moe_experts: Callable          # fp8.fp8_moe_experts_ref signature (FP8 experts, per-expert weight scales)
+    conv_varlen: Callable  # conv1d.causal_conv1d_varlen_ref signature
+    conv_update: Callable  # conv1d.causal_conv1d_update_ref signature
+    conv_update_slots: Callable  # conv1d.causal_conv1d_update_slots_ref signature (pool in place)
+    conv_windows: Callable  # conv1d.conv_state_windows_ref signature
+    write_kv: Callable  # attention.write_kv_ref signature
+    paged_attention: Callable  # attention.paged_attention_ref signature
+    moe_route: Callable  # moe.moe_route_ref signature
+    moe_experts: Callable  # moe.moe_experts_ref signature (+ optional shared expert, keyword args)
+    rms_norm: Callable  # norm.rms_norm_ref signature
+    add_rms_norm: Callable  # norm.add_rms_norm_ref signature (residual add + the next RMSNorm)
+    gated_rms_norm: Callable  # norm.gated_group_rms_norm_ref signature
+    relu2: Callable  # moe.relu2 signature (dense MLP / shared expert activation)
+    linear: Callable  # F.linear signature (every projection: in/out, q/k/v/o, MLPs, lm_head)
+    add_rms_norm_linear: Callable  # norm.add_rms_norm_linear_ref signature (residual add + norm + in_proj)
+    gated_norm_linear: Callable  # norm.gated_norm_linear_ref signature (mamba gated norm + out_proj)
+    fp8_linear: Callable  # fp8.fp8_linear_ref signature (FP8 weight, per-tensor scales)
+    fp8_moe_experts: Callable  # fp8.fp8_moe_experts_ref signature (FP8 experts, per-expert weight scales)
 
 
 def torch_reference_kernels() -> Kernels:
     """Every op its pure-torch reference (`*_ref`): the readable oracle."""
     return Kernels(
-        name="torch", ssd_varlen=ssd.ssd_varlen_ref, selective_state_update=ssd.selective_state_update_ref,
+        name="torch",
+        ssd_varlen=ssd.ssd_varlen_ref,
+        selective_state_update=ssd.selective_state_update_ref,
         selective_state_update_slots_raw_dt=ssd.selective_state_update_slots_raw_dt_ref,
-        conv_varlen=conv1d.causal_conv1d_varlen_ref, conv_update=conv1d.causal_conv1d_update_ref,
+        conv_varlen=conv1d.causal_conv1d_varlen_ref,
+        conv_update=conv1d.causal_conv1d_update_ref,
         conv_update_slots=conv1d.causal_conv1d_update_slots_ref,
-        conv_windows=conv1d.conv_state_windows_ref, write_kv=attention.write_kv_ref,
-        paged_attention=attention.paged_attention_ref, moe_route=moe.moe_route_ref,
-        moe_experts=moe.moe_experts_ref, rms_norm=norm.rms_norm_ref, add_rms_norm=norm.add_rms_norm_ref,
-        gated_rms_norm=norm.gated_group_rms_norm_ref, relu2=moe.relu2,
-        linear=F.linear, add_rms_norm_linear=norm.add_rms_norm_linear_ref,
+        conv_windows=conv1d.conv_state_windows_ref,
+        write_kv=attention.write_kv_ref,
+        paged_attention=attention.paged_attention_ref,
+        moe_route=moe.moe_route_ref,
+        moe_experts=moe.moe_experts_ref,
+        rms_norm=norm.rms_norm_ref,
+        add_rms_norm=norm.add_rms_norm_ref,
+        gated_rms_norm=norm.gated_group_rms_norm_ref,
+        relu2=moe.relu2,
+        linear=F.linear,
+        add_rms_norm_linear=norm.add_rms_norm_linear_ref,
         gated_norm_linear=norm.gated_norm_linear_ref,
-        fp8_linear=fp8.fp8_linear_dequant_ref, fp8_moe_experts=fp8.fp8_moe_experts_ref,
+        fp8_linear=fp8.fp8_linear_dequant_ref,
+        fp8_moe_experts=fp8.fp8_moe_experts_ref,
     )
 
 
@@ -65,10 +75,14 @@ def torch_kernels() -> Kernels:
     prefill scan and conv, the decode recurrence, paged attention and the routed experts; references for the rest.
     cpu_moe.moe_experts runs `F.grouped_mm`, whose CUDA kernel takes bf16 only: off the CPU it is the reference."""
     return dataclasses.replace(
-        torch_reference_kernels(), ssd_varlen=cpu_ssd.ssd_varlen,
+        torch_reference_kernels(),
+        ssd_varlen=cpu_ssd.ssd_varlen,
         selective_state_update_slots_raw_dt=cpu_ssd.selective_state_update_slots_raw_dt,
-        conv_varlen=cpu_conv1d.causal_conv1d_varlen, conv_update_slots=cpu_conv1d.causal_conv1d_update_slots,
-        paged_attention=cpu_attention.paged_attention, moe_experts=cpu_moe.moe_experts)
+        conv_varlen=cpu_conv1d.causal_conv1d_varlen,
+        conv_update_slots=cpu_conv1d.causal_conv1d_update_slots,
+        paged_attention=cpu_attention.paged_attention,
+        moe_experts=cpu_moe.moe_experts,
+    )
 
 
 def get_kernels(name: str) -> Kernels:
@@ -76,5 +90,6 @@ def get_kernels(name: str) -> Kernels:
         return torch_kernels()
     if name == "triton":
         from service.engine.kernels.triton_backend import triton_kernels  # imports triton: only when chosen
+
         return triton_kernels()
     raise ValueError(f"kernel_backend must be 'torch' or 'triton', got {name!r}")

@@ -8,6 +8,7 @@
 - Decode rows (one query) run in one call per group of `DECODE_ROWS` with a length mask; prefill requests with
   the same (cached prefix, new tokens) run in one call, causal without a mask when nothing is cached.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -17,46 +18,67 @@ import torch.nn.functional as F
 
 from service.engine.kernels.attention import _check_bounds
 
-DECODE_ROWS = 64   # decode rows per call: bounds the gathered K/V ([rows, context, Hkv, Dh] each)
+DECODE_ROWS = 64  # decode rows per call: bounds the gathered K/V ([rows, context, Hkv, Dh] each)
 
 
-def _pages(cache: torch.Tensor, page_table: torch.Tensor, rows: torch.Tensor, length: int,
-           page_size: int) -> torch.Tensor:
+def _pages(
+    cache: torch.Tensor, page_table: torch.Tensor, rows: torch.Tensor, length: int, page_size: int
+) -> torch.Tensor:
     """cache [S, Hkv, Dh] -> [len(rows), Hkv, length, Dh] (a strided view of the gathered pages)."""
     n_pages = -(-length // page_size)
-    blocks = cache.view(-1, page_size, *cache.shape[1:])[page_table[rows, :n_pages]]   # [b, n, ps, Hkv, Dh]
+    blocks = cache.view(-1, page_size, *cache.shape[1:])[page_table[rows, :n_pages]]  # [b, n, ps, Hkv, Dh]
     return blocks.flatten(1, 2)[:, :length].transpose(1, 2)
 
 
-def _decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            page_table: torch.Tensor, page_size: int, scale: float, tokens: list[int], ctx: list[int],
-            reqs: list[int]) -> None:
+def _decode(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    scale: float,
+    tokens: list[int],
+    ctx: list[int],
+    reqs: list[int],
+) -> None:
     """out[tokens[j]] = attention of request reqs[j]'s one query over its ctx[j] keys."""
     dev = q.device
     rows = torch.tensor(reqs, device=dev)
     kmax = max(ctx)
     keys = _pages(k_cache, page_table, rows, kmax, page_size)
     vals = _pages(v_cache, page_table, rows, kmax, page_size)
-    mask = None                         # every row sees all kmax keys: no mask (the kernel's unmasked path)
+    mask = None  # every row sees all kmax keys: no mask (the kernel's unmasked path)
     if min(ctx) < kmax:
         mask = (torch.arange(kmax, device=dev)[None, :] < torch.tensor(ctx, device=dev)[:, None])[:, None, None, :]
-    qt = q[torch.tensor(tokens, device=dev)].to(keys.dtype)[:, :, None, :]                   # [b, Hq, 1, Dh]
-    o = F.scaled_dot_product_attention(qt, keys, vals, attn_mask=mask, scale=scale,
-                                       enable_gqa=q.shape[1] != keys.shape[1])
+    qt = q[torch.tensor(tokens, device=dev)].to(keys.dtype)[:, :, None, :]  # [b, Hq, 1, Dh]
+    o = F.scaled_dot_product_attention(
+        qt, keys, vals, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
+    )
     out[tokens] = o[:, :, 0, :].to(out.dtype)
 
 
-def _prefill(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             page_table: torch.Tensor, page_size: int, scale: float, starts: list[int], prefix: int, n: int,
-             reqs: list[int]) -> None:
+def _prefill(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    scale: float,
+    starts: list[int],
+    prefix: int,
+    n: int,
+    reqs: list[int],
+) -> None:
     """Requests reqs (each with `prefix` cached tokens and n new queries at flat rows starts[j] + [0, n))."""
     dev = q.device
     L = prefix + n
     rows = torch.tensor(reqs, device=dev)
-    keys = _pages(k_cache, page_table, rows, L, page_size)                                 # [b, Hkv, L, Dh]
+    keys = _pages(k_cache, page_table, rows, L, page_size)  # [b, Hkv, L, Dh]
     vals = _pages(v_cache, page_table, rows, L, page_size)
     tok = (torch.tensor(starts, device=dev)[:, None] + torch.arange(n, device=dev)[None, :]).flatten()
-    qt = q[tok].to(keys.dtype).view(len(reqs), n, *q.shape[1:]).transpose(1, 2)            # [b, Hq, n, Dh]
+    qt = q[tok].to(keys.dtype).view(len(reqs), n, *q.shape[1:]).transpose(1, 2)  # [b, Hq, n, Dh]
     gqa = q.shape[1] != keys.shape[1]
     if prefix == 0:
         o = F.scaled_dot_product_attention(qt, keys, vals, is_causal=True, scale=scale, enable_gqa=gqa)
@@ -66,16 +88,25 @@ def _prefill(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     out[tok] = o.transpose(1, 2).flatten(0, 1).to(out.dtype)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-                    query_start_loc: torch.Tensor, prefix_lens: torch.Tensor, max_query_len: int, max_seq_len: int,
-                    page_size: int, scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    page_size: int,
+    scale: float,
+) -> torch.Tensor:
     """`attention.paged_attention_ref`: q [T, Hq, Dh] (any strides), caches [S, Hkv, Dh], page_table [B, pages],
     query_start_loc [B+1], prefix_lens [B] -> [T, Hq, Dh] in q's dtype."""
     qsl, plens = query_start_loc.tolist(), prefix_lens.tolist()
     _check_bounds(qsl, plens, max_query_len, max_seq_len)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     decode: list[int] = []
-    groups: dict[tuple[int, int], list[int]] = defaultdict(list)    # (prefix, new tokens) -> requests
+    groups: dict[tuple[int, int], list[int]] = defaultdict(list)  # (prefix, new tokens) -> requests
     for i, p in enumerate(plens):
         n = qsl[i + 1] - qsl[i]
         if n == 1:
@@ -83,9 +114,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         elif n > 1:
             groups[(p, n)].append(i)
     for c in range(0, len(decode), DECODE_ROWS):
-        reqs = decode[c:c + DECODE_ROWS]
-        _decode(out, q, k_cache, v_cache, page_table, page_size, scale, [qsl[i] for i in reqs],
-                [plens[i] + 1 for i in reqs], reqs)
+        reqs = decode[c : c + DECODE_ROWS]
+        _decode(
+            out,
+            q,
+            k_cache,
+            v_cache,
+            page_table,
+            page_size,
+            scale,
+            [qsl[i] for i in reqs],
+            [plens[i] + 1 for i in reqs],
+            reqs,
+        )
     for (p, n), reqs in groups.items():
         _prefill(out, q, k_cache, v_cache, page_table, page_size, scale, [qsl[i] for i in reqs], p, n, reqs)
     return out

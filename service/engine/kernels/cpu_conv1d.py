@@ -8,6 +8,7 @@ against).
 - `causal_conv1d_update_slots`: the K taps read the state in place and the state shifts in place, on a view of the
   pool when the slots are one ascending run (else one gathered copy written back).
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,9 +17,14 @@ import torch.nn.functional as F
 from service.engine.kernels.cpu_ssd import ascending_run
 
 
-def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                         init_states: torch.Tensor, query_start_loc: torch.Tensor,
-                         token_req: torch.Tensor) -> torch.Tensor:
+def causal_conv1d_varlen(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    init_states: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    token_req: torch.Tensor,
+) -> torch.Tensor:
     """x [T, D], weight [D, K], bias [D] or None, init_states [B, D, K-1], query_start_loc [B+1], token_req [T]
     -> silu(conv(x) + bias) [T, D] in x's dtype (fp32 accumulation)."""
     T, Dm = x.shape
@@ -34,28 +40,29 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     buf[state_rows.flatten()] = init_states.transpose(1, 2).reshape(B * km1, Dm).float()
     buf[token_rows] = x.float()
     w = weight.float()
-    m = n - km1                                                   # row r of acc: window buf[r : r + K]
+    m = n - km1  # row r of acc: window buf[r : r + K]
     acc = buf[:m] * w[:, 0]
     for k in range(1, K):
-        acc.addcmul_(buf[k:k + m], w[:, k])
+        acc.addcmul_(buf[k : k + m], w[:, k])
     out = acc[token_rows - km1]
     if bias is not None:
         out += bias.float()
     return F.silu(out, inplace=True).to(x.dtype)
 
 
-def causal_conv1d_update_slots(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                               conv_pool: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+def causal_conv1d_update_slots(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_pool: torch.Tensor, slot_ids: torch.Tensor
+) -> torch.Tensor:
     """x [B, D], weight [D, K], conv_pool [S, D, K-1] updated in place at slot_ids [B] -> silu(conv) [B, D]."""
     Bt = x.shape[0]
     K = weight.shape[1]
     first = ascending_run(slot_ids)
-    state = conv_pool[first:first + Bt] if first is not None else conv_pool.index_select(0, slot_ids)
+    state = conv_pool[first : first + Bt] if first is not None else conv_pool.index_select(0, slot_ids)
     w = weight.float()
     out = torch.addcmul(bias.float() if bias is not None else torch.zeros((), device=x.device), x.float(), w[:, K - 1])
-    out += (state.float() * w[:, :K - 1]).sum(-1)
+    out += (state.float() * w[:, : K - 1]).sum(-1)
     if K > 2:
-        state[:, :, :K - 2] = state[:, :, 1:].clone()
+        state[:, :, : K - 2] = state[:, :, 1:].clone()
     state[:, :, K - 2] = x.to(state.dtype)
     if first is None:
         conv_pool.index_copy_(0, slot_ids, state)

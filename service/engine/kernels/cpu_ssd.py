@@ -10,6 +10,7 @@ compare against). What differs:
   when the slots are one ascending run (no gather / scatter), else on one `index_select` copy written back by
   `index_copy_`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,9 @@ def _chunked(t: torch.Tensor, layout: ChunkLayout, full: bool) -> torch.Tensor:
     return t[idx.clamp(max=t.shape[0] - 1)]
 
 
-def _inter_chunk(local: torch.Tensor, decay: torch.Tensor, initial: torch.Tensor, layout: ChunkLayout
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def _inter_chunk(
+    local: torch.Tensor, decay: torch.Tensor, initial: torch.Tensor, layout: ChunkLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
     """local [Nc, H, P, N] chunk-local end states, decay [Nc, H] whole-chunk decays, initial [B, H, P, N] ->
     (prev [Nc, H, P, N] state entering each chunk, states [Nc, H, P, N] state after each chunk)."""
     B = initial.shape[0]
@@ -36,7 +38,7 @@ def _inter_chunk(local: torch.Tensor, decay: torch.Tensor, initial: torch.Tensor
     prev = torch.empty_like(local)
     states = torch.empty_like(local)
     carry = initial.to(torch.float32, copy=True)
-    if B and all(n == nch[0] for n in nch):                     # every request has the same chunk count
+    if B and all(n == nch[0] for n in nch):  # every request has the same chunk count
         n = nch[0]
         lv, dv = local.view(B, n, *local.shape[1:]), decay.view(B, n, -1)
         pv, sv = prev.view_as(lv), states.view_as(lv)
@@ -58,9 +60,16 @@ def _inter_chunk(local: torch.Tensor, decay: torch.Tensor, initial: torch.Tensor
     return prev, states
 
 
-def ssd_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-               D: torch.Tensor, initial_states: torch.Tensor, layout: ChunkLayout
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def ssd_varlen(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    initial_states: torch.Tensor,
+    layout: ChunkLayout,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`ssd.ssd_varlen_ref`: x [T, H, P], dt [T, H] fp32 (softplus'd), A [H], B/C [T, G, N], D [H],
     initial_states [B, H, P, N] -> (y [T, H, P] fp32, chunk_states [Nc, H, P, N] fp32)."""
     T, H, P = x.shape
@@ -70,30 +79,30 @@ def ssd_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
     rep, c = H // G, layout.chunk_size
     full = all(n == c for n in layout.chunk_lens_host)
     Nc = len(layout.chunk_lens_host)
-    dtc = _chunked(dt.float(), layout, full)                                     # [Nc, C, H]
+    dtc = _chunked(dt.float(), layout, full)  # [Nc, C, H]
     if not full:
         valid = torch.arange(c, device=x.device)[None, :] < layout.chunk_len[:, None]
         dtc = dtc * valid[:, :, None]
-    dth = dtc.permute(0, 2, 1).contiguous()                                      # [Nc, H, C]
-    xh = _chunked(x.float(), layout, full).permute(0, 2, 1, 3).contiguous()     # [Nc, H, C, P]
-    Bg = _chunked(B.float(), layout, full).permute(0, 2, 1, 3).contiguous()     # [Nc, G, C, N]
+    dth = dtc.permute(0, 2, 1).contiguous()  # [Nc, H, C]
+    xh = _chunked(x.float(), layout, full).permute(0, 2, 1, 3).contiguous()  # [Nc, H, C, P]
+    Bg = _chunked(B.float(), layout, full).permute(0, 2, 1, 3).contiguous()  # [Nc, G, C, N]
     Cg = _chunked(C.float(), layout, full).permute(0, 2, 1, 3).contiguous()
-    acs = torch.cumsum(dth * A.float()[None, :, None], dim=-1)                  # [Nc, H, C]
+    acs = torch.cumsum(dth * A.float()[None, :, None], dim=-1)  # [Nc, H, C]
     # intra-chunk: y_diag[l] = sum_{s<=l} (C_l . B_s) exp(acs_l - acs_s) dt_s x_s
     causal = torch.ones(c, c, dtype=torch.bool, device=x.device).tril()
     decay_ls = (acs[:, :, :, None] - acs[:, :, None, :]).masked_fill_(~causal, float("-inf")).exp_()
-    scores = torch.matmul(Cg, Bg.transpose(-1, -2))                              # [Nc, G, C, C]
+    scores = torch.matmul(Cg, Bg.transpose(-1, -2))  # [Nc, G, C, C]
     decay_ls.view(Nc, G, rep, c, c).mul_(scores[:, :, None]).mul_(dth[:, :, None, :].view(Nc, G, rep, 1, c))
-    y = torch.matmul(decay_ls, xh)                                               # [Nc, H, C, P]
+    y = torch.matmul(decay_ls, xh)  # [Nc, H, C, P]
     # chunk-local end states: sum_s exp(acs_end - acs_s) dt_s x_s B_s^T, one matmul per group
-    w = torch.exp(acs[:, :, -1:] - acs).mul_(dth)                                # [Nc, H, C]
-    xw = (xh * w[..., None]).view(Nc, G, rep, c, P).transpose(-1, -2)            # [Nc, G, rep, P, C]
+    w = torch.exp(acs[:, :, -1:] - acs).mul_(dth)  # [Nc, H, C]
+    xw = (xh * w[..., None]).view(Nc, G, rep, c, P).transpose(-1, -2)  # [Nc, G, rep, P, C]
     local = torch.matmul(xw, Bg[:, :, None]).view(Nc, H, P, N)
     prev, chunk_states = _inter_chunk(local, torch.exp(acs[:, :, -1]), initial_states, layout)
     # state entering the chunk, read by C and decayed to each position
-    y_off = torch.matmul(Cg[:, :, None], prev.view(Nc, G, rep, P, N).transpose(-1, -2))   # [Nc, G, rep, C, P]
+    y_off = torch.matmul(Cg[:, :, None], prev.view(Nc, G, rep, P, N).transpose(-1, -2))  # [Nc, G, rep, C, P]
     y.add_(y_off.view(Nc, H, c, P).mul_(acs.exp()[..., None]))
-    y = y.permute(0, 2, 1, 3)                                                    # [Nc, C, H, P]
+    y = y.permute(0, 2, 1, 3)  # [Nc, C, H, P]
     if full:
         out = y.reshape(T, H, P)
     else:
@@ -112,10 +121,18 @@ def ascending_run(slot_ids: torch.Tensor) -> int | None:
     return None
 
 
-def selective_state_update_slots_raw_dt(ssm_pool: torch.Tensor, slot_ids: torch.Tensor, x: torch.Tensor,
-                                        dt: torch.Tensor, A_log: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                                        D: torch.Tensor, dt_bias: torch.Tensor, dt_clamp: tuple[float, float]
-                                        ) -> torch.Tensor:
+def selective_state_update_slots_raw_dt(
+    ssm_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A_log: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    dt_clamp: tuple[float, float],
+) -> torch.Tensor:
     """`ssd.selective_state_update_slots_raw_dt_ref`: ssm_pool [S, H, P, N] fp32 updated in place at slot_ids [Bt];
     x [Bt, H, P], raw dt [Bt, H], A_log/D/dt_bias [H], B/C [Bt, G, N]. Returns y [Bt, H, P] fp32."""
     if ssm_pool.dtype != torch.float32:
@@ -123,10 +140,10 @@ def selective_state_update_slots_raw_dt(ssm_pool: torch.Tensor, slot_ids: torch.
     Bt, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     rep = H // G
-    dt = dt_softplus_clamp(dt, dt_bias, dt_clamp)                                 # [Bt, H] fp32
+    dt = dt_softplus_clamp(dt, dt_bias, dt_clamp)  # [Bt, H] fp32
     dA = torch.exp(dt * -torch.exp(A_log.float()))
     first = ascending_run(slot_ids)
-    state = ssm_pool[first:first + Bt] if first is not None else ssm_pool.index_select(0, slot_ids)
+    state = ssm_pool[first : first + Bt] if first is not None else ssm_pool.index_select(0, slot_ids)
     state.mul_(dA[:, :, None, None])
     dtx = (dt[:, :, None] * x.float()).view(Bt, G, rep * P, 1)
     sg = state.view(Bt, G, rep * P, N)

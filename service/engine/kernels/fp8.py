@@ -15,6 +15,7 @@ x ~= xq * input_scale. A linear is then (xq @ weight^T) * (input_scale * weight_
   `moe.moe_experts_ref` otherwise; weight-only like the Triton kernel (`fp8_moe.py`) unless quantize_activations
   (then x and the ReLU² output are fake-quantized with the GEMMs' input scales: the checkpoint's W8A8 math).
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,20 +37,30 @@ def fake_quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return quantize_fp8(x, scale).float() * scale
 
 
-def check_fp8_linear_args(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                          input_scale: torch.Tensor) -> None:
+def check_fp8_linear_args(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor
+) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"fp8 linear: x must be [T, K] and weight [N, K], got {tuple(x.shape)} and "
-                         f"{tuple(weight.shape)}")
+        raise ValueError(
+            f"fp8 linear: x must be [T, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
     if weight.dtype != FP8_DTYPE:
         raise ValueError(f"fp8 linear: weight must be {FP8_DTYPE}, got {weight.dtype}")
     if weight_scale.numel() != 1 or input_scale.numel() != 1:
-        raise ValueError(f"fp8 linear: weight_scale and input_scale must be per-tensor scalars, got shapes "
-                         f"{tuple(weight_scale.shape)} and {tuple(input_scale.shape)}")
+        raise ValueError(
+            f"fp8 linear: weight_scale and input_scale must be per-tensor scalars, got shapes "
+            f"{tuple(weight_scale.shape)} and {tuple(input_scale.shape)}"
+        )
 
 
-def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor,
-                   bias: torch.Tensor | None = None, quantize_activations: bool = True) -> torch.Tensor:
+def fp8_linear_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    quantize_activations: bool = True,
+) -> torch.Tensor:
     """x [T, K] (model dtype), weight [N, K] e4m3, weight_scale / input_scale fp32 scalars, bias [N] or None
     -> [T, N] in x's dtype, computed in fp32 on dequantized operands."""
     check_fp8_linear_args(x, weight, weight_scale, input_scale)
@@ -60,8 +71,13 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     return out.to(x.dtype)
 
 
-def fp8_linear_dequant_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                           input_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear_dequant_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Weight-only: `fp8_linear_ref` without quantizing x (input_scale is checked, not used)."""
     return fp8_linear_ref(x, weight, weight_scale, input_scale, bias, quantize_activations=False)
 
@@ -71,46 +87,74 @@ def _pad_to(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
     if not extra:
         return t
     pad = [0, 0] * (t.dim() - 1 - dim) + [0, extra]
-    return F.pad(t.view(torch.uint8), pad).view(t.dtype)      # F.pad has no float8 kernels: pad the bytes
+    return F.pad(t.view(torch.uint8), pad).view(t.dtype)  # F.pad has no float8 kernels: pad the bytes
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`fp8_linear_ref` on FP8 tensor cores (`torch._scaled_mm`): x [T, K] -> [T, N] in x's dtype."""
     check_fp8_linear_args(x, weight, weight_scale, input_scale)
     N = weight.shape[0]
     xq = _pad_to(quantize_fp8(x, input_scale), 1, 16)
     w = _pad_to(_pad_to(weight, 1, 16), 0, 16)
-    out = torch._scaled_mm(xq, w.t(), scale_a=input_scale.float().reshape(()), scale_b=weight_scale.float().reshape(()),
-                           out_dtype=x.dtype)
+    out = torch._scaled_mm(
+        xq, w.t(), scale_a=input_scale.float().reshape(()), scale_b=weight_scale.float().reshape(()), out_dtype=x.dtype
+    )
     if w.shape[0] != N:
         out = out[:, :N]
     return out if bias is None else out + bias
 
 
-def check_fp8_experts_args(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, up_scale: torch.Tensor,
-                           down_scale: torch.Tensor, up_input_scale: torch.Tensor, down_input_scale: torch.Tensor,
-                           topk_ids: torch.Tensor) -> None:
+def check_fp8_experts_args(
+    x: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    up_scale: torch.Tensor,
+    down_scale: torch.Tensor,
+    up_input_scale: torch.Tensor,
+    down_input_scale: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> None:
     E = up.shape[0]
     if up.dtype != FP8_DTYPE or down.dtype != FP8_DTYPE:
         raise ValueError(f"fp8 experts: up/down must be {FP8_DTYPE}, got {up.dtype}/{down.dtype}")
-    if up.dim() != 3 or down.dim() != 3 or up.shape[2] != x.shape[1] or tuple(down.shape) != (E, up.shape[2],
-                                                                                                up.shape[1]):
-        raise ValueError(f"fp8 experts: need x [T, d], up [E, I, d], down [E, d, I]; got {tuple(x.shape)}, "
-                         f"{tuple(up.shape)}, {tuple(down.shape)}")
+    if (
+        up.dim() != 3
+        or down.dim() != 3
+        or up.shape[2] != x.shape[1]
+        or tuple(down.shape) != (E, up.shape[2], up.shape[1])
+    ):
+        raise ValueError(
+            f"fp8 experts: need x [T, d], up [E, I, d], down [E, d, I]; got {tuple(x.shape)}, "
+            f"{tuple(up.shape)}, {tuple(down.shape)}"
+        )
     if tuple(up_scale.shape) != (E,) or tuple(down_scale.shape) != (E,):
-        raise ValueError(f"fp8 experts: weight scales must be [E={E}], got {tuple(up_scale.shape)} and "
-                         f"{tuple(down_scale.shape)}")
+        raise ValueError(
+            f"fp8 experts: weight scales must be [E={E}], got {tuple(up_scale.shape)} and {tuple(down_scale.shape)}"
+        )
     if up_input_scale.numel() != 1 or down_input_scale.numel() != 1:
         raise ValueError("fp8 experts: up_input_scale and down_input_scale must be scalars (one per GEMM)")
     if topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"topk_ids has {topk_ids.shape[0]} rows, x has {x.shape[0]}")
 
 
-def fp8_moe_experts_ref(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, up_scale: torch.Tensor,
-                        down_scale: torch.Tensor, up_input_scale: torch.Tensor, down_input_scale: torch.Tensor,
-                        topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                        quantize_activations: bool = False) -> torch.Tensor:
+def fp8_moe_experts_ref(
+    x: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    up_scale: torch.Tensor,
+    down_scale: torch.Tensor,
+    up_input_scale: torch.Tensor,
+    down_input_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    quantize_activations: bool = False,
+) -> torch.Tensor:
     """x [T, d] (model dtype), up [E, I, d] / down [E, d, I] e4m3, up_scale / down_scale [E] fp32, input scales fp32
     scalars, topk_weights [T, k] fp32, topk_ids [T, k] -> sum_k w * down(q(relu(up(q(x)))^2)) [T, d] in x's dtype
     (fp32 math on dequantized experts, one at a time; q: fake quantization with the GEMM's input scale when
@@ -127,10 +171,10 @@ def fp8_moe_experts_ref(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, u
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        t = tok[start:start + n]
+        t = tok[start : start + n]
         h = relu2(F.linear(quant(x[t], up_input_scale), up[e].float() * up_scale[e]))
-        h = h.to(x.dtype)                   # the up GEMM's output rounds to the model dtype (as in the kernels)
+        h = h.to(x.dtype)  # the up GEMM's output rounds to the model dtype (as in the kernels)
         y = F.linear(quant(h, down_input_scale), down[e].float() * down_scale[e])
-        out.index_add_(0, t, y * w[start:start + n, None])
+        out.index_add_(0, t, y * w[start : start + n, None])
         start += n
     return out.to(x.dtype)

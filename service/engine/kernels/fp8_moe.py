@@ -9,6 +9,7 @@ GEMM with ReLU² into H [rows, I] (x's dtype), a down GEMM times the routing wei
 The e4m3 -> fp16 conversion is done on the bytes (`_e4m3_bits_to_f16`): exact, and the same on the GPU and in the
 Triton interpreter (which does not handle float8 tensors).
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,9 +17,10 @@ import triton
 import triton.language as tl
 
 from service.engine.kernels.fp8 import check_fp8_experts_args
-from service.engine.kernels.triton_common import dot_precision
 from service.engine.kernels.tiles import default_tiles
+from service.engine.kernels.triton_common import dot_precision
 from service.engine.kernels.triton_moe import align_by_expert, sum_slots
+
 
 @triton.jit
 def _e4m3_bits_to_f16(b):
@@ -30,8 +32,20 @@ def _e4m3_bits_to_f16(b):
 
 
 @triton.jit
-def _fp8_expert_tile(a_rows, valid, w_ptr, e, n_out, k_in, s_w_e, s_w_n, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _fp8_expert_tile(
+    a_rows,
+    valid,
+    w_ptr,
+    e,
+    n_out,
+    k_in,
+    s_w_e,
+    s_w_n,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """acc [BLOCK_M, BLOCK_N] fp32 = A @ (W[e] / 256)^T over k_in; A's rows at a_rows [BLOCK_M, 1] (unit stride along
     k_in; rows where `valid`), W e4m3 bytes. Also returns the output columns offs_n and their mask."""
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -41,16 +55,34 @@ def _fp8_expert_tile(a_rows, valid, w_ptr, e, n_out, k_in, s_w_e, s_w_n, BLOCK_M
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mk = offs_k < k_in
         a = tl.load(a_rows + offs_k[None, :], mask=valid[:, None] & mk[None, :], other=0.0)
-        b = tl.load(w_ptr + e * s_w_e + offs_n[None, :] * s_w_n + offs_k[:, None], mask=mn[None, :] & mk[:, None],
-                    other=0)
+        b = tl.load(
+            w_ptr + e * s_w_e + offs_n[None, :] * s_w_n + offs_k[:, None], mask=mn[None, :] & mk[:, None], other=0
+        )
         acc += tl.dot(a, _e4m3_bits_to_f16(b).to(a.dtype), input_precision=DOT_PRECISION)
     return acc, offs_n, mn
 
 
 @triton.jit
-def _fp8_up_kernel(x_ptr, w_ptr, scale_ptr, pairs_ptr, block_expert_ptr, h_ptr, num_pairs, top_k, n_out, k_in,
-                   s_x_t, s_w_e, s_w_n, s_h_r, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+def _fp8_up_kernel(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    pairs_ptr,
+    block_expert_ptr,
+    h_ptr,
+    num_pairs,
+    top_k,
+    n_out,
+    k_in,
+    s_x_t,
+    s_w_e,
+    s_w_n,
+    s_h_r,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if e < 0:
@@ -59,18 +91,50 @@ def _fp8_up_kernel(x_ptr, w_ptr, scale_ptr, pairs_ptr, block_expert_ptr, h_ptr, 
     pairs = tl.load(pairs_ptr + offs_m)
     valid = pairs < num_pairs
     tok = (pairs // top_k).to(tl.int64)
-    acc, offs_n, mn = _fp8_expert_tile(x_ptr + tok[:, None] * s_x_t, valid, w_ptr, e, n_out, k_in, s_w_e, s_w_n,
-                                       BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+    acc, offs_n, mn = _fp8_expert_tile(
+        x_ptr + tok[:, None] * s_x_t,
+        valid,
+        w_ptr,
+        e,
+        n_out,
+        k_in,
+        s_w_e,
+        s_w_n,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        DOT_PRECISION,
+    )
     acc = tl.maximum(acc * (tl.load(scale_ptr + e) * 256.0), 0.0)
     acc = acc * acc
-    tl.store(h_ptr + offs_m.to(tl.int64)[:, None] * s_h_r + offs_n[None, :], acc.to(h_ptr.dtype.element_ty),
-             mask=valid[:, None] & mn[None, :])
+    tl.store(
+        h_ptr + offs_m.to(tl.int64)[:, None] * s_h_r + offs_n[None, :],
+        acc.to(h_ptr.dtype.element_ty),
+        mask=valid[:, None] & mn[None, :],
+    )
 
 
 @triton.jit
-def _fp8_down_kernel(h_ptr, w_ptr, scale_ptr, pairs_ptr, block_expert_ptr, topk_w_ptr, y_ptr, num_pairs, n_out,
-                     k_in, s_h_r, s_w_e, s_w_n, s_y_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _fp8_down_kernel(
+    h_ptr,
+    w_ptr,
+    scale_ptr,
+    pairs_ptr,
+    block_expert_ptr,
+    topk_w_ptr,
+    y_ptr,
+    num_pairs,
+    n_out,
+    k_in,
+    s_h_r,
+    s_w_e,
+    s_w_n,
+    s_y_p,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if e < 0:
@@ -78,17 +142,40 @@ def _fp8_down_kernel(h_ptr, w_ptr, scale_ptr, pairs_ptr, block_expert_ptr, topk_
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(pairs_ptr + offs_m)
     valid = pairs < num_pairs
-    acc, offs_n, mn = _fp8_expert_tile(h_ptr + offs_m.to(tl.int64)[:, None] * s_h_r, valid, w_ptr, e, n_out, k_in,
-                                       s_w_e, s_w_n, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION)
+    acc, offs_n, mn = _fp8_expert_tile(
+        h_ptr + offs_m.to(tl.int64)[:, None] * s_h_r,
+        valid,
+        w_ptr,
+        e,
+        n_out,
+        k_in,
+        s_w_e,
+        s_w_n,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        DOT_PRECISION,
+    )
     wt = tl.load(topk_w_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
     acc = acc * (wt[:, None] * (tl.load(scale_ptr + e) * 256.0))
-    tl.store(y_ptr + pairs.to(tl.int64)[:, None] * s_y_p + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=valid[:, None] & mn[None, :])
+    tl.store(
+        y_ptr + pairs.to(tl.int64)[:, None] * s_y_p + offs_n[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=valid[:, None] & mn[None, :],
+    )
 
 
-def fp8_moe_experts(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, up_scale: torch.Tensor,
-                    down_scale: torch.Tensor, up_input_scale: torch.Tensor, down_input_scale: torch.Tensor,
-                    topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+def fp8_moe_experts(
+    x: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    up_scale: torch.Tensor,
+    down_scale: torch.Tensor,
+    up_input_scale: torch.Tensor,
+    down_input_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
     """Routed FP8 experts (Triton, weight-only): x [T, d] (unit stride in d), up [E, I, d] / down [E, d, I] e4m3
     contiguous, up_scale / down_scale [E] fp32, topk_weights [T, k], topk_ids [T, k] -> [T, d] in x's dtype.
     The input scales are checked and not used (activations are not quantized, see the module docstring)."""
@@ -108,13 +195,48 @@ def fp8_moe_experts(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, up_sc
     up_s, down_s = up_scale.float().contiguous(), down_scale.float().contiguous()
     h = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     _fp8_up_kernel[(rows // bm, triton.cdiv(inter, bn))](
-        x, up8, up_s, al.sorted_pairs, al.block_expert, h, T * top_k, top_k, inter, d_in, x.stride(0), up.stride(0),
-        up.stride(1), h.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PRECISION=prec,
-        num_warps=tiles.warps, num_stages=tiles.stages)
+        x,
+        up8,
+        up_s,
+        al.sorted_pairs,
+        al.block_expert,
+        h,
+        T * top_k,
+        top_k,
+        inter,
+        d_in,
+        x.stride(0),
+        up.stride(0),
+        up.stride(1),
+        h.stride(0),
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        DOT_PRECISION=prec,
+        num_warps=tiles.warps,
+        num_stages=tiles.stages,
+    )
     y = torch.empty(T * top_k, d_in, dtype=x.dtype, device=x.device)
     _fp8_down_kernel[(rows // bm, triton.cdiv(d_in, bn))](
-        h, down8, down_s, al.sorted_pairs, al.block_expert, topk_weights.float().contiguous(), y, T * top_k, d_in,
-        inter, h.stride(0), down.stride(0), down.stride(1), y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        DOT_PRECISION=prec, num_warps=tiles.warps, num_stages=tiles.stages)
+        h,
+        down8,
+        down_s,
+        al.sorted_pairs,
+        al.block_expert,
+        topk_weights.float().contiguous(),
+        y,
+        T * top_k,
+        d_in,
+        inter,
+        h.stride(0),
+        down.stride(0),
+        down.stride(1),
+        y.stride(0),
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        DOT_PRECISION=prec,
+        num_warps=tiles.warps,
+        num_stages=tiles.stages,
+    )
     return sum_slots(y, T, top_k)
-

@@ -1,4 +1,5 @@
 """Reference of the single-row GEMV (`triton_gemv.gemv`): torch's F.linear."""
+
 from __future__ import annotations
 
 import torch

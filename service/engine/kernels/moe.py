@@ -6,6 +6,7 @@ picked experts, renormalised if norm_topk_prob, times routed_scaling_factor.
 Experts: non-gated ReLU² MLPs `down(relu(up(x))**2)`; the shared expert (when passed to `moe_experts_ref`) is one
 more such MLP with weight 1, added in fp32 before the one rounding to x's dtype.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,9 +15,16 @@ import torch
 import torch.nn.functional as F
 
 
-def moe_route_ref(h: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
-                  n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route_ref(
+    h: torch.Tensor,
+    gate_weight: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """h [T, d], gate_weight [E, d] -> (topk_weights [T, k] fp32, topk_ids [T, k] int64)."""
     logits = F.linear(h.float(), gate_weight.float())
     scores = logits.sigmoid()
@@ -24,7 +32,7 @@ def moe_route_ref(h: torch.Tensor, gate_weight: torch.Tensor, correction_bias: t
     E = choice.shape[1]
     if n_group > 1:
         grouped = choice.view(-1, n_group, E // n_group)
-        group_scores = grouped.topk(2, dim=-1).values.sum(-1)                     # [T, n_group]
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, n_group]
         keep = torch.zeros_like(group_scores, dtype=torch.bool)
         keep.scatter_(1, group_scores.topk(topk_group, dim=-1).indices, True)
         choice = choice.masked_fill(~keep.repeat_interleave(E // n_group, dim=1), float("-inf"))
@@ -43,22 +51,32 @@ def check_shared_expert(x: torch.Tensor, shared_up: torch.Tensor | None, shared_
     """Shape checks of the optional shared expert of the routed-experts ops: both or neither of shared_up [S, d_in]
     and shared_down [d_in, S] (x [T, d_in]); returns S, 0 when neither is given."""
     if (shared_up is None) != (shared_down is None):
-        raise ValueError("pass both shared_up [S, d_in] and shared_down [d_in, S] (the shared expert's up_proj and "
-                         "down_proj weights) or neither, got only "
-                         + ("shared_up" if shared_up is not None else "shared_down"))
+        raise ValueError(
+            "pass both shared_up [S, d_in] and shared_down [d_in, S] (the shared expert's up_proj and "
+            "down_proj weights) or neither, got only " + ("shared_up" if shared_up is not None else "shared_down")
+        )
     if shared_up is None or shared_down is None:
         return 0
     d_in = x.shape[-1]
     S = shared_up.shape[0]
     if shared_up.dim() != 2 or shared_up.shape[1] != d_in or tuple(shared_down.shape) != (d_in, S):
-        raise ValueError(f"shared_up must be [S, d_in] and shared_down [d_in, S] with d_in={d_in}, got "
-                         f"{tuple(shared_up.shape)} and {tuple(shared_down.shape)}")
+        raise ValueError(
+            f"shared_up must be [S, d_in] and shared_down [d_in, S] with d_in={d_in}, got "
+            f"{tuple(shared_up.shape)} and {tuple(shared_down.shape)}"
+        )
     return S
 
 
-def moe_experts_ref(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor, *, shared_up: torch.Tensor | None = None,
-                    shared_down: torch.Tensor | None = None) -> torch.Tensor:
+def moe_experts_ref(
+    x: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    shared_up: torch.Tensor | None = None,
+    shared_down: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x [T, d_in], up [E, I, d_in], down [E, d_in, I], topk [T, k] -> sum_k w * expert(x) [T, d_in], plus the shared
     expert shared_down(relu(shared_up(x))^2) when shared_up [S, d_in] and shared_down [d_in, S] are given (both or
     neither). Accumulates in fp32 like transformers (weights fp32), returns x's dtype."""
@@ -73,9 +91,9 @@ def moe_experts_ref(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, topk_
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        t = tok[start:start + n]
+        t = tok[start : start + n]
         hidden = F.linear(relu2(F.linear(x[t], up[e])), down[e])
-        out.index_add_(0, t, hidden.float() * w[start:start + n, None])
+        out.index_add_(0, t, hidden.float() * w[start : start + n, None])
         start += n
     if n_shared:
         out += F.linear(relu2(F.linear(x, shared_up)), shared_down).float()
@@ -84,9 +102,9 @@ def moe_experts_ref(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, topk_
 
 @dataclass(frozen=True)
 class ExpertAlignment:
-    sorted_pairs: torch.Tensor   # [num_blocks * block_m] int32: pair index t*k + j, or T*k for padding
-    block_expert: torch.Tensor   # [num_blocks] int32: expert of each block of block_m rows, -1 for unused blocks
-    block_m: int                 # rows per block
+    sorted_pairs: torch.Tensor  # [num_blocks * block_m] int32: pair index t*k + j, or T*k for padding
+    block_expert: torch.Tensor  # [num_blocks] int32: expert of each block of block_m rows, -1 for unused blocks
+    block_m: int  # rows per block
 
 
 def max_expert_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:

@@ -9,6 +9,7 @@ end; the state at absolute position s (a multiple of C, p_i < s <= p_i + l_i) is
 
 Pure torch reference (`*_ref`); the Triton kernels in `triton_ssd.py` match these.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,18 +21,20 @@ import torch.nn.functional as F
 @dataclass(frozen=True)
 class ChunkLayout:
     """Chunk decomposition of a packed batch (host-side ints mirrored as device tensors)."""
+
     chunk_size: int
-    chunk_req: torch.Tensor        # [Nc] int64: request index of each chunk
-    chunk_start: torch.Tensor      # [Nc] int64: flat token index of the chunk's first token
-    chunk_len: torch.Tensor        # [Nc] int64: tokens in the chunk (1..C)
-    first_chunk: torch.Tensor      # [B] int64: c0_i, index of request i's first chunk
-    num_chunks: torch.Tensor       # [B] int64: chunks of request i
-    max_chunks: int                # max over requests of num_chunks
+    chunk_req: torch.Tensor  # [Nc] int64: request index of each chunk
+    chunk_start: torch.Tensor  # [Nc] int64: flat token index of the chunk's first token
+    chunk_len: torch.Tensor  # [Nc] int64: tokens in the chunk (1..C)
+    first_chunk: torch.Tensor  # [B] int64: c0_i, index of request i's first chunk
+    num_chunks: torch.Tensor  # [B] int64: chunks of request i
+    max_chunks: int  # max over requests of num_chunks
     chunk_lens_host: tuple[int, ...]  # host copy of chunk_len
 
 
-def build_chunk_layout(query_lens: list[int], prefix_lens: list[int], chunk_size: int,
-                       device: torch.device | str = "cpu") -> ChunkLayout:
+def build_chunk_layout(
+    query_lens: list[int], prefix_lens: list[int], chunk_size: int, device: torch.device | str = "cpu"
+) -> ChunkLayout:
     """query_lens[i] = l_i new tokens, prefix_lens[i] = p_i tokens already in request i's state."""
     if len(query_lens) != len(prefix_lens):
         raise ValueError("query_lens and prefix_lens must have the same length")
@@ -54,12 +57,22 @@ def build_chunk_layout(query_lens: list[int], prefix_lens: list[int], chunk_size
 
     def t(x: list[int]) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.int64, device=device)
-    return ChunkLayout(c, t(chunk_req), t(chunk_start), t(chunk_len), t(first), t(counts),
-                       max(counts) if counts else 0, tuple(chunk_len))
+
+    return ChunkLayout(
+        c,
+        t(chunk_req),
+        t(chunk_start),
+        t(chunk_len),
+        t(first),
+        t(counts),
+        max(counts) if counts else 0,
+        tuple(chunk_len),
+    )
 
 
-def snapshot_chunk_indices(layout: ChunkLayout, req_idx: list[int], positions: list[int],
-                           prefix_lens: list[int]) -> list[int]:
+def snapshot_chunk_indices(
+    layout: ChunkLayout, req_idx: list[int], positions: list[int], prefix_lens: list[int]
+) -> list[int]:
     """Chunk index holding the state at absolute `positions[j]` (a multiple of C) of request req_idx[j]."""
     c = layout.chunk_size
     first = layout.first_chunk.tolist()
@@ -84,15 +97,22 @@ def _pad_chunks(t: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
     """[T, ...] -> [Nc, C, ...], zero at padded positions."""
     c = layout.chunk_size
     offs = torch.arange(c, device=t.device)
-    idx = layout.chunk_start[:, None] + offs[None, :]                 # [Nc, C]
+    idx = layout.chunk_start[:, None] + offs[None, :]  # [Nc, C]
     valid = offs[None, :] < layout.chunk_len[:, None]
     out = t[idx.clamp(max=t.shape[0] - 1)]
     return out * valid.view(*valid.shape, *([1] * (t.dim() - 1))).to(out.dtype)
 
 
-def ssd_varlen_ref(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                   D: torch.Tensor, initial_states: torch.Tensor, layout: ChunkLayout
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def ssd_varlen_ref(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    initial_states: torch.Tensor,
+    layout: ChunkLayout,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked SSD over a packed batch.
 
     x [T, H, P], dt [T, H] (already softplus'd and clamped, fp32), A [H] (negative), B/C [T, G, N],
@@ -104,23 +124,23 @@ def ssd_varlen_ref(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     if H % G:
         raise ValueError(f"heads {H} not divisible by groups {G}")
     rep = H // G
-    Bh = B.float().repeat_interleave(rep, dim=1)                     # [T, H, N]
+    Bh = B.float().repeat_interleave(rep, dim=1)  # [T, H, N]
     Ch = C.float().repeat_interleave(rep, dim=1)
-    xc, dtc = _pad_chunks(x.float(), layout), _pad_chunks(dt.float(), layout)   # [Nc,C,H,P], [Nc,C,H]
-    Bc, Cc = _pad_chunks(Bh, layout), _pad_chunks(Ch, layout)        # [Nc, C, H, N]
-    acs = torch.cumsum(dtc * A.float()[None, None, :], dim=1)        # [Nc, C, H]
+    xc, dtc = _pad_chunks(x.float(), layout), _pad_chunks(dt.float(), layout)  # [Nc,C,H,P], [Nc,C,H]
+    Bc, Cc = _pad_chunks(Bh, layout), _pad_chunks(Ch, layout)  # [Nc, C, H, N]
+    acs = torch.cumsum(dtc * A.float()[None, None, :], dim=1)  # [Nc, C, H]
     # intra-chunk (diagonal blocks)
-    seg = acs[:, :, None, :] - acs[:, None, :, :]                   # [Nc, l, s, H]
+    seg = acs[:, :, None, :] - acs[:, None, :, :]  # [Nc, l, s, H]
     causal = torch.ones(layout.chunk_size, layout.chunk_size, dtype=torch.bool, device=x.device).tril()
     L = torch.exp(seg.masked_fill(~causal[None, :, :, None], float("-inf")))
-    scores = torch.einsum("clhn,cshn->clsh", Cc, Bc) * L             # [Nc, l, s, H]
+    scores = torch.einsum("clhn,cshn->clsh", Cc, Bc) * L  # [Nc, l, s, H]
     y_diag = torch.einsum("clsh,csh,cshp->clhp", scores, dtc, xc)
     # chunk-local end states and their decay
-    decay_to_end = torch.exp(acs[:, -1:, :] - acs)                   # [Nc, C, H]
+    decay_to_end = torch.exp(acs[:, -1:, :] - acs)  # [Nc, C, H]
     local_states = torch.einsum("csh,csh,cshp,cshn->chpn", decay_to_end, dtc, xc, Bc)
-    chunk_decay = torch.exp(acs[:, -1, :])                           # [Nc, H]
+    chunk_decay = torch.exp(acs[:, -1, :])  # [Nc, H]
     # inter-chunk recurrence, sequential over each request's chunks, vectorised over requests
-    prev_states = torch.empty_like(local_states)                     # state entering each chunk
+    prev_states = torch.empty_like(local_states)  # state entering each chunk
     chunk_states = torch.empty_like(local_states)
     carry = initial_states.float()
     for j in range(layout.max_chunks):
@@ -134,7 +154,7 @@ def ssd_varlen_ref(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
         carry = carry.clone()
         carry[reqs] = new
     y_off = torch.einsum("clhn,chpn->clhp", Cc, prev_states) * torch.exp(acs)[..., None]
-    y_chunks = y_diag + y_off                                        # [Nc, C, H, P]
+    y_chunks = y_diag + y_off  # [Nc, C, H, P]
     # scatter back to flat tokens
     offs = torch.arange(layout.chunk_size, device=x.device)
     valid = offs[None, :] < layout.chunk_len[:, None]
@@ -150,23 +170,37 @@ def final_chunk_indices(layout: ChunkLayout) -> torch.Tensor:
     return layout.first_chunk + layout.num_chunks - 1
 
 
-def selective_state_update_ref(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
-                               B: torch.Tensor, C: torch.Tensor, D: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def selective_state_update_ref(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step. state [B, H, P, N] fp32, x [B, H, P], dt [B, H] (softplus'd, fp32), A [H],
     B/C [B, G, N], D [H]. Returns (y [B, H, P] fp32, new_state [B, H, P, N] fp32)."""
     H = x.shape[1]
     rep = H // B.shape[1]
-    Bh = B.float().repeat_interleave(rep, dim=1)                     # [B, H, N]
+    Bh = B.float().repeat_interleave(rep, dim=1)  # [B, H, N]
     Ch = C.float().repeat_interleave(rep, dim=1)
-    dA = torch.exp(dt.float() * A.float()[None, :])                  # [B, H]
+    dA = torch.exp(dt.float() * A.float()[None, :])  # [B, H]
     new = state.float() * dA[:, :, None, None] + (dt.float()[:, :, None] * x.float())[..., None] * Bh[:, :, None, :]
     y = torch.einsum("bhpn,bhn->bhp", new, Ch) + D.float()[None, :, None] * x.float()
     return y, new
 
 
-def selective_state_update_slots_ref(ssm_pool: torch.Tensor, slot_ids: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
-                                     A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor
-                                     ) -> torch.Tensor:
+def selective_state_update_slots_ref(
+    ssm_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+) -> torch.Tensor:
     """One decode step on the pool in place: ssm_pool [S, H, P, N] fp32, slot_ids [B] int64 (distinct, except that
     padding rows may all name the scratch slot 0, whose content is then undefined). Rows as in
     `selective_state_update_ref`; ssm_pool[slot_ids] becomes the new state. Returns y [B, H, P] fp32."""
@@ -175,12 +209,21 @@ def selective_state_update_slots_ref(ssm_pool: torch.Tensor, slot_ids: torch.Ten
     return y
 
 
-def selective_state_update_slots_raw_dt_ref(ssm_pool: torch.Tensor, slot_ids: torch.Tensor, x: torch.Tensor,
-                                            dt: torch.Tensor, A_log: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                                            D: torch.Tensor, dt_bias: torch.Tensor, dt_clamp: tuple[float, float]
-                                            ) -> torch.Tensor:
+def selective_state_update_slots_raw_dt_ref(
+    ssm_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A_log: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    dt_clamp: tuple[float, float],
+) -> torch.Tensor:
     """`selective_state_update_slots_ref` from the raw parameters, as the mamba decode step holds them: dt [B, H] is
     in_proj's raw dt (any float dtype, rows may be strided), A_log [H], dt_bias [H]. The step uses
     `dt_softplus_clamp(dt, dt_bias, dt_clamp)` and A = -exp(A_log) in fp32. Returns y [B, H, P] fp32."""
-    return selective_state_update_slots_ref(ssm_pool, slot_ids, x, dt_softplus_clamp(dt, dt_bias, dt_clamp),
-                                            -torch.exp(A_log.float()), B, C, D)
+    return selective_state_update_slots_ref(
+        ssm_pool, slot_ids, x, dt_softplus_clamp(dt, dt_bias, dt_clamp), -torch.exp(A_log.float()), B, C, D
+    )

@@ -2,6 +2,7 @@
 benchmarks time and the GPU tests check (the first of each table is the default, measured on H200, see
 benchmarks/RESULTS.md), and the functions that pick a launch shape from the problem size. The kernels and their
 launchers are in the `triton_*` modules; the pure-torch references in the others."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,16 +13,17 @@ import triton
 
 from service.engine.kernels.triton_common import TARGET_PROGRAMS
 
-
 # ---- attention (triton_attention) ----
+
 
 @dataclass(frozen=True)
 class PrefillTiles:
     """Launch shape of `_prefill_kernel`."""
-    block_m: int = 128            # queries per program (16 when every request has <= 16 new tokens)
-    block_n: int = 128            # keys per inner step
-    warps: int = 8                # warps per program
-    stages: int = 2               # software-pipelining depth
+
+    block_m: int = 128  # queries per program (16 when every request has <= 16 new tokens)
+    block_n: int = 128  # keys per inner step
+    warps: int = 8  # warps per program
+    stages: int = 2  # software-pipelining depth
 
 
 @dataclass(frozen=True)
@@ -30,18 +32,23 @@ class DecodeTiles:
     all (floor, at least 1 split), at most max_seq_len / min_split; a request's keys are spread evenly over them in
     multiples of block_n, at least min_split keys each (splits past its context stay empty). fp32 operands take
     half the keys per step (twice the bytes per key)."""
-    block_n: int = 128            # keys per inner step (may span pages)
-    warps: int = 4                # warps per program
-    stages: int = 3               # software pipelining (triton 3.x: 5 double-buffers the K/V tiles, 2-4 one buffer)
-    programs: int = TARGET_PROGRAMS   # programs the split plan aims for
-    min_split: int = 128          # fewest keys per split (rounded up to a multiple of block_n)
+
+    block_n: int = 128  # keys per inner step (may span pages)
+    warps: int = 4  # warps per program
+    stages: int = 3  # software pipelining (triton 3.x: 5 double-buffers the K/V tiles, 2-4 one buffer)
+    programs: int = TARGET_PROGRAMS  # programs the split plan aims for
+    min_split: int = 128  # fewest keys per split (rounded up to a multiple of block_n)
 
 
 # Launch shapes the `tune` benchmark compares at decode sizes (the GPU tests check each); the first is the default,
 # the fastest measured on H200 (see benchmarks/RESULTS.md).
-DECODE_TILE_VARIANTS = (DecodeTiles(), DecodeTiles(64, 4, 5), DecodeTiles(128, 8, 5, min_split=256),
-                        DecodeTiles(64, 4, 5, programs=132, min_split=512),
-                        DecodeTiles(64, 4, 5, programs=2 * TARGET_PROGRAMS, min_split=64))
+DECODE_TILE_VARIANTS = (
+    DecodeTiles(),
+    DecodeTiles(64, 4, 5),
+    DecodeTiles(128, 8, 5, min_split=256),
+    DecodeTiles(64, 4, 5, programs=132, min_split=512),
+    DecodeTiles(64, 4, 5, programs=2 * TARGET_PROGRAMS, min_split=64),
+)
 
 
 def decode_splits(batch: int, kv_heads: int, max_seq_len: int, tiles: DecodeTiles) -> int:
@@ -51,50 +58,91 @@ def decode_splits(batch: int, kv_heads: int, max_seq_len: int, tiles: DecodeTile
 
 # ---- causal conv1d (triton_conv1d) ----
 
+
 @dataclass(frozen=True)
 class ConvTiles:
     """Launch shape of `_conv_varlen_kernel`: a program slides over `block_t` tokens of `block_d` channels, `rows`
     tokens per step (the next step's rows load while a step computes); each thread holds block_d / (32 * warps)
     channels of every row of a step."""
-    block_t: int = 64             # tokens per program (a multiple of rows)
-    block_d: int = 512            # channels per program
-    warps: int = 4                # warps per program
-    rows: int = 8                 # tokens per step
+
+    block_t: int = 64  # tokens per program (a multiple of rows)
+    block_d: int = 512  # channels per program
+    warps: int = 4  # warps per program
+    rows: int = 8  # tokens per step
 
 
 # Launch shapes the `tune` benchmark compares at Nano shapes (the GPU tests check each); the first is the default.
-CONV_TILE_VARIANTS = (ConvTiles(64, 512, 4, 8), ConvTiles(64, 512, 4, 4), ConvTiles(32, 512, 4, 8),
-                      ConvTiles(64, 256, 2, 8), ConvTiles(128, 512, 4, 16))
+CONV_TILE_VARIANTS = (
+    ConvTiles(64, 512, 4, 8),
+    ConvTiles(64, 512, 4, 4),
+    ConvTiles(32, 512, 4, 8),
+    ConvTiles(64, 256, 2, 8),
+    ConvTiles(128, 512, 4, 16),
+)
 
 
 # ---- single-row GEMV (triton_gemv) ----
 
+
 @dataclass(frozen=True)
 class GemvTiles:
     """Launch shape of `gemv` (for one row of x; more rows may halve block_k, see `_rows_block_k`)."""
-    block_n: int = 8              # weight rows (output columns) per program
-    block_k: int = 256            # K elements per step and row (>= 8 bf16 per thread: 16-byte loads)
-    warps: int = 4                # warps per program
-    prefetch: bool = True         # load step k+1 before step k's FMAs (registers; tl's num_stages does not
-                                  # pipeline loads that feed no tl.dot: it is 1 here)
-    split_k: int = 1              # programs per column block, each over a slice of K (> 1: last arriver adds)
+
+    block_n: int = 8  # weight rows (output columns) per program
+    block_k: int = 256  # K elements per step and row (>= 8 bf16 per thread: 16-byte loads)
+    warps: int = 4  # warps per program
+    prefetch: bool = True  # load step k+1 before step k's FMAs (registers; tl's num_stages does not
+    # pipeline loads that feed no tl.dot: it is 1 here)
+    split_k: int = 1  # programs per column block, each over a slice of K (> 1: last arriver adds)
 
 
 # Launch shapes the `gemv` benchmark compares per Nano-30B-A3B shape (N, K); the GPU tests check every one.
-_WIDE = (GemvTiles(8, 256, 4), GemvTiles(8, 256, 4, False), GemvTiles(16, 128, 4), GemvTiles(8, 512, 4),
-         GemvTiles(32, 128, 8), GemvTiles(16, 256, 8), GemvTiles(4, 1024, 4, False))
+_WIDE = (
+    GemvTiles(8, 256, 4),
+    GemvTiles(8, 256, 4, False),
+    GemvTiles(16, 128, 4),
+    GemvTiles(8, 512, 4),
+    GemvTiles(32, 128, 8),
+    GemvTiles(16, 256, 8),
+    GemvTiles(4, 1024, 4, False),
+)
 # The first of each is the default (measured on H200, see benchmarks/RESULTS.md); on the wide shapes cuBLAS ties.
-_SHORT_K = (GemvTiles(4, 512, 4), GemvTiles(8, 256, 4, False), GemvTiles(8, 256, 4), GemvTiles(8, 128, 4, True, 3),
-            GemvTiles(16, 128, 4, True, 3), GemvTiles(8, 256, 4, True, 2), GemvTiles(4, 1024, 4, False))
-_LONG_K = (GemvTiles(4, 512, 4), GemvTiles(8, 512, 4, False), GemvTiles(8, 512, 4), GemvTiles(8, 512, 4, True, 2),
-           GemvTiles(16, 256, 4, True, 4), GemvTiles(8, 256, 4, True, 4), GemvTiles(4, 1024, 4, False, 2))
-GEMV_SHAPES = (("in_proj", 10304, 2688), ("out_proj", 2688, 4096), ("qkv_proj", 4608, 2688),
-               ("shared_up", 3712, 2688), ("shared_down", 2688, 3712), ("lm_head", 131072, 2688))
-GEMV_TILE_VARIANTS = MappingProxyType({
-    (10304, 2688): _WIDE, (131072, 2688): _WIDE,          # mamba in_proj, lm_head: enough programs without split
-    (4608, 2688): _SHORT_K, (3712, 2688): _SHORT_K,       # attention q/k/v (one GEMV), shared-expert up
-    (2688, 4096): _LONG_K, (2688, 3712): _LONG_K,         # mamba out_proj / attention o_proj, shared-expert down
-})
+_SHORT_K = (
+    GemvTiles(4, 512, 4),
+    GemvTiles(8, 256, 4, False),
+    GemvTiles(8, 256, 4),
+    GemvTiles(8, 128, 4, True, 3),
+    GemvTiles(16, 128, 4, True, 3),
+    GemvTiles(8, 256, 4, True, 2),
+    GemvTiles(4, 1024, 4, False),
+)
+_LONG_K = (
+    GemvTiles(4, 512, 4),
+    GemvTiles(8, 512, 4, False),
+    GemvTiles(8, 512, 4),
+    GemvTiles(8, 512, 4, True, 2),
+    GemvTiles(16, 256, 4, True, 4),
+    GemvTiles(8, 256, 4, True, 4),
+    GemvTiles(4, 1024, 4, False, 2),
+)
+GEMV_SHAPES = (
+    ("in_proj", 10304, 2688),
+    ("out_proj", 2688, 4096),
+    ("qkv_proj", 4608, 2688),
+    ("shared_up", 3712, 2688),
+    ("shared_down", 2688, 3712),
+    ("lm_head", 131072, 2688),
+)
+GEMV_TILE_VARIANTS = MappingProxyType(
+    {
+        (10304, 2688): _WIDE,
+        (131072, 2688): _WIDE,  # mamba in_proj, lm_head: enough programs without split
+        (4608, 2688): _SHORT_K,
+        (3712, 2688): _SHORT_K,  # attention q/k/v (one GEMV), shared-expert up
+        (2688, 4096): _LONG_K,
+        (2688, 3712): _LONG_K,  # mamba out_proj / attention o_proj, shared-expert down
+    }
+)
 
 
 def default_gemv_tiles(n: int, k: int) -> GemvTiles:
@@ -108,16 +156,18 @@ def default_gemv_tiles(n: int, k: int) -> GemvTiles:
 
 # ---- expert alignment and grouped GEMMs (triton_moe) ----
 
+
 @dataclass(frozen=True)
 class AlignTiles:
     """Launch shape of `align_into`: grid max(cdiv(T*k, chunk) if by_chunk, cdiv(E, epp))."""
-    by_chunk: bool                # program p places the pairs of chunk p (T*k <= BY_CHUNK_MAX), else of its experts
-    chunk: int                    # by_chunk: pairs per program; else ids per scan step
-    epp: int                      # experts per program (their sentinels and blocks; else also their pairs)
+
+    by_chunk: bool  # program p places the pairs of chunk p (T*k <= BY_CHUNK_MAX), else of its experts
+    chunk: int  # by_chunk: pairs per program; else ids per scan step
+    epp: int  # experts per program (their sentinels and blocks; else also their pairs)
     warps: int
 
 
-BY_CHUNK_MAX = 2048               # pairs held in one tile by every program of the by-chunk kernel
+BY_CHUNK_MAX = 2048  # pairs held in one tile by every program of the by-chunk kernel
 
 
 def align_tiles(tk: int, num_experts: int) -> AlignTiles:
@@ -136,33 +186,56 @@ def align_tiles(tk: int, num_experts: int) -> AlignTiles:
 # Launch-shape variants timed by benchmarks/kernels.py (group "route") and checked by the GPU tests; keys: T at
 # Nano shapes (k=6, E=128), the first of each list = `align_tiles`' pick.
 ALIGN_TILE_VARIANTS = {
-    1: [AlignTiles(True, 16, 16, 4), AlignTiles(True, 16, 32, 4), AlignTiles(True, 16, 8, 4),
-        AlignTiles(True, 8, 16, 2), AlignTiles(True, 16, 4, 4)],
-    256: [AlignTiles(True, 16, 2, 4), AlignTiles(True, 8, 1, 4), AlignTiles(True, 32, 4, 8), AlignTiles(True, 16, 2, 8),
-          AlignTiles(False, 1024, 8, 4)],
-    8192: [AlignTiles(False, 4096, 1, 8), AlignTiles(False, 2048, 1, 8), AlignTiles(False, 2048, 1, 4),
-           AlignTiles(False, 4096, 2, 8), AlignTiles(False, 1024, 1, 4), AlignTiles(False, 2048, 2, 8)],
+    1: [
+        AlignTiles(True, 16, 16, 4),
+        AlignTiles(True, 16, 32, 4),
+        AlignTiles(True, 16, 8, 4),
+        AlignTiles(True, 8, 16, 2),
+        AlignTiles(True, 16, 4, 4),
+    ],
+    256: [
+        AlignTiles(True, 16, 2, 4),
+        AlignTiles(True, 8, 1, 4),
+        AlignTiles(True, 32, 4, 8),
+        AlignTiles(True, 16, 2, 8),
+        AlignTiles(False, 1024, 8, 4),
+    ],
+    8192: [
+        AlignTiles(False, 4096, 1, 8),
+        AlignTiles(False, 2048, 1, 8),
+        AlignTiles(False, 2048, 1, 4),
+        AlignTiles(False, 4096, 2, 8),
+        AlignTiles(False, 1024, 1, 4),
+        AlignTiles(False, 2048, 2, 8),
+    ],
 }
 
 
 def hist_bins(num_experts: int) -> int:
-    return max(32, triton.next_power_of_2(num_experts + 1))           # bins: the experts + a spare one (>= 32)
+    return max(32, triton.next_power_of_2(num_experts + 1))  # bins: the experts + a spare one (>= 32)
 
 
 @dataclass(frozen=True)
 class MoeTiles:
     """Launch shape of both grouped GEMMs."""
-    block_m: int                  # sorted (token, slot) rows per program; each expert's run is padded to it
-    block_n: int                  # output columns per program
-    block_k: int                  # reduction step
-    warps: int                    # warps per program
-    stages: int                   # software-pipelining depth
+
+    block_m: int  # sorted (token, slot) rows per program; each expert's run is padded to it
+    block_n: int  # output columns per program
+    block_k: int  # reduction step
+    warps: int  # warps per program
+    stages: int  # software-pipelining depth
 
 
 # Decode launch shapes (<= 16 pairs per expert) the `moe_tune` benchmark compares at T = 1, 8, 64 (the GPU tests
 # check each); the first is the default.
-MOE_DECODE_TILE_VARIANTS = (MoeTiles(16, 64, 128, 4, 4), MoeTiles(16, 32, 128, 4, 4), MoeTiles(16, 32, 256, 4, 3),
-                            MoeTiles(16, 64, 256, 4, 3), MoeTiles(16, 64, 128, 8, 5), MoeTiles(16, 128, 128, 8, 4))
+MOE_DECODE_TILE_VARIANTS = (
+    MoeTiles(16, 64, 128, 4, 4),
+    MoeTiles(16, 32, 128, 4, 4),
+    MoeTiles(16, 32, 256, 4, 3),
+    MoeTiles(16, 64, 256, 4, 3),
+    MoeTiles(16, 64, 128, 8, 5),
+    MoeTiles(16, 128, 128, 8, 4),
+)
 
 
 def default_tiles(pairs_per_expert: float, element_size: int) -> MoeTiles:
@@ -177,17 +250,19 @@ def default_tiles(pairs_per_expert: float, element_size: int) -> MoeTiles:
 
 # ---- grouped expert GEMVs (triton_moe_gemv) ----
 
+
 @dataclass(frozen=True)
 class ExpertGemvTiles:
     """Launch shape of a grouped-GEMV pass (`moe_experts_gemv` takes one for both passes, or one each)."""
-    block_n: int = 4             # weight rows (outputs) per program
-    block_k: int = 512           # reduction elements per step (16-byte loads of bf16)
-    warps: int = 4               # warps per program
-    depth: int = 2               # weight tiles in flight per program, in registers: 1 = load, then FMA; 2 = the next
-                                 # step's tile loaded before this step's FMAs (`dot_tiles`' prefetch); 3-4 = 2-3 ahead
-    stages: int = 1              # > 1 (with depth 1): the K loop is `tl.range(num_stages=stages)`, Triton's pipeliner
-                                 # keeps stages - 1 steps of loads in flight through shared memory (the launch's
-                                 # num_stages would pipeline only loads feeding tl.dot: none here)
+
+    block_n: int = 4  # weight rows (outputs) per program
+    block_k: int = 512  # reduction elements per step (16-byte loads of bf16)
+    warps: int = 4  # warps per program
+    depth: int = 2  # weight tiles in flight per program, in registers: 1 = load, then FMA; 2 = the next
+    # step's tile loaded before this step's FMAs (`dot_tiles`' prefetch); 3-4 = 2-3 ahead
+    stages: int = 1  # > 1 (with depth 1): the K loop is `tl.range(num_stages=stages)`, Triton's pipeliner
+    # keeps stages - 1 steps of loads in flight through shared memory (the launch's
+    # num_stages would pipeline only loads feeding tl.dot: none here)
 
     def __post_init__(self):
         if not 1 <= self.depth <= 4:
@@ -196,20 +271,27 @@ class ExpertGemvTiles:
             raise ValueError(f"stages > 1 pipelines the plain loop: needs depth 1, got {self}")
 
 
-EXPERT_GEMV_TILE_VARIANTS = (ExpertGemvTiles(), ExpertGemvTiles(8, 256, 4), ExpertGemvTiles(8, 512, 4),
-                             ExpertGemvTiles(4, 1024, 4), ExpertGemvTiles(16, 256, 8))
+EXPERT_GEMV_TILE_VARIANTS = (
+    ExpertGemvTiles(),
+    ExpertGemvTiles(8, 256, 4),
+    ExpertGemvTiles(8, 512, 4),
+    ExpertGemvTiles(4, 1024, 4),
+    ExpertGemvTiles(16, 256, 8),
+)
 
 
 # ---- router (triton_moe_route) ----
 
+
 @dataclass(frozen=True)
 class RouteTiles:
     """Launch shape of the router: grid (cdiv(T, block_t), cdiv(E, block_e), cdiv(d, block_k * k_steps))."""
-    mode: str                     # "fma", "ieee" or "bf16x3" (bf16 h only), see the module docstring
-    block_t: int                  # tokens per program (>= 16 for the dot modes)
-    block_e: int                  # experts per program (>= 16 for the dot modes)
-    block_k: int                  # reduction step over the hidden size (>= 16 for the dot modes)
-    k_steps: int                  # steps per program: its K slice is block_k * k_steps ("fma": unrolled, <= 16)
+
+    mode: str  # "fma", "ieee" or "bf16x3" (bf16 h only), see the module docstring
+    block_t: int  # tokens per program (>= 16 for the dot modes)
+    block_e: int  # experts per program (>= 16 for the dot modes)
+    block_k: int  # reduction step over the hidden size (>= 16 for the dot modes)
+    k_steps: int  # steps per program: its K slice is block_k * k_steps ("fma": unrolled, <= 16)
     warps: int
     stages: int = 3
 
@@ -226,8 +308,8 @@ def route_tiles(T: int, e_pad: int, d: int, dtype: torch.dtype) -> RouteTiles:
         return RouteTiles("fma", bt, max(8, e_pad // 16), bk, 256 // bk, 4)
     mode = "bf16x3" if dtype == torch.bfloat16 else "ieee"
     steps = triton.cdiv(d, 64)
-    if mode == "bf16x3" and T > 64:     # up to 512 tokens: 16 x 64 tiles, 3 K steps per slice;
-        if T <= 512:                    # above: 128 x 64 tiles over the whole K
+    if mode == "bf16x3" and T > 64:  # up to 512 tokens: 16 x 64 tiles, 3 K steps per slice;
+        if T <= 512:  # above: 128 x 64 tiles over the whole K
             n_ks = max(1, min(triton.cdiv(steps, 3), 65536 // (16 * e_pad)))
             return RouteTiles(mode, 16, min(64, e_pad), 64, triton.cdiv(steps, n_ks), 4)
         return RouteTiles(mode, 128, min(64, e_pad), 64, steps, 8)
@@ -241,27 +323,48 @@ def route_tiles(T: int, e_pad: int, d: int, dtype: torch.dtype) -> RouteTiles:
 # Launch-shape variants timed by benchmarks/kernels.py (group "route") and checked by the GPU tests; the first of
 # each list is `route_tiles`' pick at Nano shapes (E=128, d=2688, bf16 h).
 ROUTE_TILE_VARIANTS = {
-    1: [RouteTiles("fma", 1, 8, 256, 1, 4), RouteTiles("fma", 1, 16, 128, 1, 4), RouteTiles("fma", 1, 16, 256, 1, 4),
-        RouteTiles("fma", 1, 8, 128, 1, 4), RouteTiles("fma", 1, 4, 512, 1, 4), RouteTiles("fma", 1, 8, 256, 1, 2),
-        RouteTiles("fma", 1, 8, 512, 1, 8), RouteTiles("fma", 1, 32, 128, 1, 4)],
-    256: [RouteTiles("bf16x3", 16, 64, 64, 3, 4), RouteTiles("bf16x3", 16, 32, 64, 3, 4),
-          RouteTiles("bf16x3", 32, 128, 64, 6, 8), RouteTiles("bf16x3", 64, 128, 64, 6, 8),
-          RouteTiles("bf16x3", 32, 64, 32, 6, 4), RouteTiles("bf16x3", 32, 64, 64, 3, 4),
-          RouteTiles("ieee", 32, 64, 32, 6, 4), RouteTiles("ieee", 16, 32, 32, 6, 4)],
-    8192: [RouteTiles("bf16x3", 128, 64, 64, 42, 8), RouteTiles("bf16x3", 64, 128, 64, 42, 8),
-           RouteTiles("bf16x3", 128, 128, 32, 21, 8, 2), RouteTiles("bf16x3", 64, 128, 64, 21, 8),
-           RouteTiles("bf16x3", 64, 128, 32, 42, 8), RouteTiles("bf16x3", 64, 64, 32, 84, 4),
-           RouteTiles("ieee", 64, 128, 32, 84, 8), RouteTiles("ieee", 64, 128, 32, 42, 8)],
+    1: [
+        RouteTiles("fma", 1, 8, 256, 1, 4),
+        RouteTiles("fma", 1, 16, 128, 1, 4),
+        RouteTiles("fma", 1, 16, 256, 1, 4),
+        RouteTiles("fma", 1, 8, 128, 1, 4),
+        RouteTiles("fma", 1, 4, 512, 1, 4),
+        RouteTiles("fma", 1, 8, 256, 1, 2),
+        RouteTiles("fma", 1, 8, 512, 1, 8),
+        RouteTiles("fma", 1, 32, 128, 1, 4),
+    ],
+    256: [
+        RouteTiles("bf16x3", 16, 64, 64, 3, 4),
+        RouteTiles("bf16x3", 16, 32, 64, 3, 4),
+        RouteTiles("bf16x3", 32, 128, 64, 6, 8),
+        RouteTiles("bf16x3", 64, 128, 64, 6, 8),
+        RouteTiles("bf16x3", 32, 64, 32, 6, 4),
+        RouteTiles("bf16x3", 32, 64, 64, 3, 4),
+        RouteTiles("ieee", 32, 64, 32, 6, 4),
+        RouteTiles("ieee", 16, 32, 32, 6, 4),
+    ],
+    8192: [
+        RouteTiles("bf16x3", 128, 64, 64, 42, 8),
+        RouteTiles("bf16x3", 64, 128, 64, 42, 8),
+        RouteTiles("bf16x3", 128, 128, 32, 21, 8, 2),
+        RouteTiles("bf16x3", 64, 128, 64, 21, 8),
+        RouteTiles("bf16x3", 64, 128, 32, 42, 8),
+        RouteTiles("bf16x3", 64, 64, 32, 84, 4),
+        RouteTiles("ieee", 64, 128, 32, 84, 8),
+        RouteTiles("ieee", 64, 128, 32, 42, 8),
+    ],
 }
 
 
 # ---- SSD (triton_ssd) ----
 
+
 @dataclass(frozen=True)
 class SsdTiles:
     """Launch shapes of `ssd_varlen` (block sizes are capped by the problem's own padded sizes)."""
-    scan_block_m: int = 64        # chunk rows per `_chunk_scan_kernel` program
-    scan_block_k: int = 64        # source rows per inner step of the intra-chunk product
-    scan_warps: int = 4           # warps of `_chunk_scan_kernel`
-    pass_block: int = 256         # state elements (of P*N) per `_state_passing_kernel` program
-    state_block_k: int = 64       # tokens per inner step of `_chunk_state_kernel`
+
+    scan_block_m: int = 64  # chunk rows per `_chunk_scan_kernel` program
+    scan_block_k: int = 64  # source rows per inner step of the intra-chunk product
+    scan_warps: int = 4  # warps of `_chunk_scan_kernel`
+    pass_block: int = 256  # state elements (of P*N) per `_state_passing_kernel` program
+    state_block_k: int = 64  # tokens per inner step of `_chunk_state_kernel`

@@ -3,6 +3,7 @@
 Same signature and result as `moe.relu2` (`relu(x).square()`, two launches in torch): the square of a bf16/fp16/fp32
 value is exact in fp32 before the one rounding to x's dtype, so the output is bit-equal to the reference.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,7 +22,7 @@ def _relu2_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
     m = offs < n
     x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
     pdl_release(PDL)
-    r = tl.where(x < 0.0, 0.0, x)                     # keeps NaN, like torch.relu
+    r = tl.where(x < 0.0, 0.0, x)  # keeps NaN, like torch.relu
     tl.store(out_ptr + offs, (r * r).to(out_ptr.dtype.element_ty), mask=m)
 
 

@@ -21,16 +21,30 @@ There is no runtime fallback: every field is fixed here.
 
 On a machine without CUDA the Triton ops run only under TRITON_INTERPRET=1 (set before triton is imported).
 """
+
 from __future__ import annotations
 
 import torch
 
-from service.engine.kernels import Kernels, conv1d, fp8, fp8_moe
-from service.engine.kernels import triton_attention, triton_conv1d, triton_moe_route, triton_norm, triton_ssd
-from service.engine.kernels import triton_activation, triton_gemv, triton_kv, triton_moe_gemv, triton_norm_gemv
+from service.engine.kernels import (
+    Kernels,
+    conv1d,
+    fp8,
+    fp8_moe,
+    triton_activation,
+    triton_attention,
+    triton_conv1d,
+    triton_gemv,
+    triton_kv,
+    triton_moe_gemv,
+    triton_moe_route,
+    triton_norm,
+    triton_norm_gemv,
+    triton_ssd,
+)
 
-TORCH_REFERENCE_OPS = ("conv_windows",)   # fields that hold the torch reference
-ARRIVAL_COUNTER_SLOTS = 1 << 16     # int32 counters per device (256 KB): see `ArrivalCounters`
+TORCH_REFERENCE_OPS = ("conv_windows",)  # fields that hold the torch reference
+ARRIVAL_COUNTER_SLOTS = 1 << 16  # int32 counters per device (256 KB): see `ArrivalCounters`
 
 
 def _capturing(device: torch.device) -> bool:
@@ -73,8 +87,10 @@ class ArrivalCounters:
         buf = self._buffers.get(device)
         if buf is None:
             if device.type == "cuda" and _capturing(device):
-                raise RuntimeError(f"the arrival counters of {device} would be allocated during CUDA graph capture: "
-                                   "run the triton bundle's linear / moe_route eagerly once before capturing")
+                raise RuntimeError(
+                    f"the arrival counters of {device} would be allocated during CUDA graph capture: "
+                    "run the triton bundle's linear / moe_route eagerly once before capturing"
+                )
             buf = self._buffers[device] = torch.zeros(self.slots, dtype=torch.int32, device=device)
         return buf
 
@@ -82,25 +98,58 @@ class ArrivalCounters:
         """`triton_gemv.linear` with these counters."""
         return triton_gemv.linear(x, weight, bias, counters=self.on(x.device))
 
-    def moe_route(self, h: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
-                  n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    def moe_route(
+        self,
+        h: torch.Tensor,
+        gate_weight: torch.Tensor,
+        correction_bias: torch.Tensor,
+        top_k: int,
+        n_group: int,
+        topk_group: int,
+        norm_topk_prob: bool,
+        scaling: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`triton_moe_route.moe_route` with these counters."""
-        return triton_moe_route.moe_route(h, gate_weight, correction_bias, top_k, n_group, topk_group,
-                                          norm_topk_prob, scaling, counters=self.on(h.device))
+        return triton_moe_route.moe_route(
+            h,
+            gate_weight,
+            correction_bias,
+            top_k,
+            n_group,
+            topk_group,
+            norm_topk_prob,
+            scaling,
+            counters=self.on(h.device),
+        )
 
-    def add_rms_norm_linear(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                            weight: torch.Tensor, bias: torch.Tensor | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rms_norm_linear(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`triton_norm_gemv.add_rms_norm_linear` with these counters."""
-        return triton_norm_gemv.add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias,
-                                                    counters=self.on(x.device))
+        return triton_norm_gemv.add_rms_norm_linear(
+            x, residual, norm_weight, eps, weight, bias, counters=self.on(x.device)
+        )
 
-    def gated_norm_linear(self, y: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, group_size: int,
-                          eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def gated_norm_linear(
+        self,
+        y: torch.Tensor,
+        z: torch.Tensor,
+        norm_weight: torch.Tensor,
+        group_size: int,
+        eps: float,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """`triton_norm_gemv.gated_norm_linear` with these counters."""
-        return triton_norm_gemv.gated_norm_linear(y, z, norm_weight, group_size, eps, weight, bias,
-                                                  counters=self.on(y.device))
+        return triton_norm_gemv.gated_norm_linear(
+            y, z, norm_weight, group_size, eps, weight, bias, counters=self.on(y.device)
+        )
 
 
 def triton_kernels(counters: ArrivalCounters | None = None, fuse_norm_linear: bool = False) -> Kernels:

@@ -12,6 +12,7 @@ before its predecessor have finished: data written two or more launches earlier 
 (the MoE down pass reads the router's expert ids there). Kernels launched without PDL (torch, cuBLAS) start after
 their predecessor ends.
 `use_pdl(t)` decides per launch from t's device alone; under the CPU interpreter it is False."""
+
 from __future__ import annotations
 
 import functools

@@ -5,36 +5,61 @@ Request i reads `ext_i = [init_state_i (K-1 columns, rounded to x's dtype) | x_i
 silu(conv + bias) in x's dtype, accumulated in fp32. `conv_state_windows` stays the torch reference
 (`conv1d.conv_state_windows_ref`): it is one gather of n * D * (K-1) elements per call.
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from service.engine.kernels.triton_common import (block_dim, check_dim, check_inner_contiguous, check_same_device,
-                                                  check_shape, pdl_args, pdl_release, pdl_wait)
 from service.engine.kernels.tiles import CONV_TILE_VARIANTS, ConvTiles
+from service.engine.kernels.triton_common import (
+    block_dim,
+    check_dim,
+    check_inner_contiguous,
+    check_same_device,
+    check_shape,
+    pdl_args,
+    pdl_release,
+    pdl_wait,
+)
 
 
 @triton.jit
-def _window_col(x_ptr, init_ptr, t, j, req, offs_d, Dm, s_x_t, s_i_b, s_i_d, s_i_k, s: tl.constexpr,
-                K: tl.constexpr, BLOCK_D: tl.constexpr):
+def _window_col(
+    x_ptr,
+    init_ptr,
+    t,
+    j,
+    req,
+    offs_d,
+    Dm,
+    s_x_t,
+    s_i_b,
+    s_i_d,
+    s_i_k,
+    s: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """fp32 input s rows before token t, at position j of request req: x[t - s] when j >= s, else column
     j - s + K - 1 of req's initial state rounded to x's dtype; zeros when s >= K (the conv has no such tap)."""
     out = tl.zeros((BLOCK_D,), tl.float32)
-    if s < K:                       # masks as channel limits (a scalar & vector mask trips the interpreter)
-        xv = tl.load(x_ptr + tl.cast(t - s, tl.int64) * s_x_t + offs_d, mask=offs_d < tl.where(j >= s, Dm, 0),
-                     other=0.0)
-        sv = tl.load(init_ptr + req.to(tl.int64) * s_i_b + offs_d * s_i_d + (j - s + K - 1) * s_i_k,
-                     mask=offs_d < tl.where(j < s, Dm, 0), other=0.0)
+    if s < K:  # masks as channel limits (a scalar & vector mask trips the interpreter)
+        xv = tl.load(
+            x_ptr + tl.cast(t - s, tl.int64) * s_x_t + offs_d, mask=offs_d < tl.where(j >= s, Dm, 0), other=0.0
+        )
+        sv = tl.load(
+            init_ptr + req.to(tl.int64) * s_i_b + offs_d * s_i_d + (j - s + K - 1) * s_i_k,
+            mask=offs_d < tl.where(j < s, Dm, 0),
+            other=0.0,
+        )
         out = xv.to(tl.float32) + sv.to(xv.dtype).to(tl.float32)
     return out
 
 
 @triton.jit
-def _window(x_ptr, init_ptr, t, j, req, offs_d, Dm, s_x_t, s_i_b, s_i_d, s_i_k, K: tl.constexpr,
-            BLOCK_D: tl.constexpr):
+def _window(x_ptr, init_ptr, t, j, req, offs_d, Dm, s_x_t, s_i_b, s_i_d, s_i_k, K: tl.constexpr, BLOCK_D: tl.constexpr):
     """The inputs 1, 2 and 3 rows before token t (see `_window_col`)."""
     w1 = _window_col(x_ptr, init_ptr, t, j, req, offs_d, Dm, s_x_t, s_i_b, s_i_d, s_i_k, 1, K, BLOCK_D)
     w2 = _window_col(x_ptr, init_ptr, t, j, req, offs_d, Dm, s_x_t, s_i_b, s_i_d, s_i_k, 2, K, BLOCK_D)
@@ -54,36 +79,62 @@ def _weight_col(w_ptr, offs_d, md, s_w_d, s_w_k, k: tl.constexpr, BLOCK_D: tl.co
 @triton.jit
 def _load_rows(x_ptr, rows, t_end, s_x_t, offs_d, md):
     """x rows [ROWS, BLOCK_D] (zeros at rows >= t_end)."""
-    return tl.load(x_ptr + rows.to(tl.int64)[:, None] * s_x_t + offs_d[None, :],
-                   mask=(rows < t_end)[:, None] & md[None, :], other=0.0)
+    return tl.load(
+        x_ptr + rows.to(tl.int64)[:, None] * s_x_t + offs_d[None, :],
+        mask=(rows < t_end)[:, None] & md[None, :],
+        other=0.0,
+    )
 
 
 @triton.jit
 def _silu_store(out_ptr, row, s_o_t, offs_d, lim, y):
     """Store silu(y) as output row `row`, channels below lim."""
-    tl.store(out_ptr + tl.cast(row, tl.int64) * s_o_t + offs_d, (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty),
-             mask=offs_d < lim)
+    tl.store(
+        out_ptr + tl.cast(row, tl.int64) * s_o_t + offs_d,
+        (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty),
+        mask=offs_d < lim,
+    )
 
 
 @triton.jit
-def _rows_one_request(out_ptr, xs, t, t_end, s_o_t, offs_d, Dm, w1, w2, w3, wx, wa, wb, wc, bias,
-                      ROWS: tl.constexpr):
+def _rows_one_request(out_ptr, xs, t, t_end, s_o_t, offs_d, Dm, w1, w2, w3, wx, wa, wb, wc, bias, ROWS: tl.constexpr):
     """Conv of a step's rows t + [0, ROWS) (xs [ROWS, BLOCK_D] fp32, all of one request), each stored as soon as
     it is done; returns the slid window."""
     offs_r = tl.arange(0, ROWS)
     for u in tl.static_range(ROWS):
-        xu = tl.sum(tl.where(offs_r[:, None] == u, xs, 0.0), axis=0)       # row u: in-thread, no shuffle
-        _silu_store(out_ptr, t + u, s_o_t, offs_d, tl.where(t + u < t_end, Dm, 0),
-                    bias + wx * xu + wa * w1 + wb * w2 + wc * w3)
+        xu = tl.sum(tl.where(offs_r[:, None] == u, xs, 0.0), axis=0)  # row u: in-thread, no shuffle
+        _silu_store(
+            out_ptr, t + u, s_o_t, offs_d, tl.where(t + u < t_end, Dm, 0), bias + wx * xu + wa * w1 + wb * w2 + wc * w3
+        )
         w3, w2, w1 = w2, w1, xu
     return w1, w2, w3
 
 
 @triton.jit
-def _conv_varlen_kernel(x_ptr, w_ptr, bias_ptr, init_ptr, qsl_ptr, token_req_ptr, out_ptr, T, Dm,
-                        s_x_t, s_w_d, s_w_k, s_i_b, s_i_d, s_i_k, s_o_t,
-                        K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                        ROWS: tl.constexpr, VEC: tl.constexpr):
+def _conv_varlen_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    init_ptr,
+    qsl_ptr,
+    token_req_ptr,
+    out_ptr,
+    T,
+    Dm,
+    s_x_t,
+    s_w_d,
+    s_w_k,
+    s_i_b,
+    s_i_d,
+    s_i_k,
+    s_o_t,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr,
+    VEC: tl.constexpr,
+):
     """w1, w2, w3: the inputs 1, 2, 3 rows back in the current request's ext (fp32), slid along the tokens. A step
     of ROWS tokens inside one request (token_req is non-decreasing, so: its last token has the request of the
     token before the step) runs unrolled; a step where a request starts goes token by token, and at a request's
@@ -103,21 +154,24 @@ def _conv_varlen_kernel(x_ptr, w_ptr, bias_ptr, init_ptr, qsl_ptr, token_req_ptr
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_d, mask=md, other=0.0).to(tl.float32)
     r_prev = tl.load(token_req_ptr + t0)
-    w1, w2, w3 = _window(x_ptr, init_ptr, t0, t0 - tl.load(qsl_ptr + r_prev), r_prev, offs_d, Dm, s_x_t, s_i_b,
-                         s_i_d, s_i_k, K, BLOCK_D)
+    w1, w2, w3 = _window(
+        x_ptr, init_ptr, t0, t0 - tl.load(qsl_ptr + r_prev), r_prev, offs_d, Dm, s_x_t, s_i_b, s_i_d, s_i_k, K, BLOCK_D
+    )
     xs = _load_rows(x_ptr, t0 + offs_r, t_end, s_x_t, offs_d, md)
     for t in range(t0, t_end, ROWS):
-        xs_next = _load_rows(x_ptr, t + ROWS + offs_r, t_end, s_x_t, offs_d, md)   # in flight during this step
+        xs_next = _load_rows(x_ptr, t + ROWS + offs_r, t_end, s_x_t, offs_d, md)  # in flight during this step
         r_last = tl.load(token_req_ptr + tl.minimum(t + ROWS - 1, T - 1))
-        if r_last == r_prev:                                    # no request starts in this step
-            w1, w2, w3 = _rows_one_request(out_ptr, xs.to(tl.float32), t, t_end, s_o_t, offs_d, Dm, w1, w2, w3, wx,
-                                           wa, wb, wc, bias, ROWS)
+        if r_last == r_prev:  # no request starts in this step
+            w1, w2, w3 = _rows_one_request(
+                out_ptr, xs.to(tl.float32), t, t_end, s_o_t, offs_d, Dm, w1, w2, w3, wx, wa, wb, wc, bias, ROWS
+            )
         else:
             for row in range(t, tl.minimum(t + ROWS, t_end)):
                 req = tl.load(token_req_ptr + row)
-                if req != r_prev:                               # the first token of request req (j = 0)
-                    w1, w2, w3 = _window(x_ptr, init_ptr, row, 0 * req, req, offs_d, Dm, s_x_t, s_i_b, s_i_d,
-                                         s_i_k, K, BLOCK_D)
+                if req != r_prev:  # the first token of request req (j = 0)
+                    w1, w2, w3 = _window(
+                        x_ptr, init_ptr, row, 0 * req, req, offs_d, Dm, s_x_t, s_i_b, s_i_d, s_i_k, K, BLOCK_D
+                    )
                 xu = tl.load(x_ptr + tl.cast(row, tl.int64) * s_x_t + offs_d, mask=md, other=0.0).to(tl.float32)
                 _silu_store(out_ptr, row, s_o_t, offs_d, Dm, bias + wx * xu + wa * w1 + wb * w2 + wc * w3)
                 w3, w2, w1, r_prev = w2, w1, xu, req
@@ -136,16 +190,27 @@ def _check_conv_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return rows, Dm, K
 
 
-def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                         init_states: torch.Tensor, query_start_loc: torch.Tensor,
-                         token_req: torch.Tensor) -> torch.Tensor:
+def causal_conv1d_varlen(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    init_states: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    token_req: torch.Tensor,
+) -> torch.Tensor:
     """Varlen causal conv (Triton), see `causal_conv1d_varlen_tiled`."""
     return causal_conv1d_varlen_tiled(x, weight, bias, init_states, query_start_loc, token_req, CONV_TILE_VARIANTS[0])
 
 
-def causal_conv1d_varlen_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                               init_states: torch.Tensor, query_start_loc: torch.Tensor, token_req: torch.Tensor,
-                               tiles: ConvTiles) -> torch.Tensor:
+def causal_conv1d_varlen_tiled(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    init_states: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    token_req: torch.Tensor,
+    tiles: ConvTiles,
+) -> torch.Tensor:
     """Varlen causal conv (Triton). x [T, D] (rows may be strided, unit stride in D), weight [D, K] with
     2 <= K <= 4, bias [D] or None, init_states [Bq, D, K-1], query_start_loc [Bq+1], token_req [T] (non-decreasing).
     Returns silu(conv(x) + bias) [T, D] in x's dtype."""
@@ -162,33 +227,71 @@ def causal_conv1d_varlen_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torc
     check_shape("query_start_loc", query_start_loc, (Bq + 1,))
     check_shape("token_req", token_req, (T,))
     check_inner_contiguous("x", x)
-    check_same_device(x=x, weight=weight, init_states=init_states, query_start_loc=query_start_loc,
-                      token_req=token_req)
+    check_same_device(x=x, weight=weight, init_states=init_states, query_start_loc=query_start_loc, token_req=token_req)
     out = torch.empty(T, Dm, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
     bd = min(block_dim(Dm), tiles.block_d)
     warps = max(1, min(tiles.warps, bd // 32))
     _conv_varlen_kernel[(triton.cdiv(T, tiles.block_t), triton.cdiv(Dm, bd))](
-        x, weight, bias if bias is not None else weight, init_states, query_start_loc, token_req, out, T, Dm,
-        x.stride(0), weight.stride(0), weight.stride(1), *init_states.stride(), out.stride(0),
-        K=K, HAS_BIAS=bias is not None, BLOCK_T=tiles.block_t, BLOCK_D=bd, ROWS=tiles.rows,
-        VEC=bd // (32 * warps) if bd >= 32 * warps else 1, num_warps=warps)
+        x,
+        weight,
+        bias if bias is not None else weight,
+        init_states,
+        query_start_loc,
+        token_req,
+        out,
+        T,
+        Dm,
+        x.stride(0),
+        weight.stride(0),
+        weight.stride(1),
+        *init_states.stride(),
+        out.stride(0),
+        K=K,
+        HAS_BIAS=bias is not None,
+        BLOCK_T=tiles.block_t,
+        BLOCK_D=bd,
+        ROWS=tiles.rows,
+        VEC=bd // (32 * warps) if bd >= 32 * warps else 1,
+        num_warps=warps,
+    )
     return out
 
 
 @triton.jit
-def _conv_update_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, new_ptr, slot_ptr, Dm,
-                        s_x_b, s_w_d, s_w_k, s_s_b, s_s_d, s_s_k, s_n_b, s_n_d, s_n_k, s_o_b,
-                        K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SLOTS: tl.constexpr,
-                        PDL: tl.constexpr):
+def _conv_update_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    state_ptr,
+    out_ptr,
+    new_ptr,
+    slot_ptr,
+    Dm,
+    s_x_b,
+    s_w_d,
+    s_w_k,
+    s_s_b,
+    s_s_d,
+    s_s_k,
+    s_n_b,
+    s_n_d,
+    s_n_k,
+    s_o_b,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """HAS_SLOTS: state rows are pool slots slot_ptr[b] and new_ptr is the pool (in place: column k is read
     before column k-1 is overwritten, each by the thread that owns it)."""
     pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     row = b
     dst_ptr = new_ptr
-    if HAS_SLOTS:                      # one base pointer for the in-place read and write
+    if HAS_SLOTS:  # one base pointer for the in-place read and write
         row = tl.load(slot_ptr + b).to(tl.int64)
         dst_ptr = state_ptr
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -208,8 +311,9 @@ def _conv_update_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, new_ptr, slo
     tl.store(out_ptr + b * s_o_b + offs_d, out.to(out_ptr.dtype.element_ty), mask=md)
 
 
-def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                         state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv1d_update(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode conv (Triton). x [Bq, D] (unit stride in D), weight [D, K], bias [D] or None,
     state [Bq, D, K-1]. Returns (silu(conv) [Bq, D] in x's dtype, new_state [Bq, D, K-1] in state's dtype)."""
     Bq, Dm, K = _check_conv_args(x, weight, bias)
@@ -222,14 +326,33 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         return out, new
     bd = min(block_dim(Dm), 256)
     _conv_update_kernel[(Bq, triton.cdiv(Dm, bd))](
-        x, weight, bias if bias is not None else weight, state, out, new, x, Dm, x.stride(0),
-        weight.stride(0), weight.stride(1), *state.stride(), *new.stride(), out.stride(0),
-        K=K, HAS_BIAS=bias is not None, BLOCK_D=bd, HAS_SLOTS=False, PDL=False, num_warps=4)
+        x,
+        weight,
+        bias if bias is not None else weight,
+        state,
+        out,
+        new,
+        x,
+        Dm,
+        x.stride(0),
+        weight.stride(0),
+        weight.stride(1),
+        *state.stride(),
+        *new.stride(),
+        out.stride(0),
+        K=K,
+        HAS_BIAS=bias is not None,
+        BLOCK_D=bd,
+        HAS_SLOTS=False,
+        PDL=False,
+        num_warps=4,
+    )
     return out, new
 
 
-def causal_conv1d_update_slots(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                               conv_pool: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+def causal_conv1d_update_slots(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_pool: torch.Tensor, slot_ids: torch.Tensor
+) -> torch.Tensor:
     """Decode conv on the pool in place (Triton), see `conv1d.causal_conv1d_update_slots_ref`.
     x [Bq, D] (unit stride in D), conv_pool [S, D, K-1], slot_ids [Bq] int64. Returns silu(conv) [Bq, D]."""
     Bq, Dm, K = _check_conv_args(x, weight, bias)
@@ -243,7 +366,25 @@ def causal_conv1d_update_slots(x: torch.Tensor, weight: torch.Tensor, bias: torc
         return out
     bd = min(block_dim(Dm), 256)
     _conv_update_kernel[(Bq, triton.cdiv(Dm, bd))](
-        x, weight, bias if bias is not None else weight, conv_pool, out, conv_pool, slot_ids, Dm, x.stride(0),
-        weight.stride(0), weight.stride(1), *conv_pool.stride(), *conv_pool.stride(), out.stride(0),
-        K=K, HAS_BIAS=bias is not None, BLOCK_D=bd, HAS_SLOTS=True, num_warps=4, **pdl_args(x))
+        x,
+        weight,
+        bias if bias is not None else weight,
+        conv_pool,
+        out,
+        conv_pool,
+        slot_ids,
+        Dm,
+        x.stride(0),
+        weight.stride(0),
+        weight.stride(1),
+        *conv_pool.stride(),
+        *conv_pool.stride(),
+        out.stride(0),
+        K=K,
+        HAS_BIAS=bias is not None,
+        BLOCK_D=bd,
+        HAS_SLOTS=True,
+        num_warps=4,
+        **pdl_args(x),
+    )
     return out

@@ -16,20 +16,27 @@ bumped only after `pdl_wait` (in `dot_tiles`), so a PDL launch never touches it 
 On Hopper+ the launch uses PDL (triton_common): the first weight tile is loaded before waiting for the previous
 kernel, x after; the next kernel is released after the K loop.
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from service.engine.kernels.triton_common import (check_dim, check_inner_contiguous,
-                                                  check_same_device, check_shape, pdl_args, pdl_release, pdl_wait)
 from service.engine.kernels.tiles import GemvTiles, default_gemv_tiles
+from service.engine.kernels.triton_common import (
+    check_dim,
+    check_inner_contiguous,
+    check_same_device,
+    check_shape,
+    pdl_args,
+    pdl_release,
+    pdl_wait,
+)
 
-MAX_ROWS = 4                # rows of x one launch takes (one fp32 register tile per row)
-ACC_PER_THREAD = 64         # fp32 accumulator registers per thread over all rows before block_k is halved
+MAX_ROWS = 4  # rows of x one launch takes (one fp32 register tile per row)
+ACC_PER_THREAD = 64  # fp32 accumulator registers per thread over all rows before block_k is halved
 
 
 @triton.jit
@@ -50,7 +57,7 @@ def _load_w(w_rows, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
 def _load_x(x_rows, s_x, k0, K, ROWS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
     """The x slices at k0 of each row broadcast to the weight tile (rows >= ROWS repeat row 0, unused)."""
     offs_k = (k0 + tl.arange(0, BLOCK_K))[None, :]
-    mk = offs_k < K                 # k_split is a multiple of BLOCK_K: only K itself cuts a step
+    mk = offs_k < K  # k_split is a multiple of BLOCK_K: only K itself cuts a step
     x0 = _load(x_rows + offs_k, mk, EVEN_K, "evict_last")
     x1 = x0
     x2 = x0
@@ -79,8 +86,21 @@ def _fma_step(acc0, acc1, acc2, acc3, w, x0, x1, x2, x3, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _emit_row(r, m, pid_k, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y,
-              ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+def _emit_row(
+    r,
+    m,
+    pid_k,
+    offs_n,
+    mn,
+    b_ptr,
+    y_ptr,
+    part_ptr,
+    N,
+    s_y,
+    ROWS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
     """Row m's sums r [BLOCK_N]: + bias into y (one split), else into the scratch row (pid_k, m)."""
     if SPLIT_K == 1:
         if HAS_BIAS:
@@ -91,8 +111,9 @@ def _emit_row(r, m, pid_k, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y,
 
 
 @triton.jit
-def _reduce_splits(offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y,
-                   ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+def _reduce_splits(
+    offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr
+):
     """y[m, offs_n] = sum over the splits of the scratch rows (split order) + bias, for every row m."""
     for m in tl.static_range(ROWS):
         tot = tl.load(part_ptr + m * N + offs_n, mask=mn, other=0.0, cache_modifier=".cg")
@@ -115,21 +136,45 @@ def program_block(w_ptr, N, K, k_split, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def arrive_and_reduce(count_ptr, pid_n, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+def arrive_and_reduce(
+    count_ptr,
+    pid_n,
+    offs_n,
+    mn,
+    b_ptr,
+    y_ptr,
+    part_ptr,
+    N,
+    s_y,
+    ROWS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
     """Split-K epilogue, after this program stored its partials: bump column block pid_n's arrival counter; the
     last split to arrive adds the SPLIT_K partials (split order: deterministic) into y and sets the counter back
     to 0 (a persistent counter buffer stays zeroed for the next launch)."""
-    tl.debug_barrier()                      # every thread's partial stores are issued before the arrival
+    tl.debug_barrier()  # every thread's partial stores are issued before the arrival
     arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-    if arrived == SPLIT_K - 1:              # the last split of this column block: every partial is in L2
+    if arrived == SPLIT_K - 1:  # the last split of this column block: every partial is in L2
         _reduce_splits(offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS, HAS_BIAS, SPLIT_K)
         tl.store(count_ptr + pid_n, 0)
 
 
 @triton.jit
-def dot_tiles(w_rows, x_ptr, s_x, k_lo, k_hi, K, ROWS: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+def dot_tiles(
+    w_rows,
+    x_ptr,
+    s_x,
+    k_lo,
+    k_hi,
+    K,
+    ROWS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     """Weight rows at w_rows [BLOCK_N, 1] (unit stride along K) times the ROWS rows of x (row stride s_x) over
     [k_lo, k_hi): fp32 [BLOCK_N, BLOCK_K] partial-product tiles acc0..acc3 (rows >= ROWS stay zero); the caller
     reduces them over axis 1. k_hi - k_lo is a multiple of BLOCK_K unless k_hi == K (EVEN_K: BLOCK_K divides K).
@@ -138,13 +183,13 @@ def dot_tiles(w_rows, x_ptr, s_x, k_lo, k_hi, K, ROWS: tl.constexpr, EVEN_K: tl.
     acc1 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     acc3 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    x_rows = x_ptr + tl.zeros((BLOCK_N, 1), tl.int32)     # x broadcast over the tile: w's layout, no shuffle
-    if PREFETCH:                # step k+1's loads are issued before step k's FMAs: two tiles in flight
+    x_rows = x_ptr + tl.zeros((BLOCK_N, 1), tl.int32)  # x broadcast over the tile: w's layout, no shuffle
+    if PREFETCH:  # step k+1's loads are issued before step k's FMAs: two tiles in flight
         k_last = k_lo + (k_hi - k_lo - 1) // BLOCK_K * BLOCK_K
         w = _load_w(w_rows, k_lo, K, EVEN_K, BLOCK_K)
         pdl_wait(PDL)
         x0, x1, x2, x3 = _load_x(x_rows, s_x, k_lo, K, ROWS, EVEN_K, BLOCK_K)
-        for k0 in range(k_lo, k_hi, BLOCK_K):           # the last step re-loads its own tile (an L2 hit)
+        for k0 in range(k_lo, k_hi, BLOCK_K):  # the last step re-loads its own tile (an L2 hit)
             k_next = tl.minimum(k0 + BLOCK_K, k_last)
             nw = _load_w(w_rows, k_next, K, EVEN_K, BLOCK_K)
             n0, n1, n2, n3 = _load_x(x_rows, s_x, k_next, K, ROWS, EVEN_K, BLOCK_K)
@@ -160,23 +205,39 @@ def dot_tiles(w_rows, x_ptr, s_x, k_lo, k_hi, K, ROWS: tl.constexpr, EVEN_K: tl.
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N, K, k_split, s_x, s_y,
-                 ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    part_ptr,
+    count_ptr,
+    N,
+    K,
+    k_split,
+    s_x,
+    s_y,
+    ROWS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pid_n, pid_k, offs_n, mn, w_rows, k_lo = program_block(w_ptr, N, K, k_split, BLOCK_N)
-    acc0, acc1, acc2, acc3 = dot_tiles(w_rows, x_ptr, s_x, k_lo, tl.minimum(k_lo + k_split, K), K, ROWS, EVEN_K,
-                                       PREFETCH, BLOCK_N, BLOCK_K, PDL)
-    pdl_release(PDL)        # after the loads: releasing at the start lets dependents launch and stall
+    acc0, acc1, acc2, acc3 = dot_tiles(
+        w_rows, x_ptr, s_x, k_lo, tl.minimum(k_lo + k_split, K), K, ROWS, EVEN_K, PREFETCH, BLOCK_N, BLOCK_K, PDL
+    )
+    pdl_release(PDL)  # after the loads: releasing at the start lets dependents launch and stall
     _emit_row(tl.sum(acc0, axis=1), 0, pid_k, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS, HAS_BIAS, SPLIT_K)
     if ROWS > 1:
-        _emit_row(tl.sum(acc1, axis=1), 1, pid_k, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS, HAS_BIAS,
-                  SPLIT_K)
+        _emit_row(tl.sum(acc1, axis=1), 1, pid_k, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS, HAS_BIAS, SPLIT_K)
     if ROWS > 2:
-        _emit_row(tl.sum(acc2, axis=1), 2, pid_k, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS, HAS_BIAS,
-                  SPLIT_K)
+        _emit_row(tl.sum(acc2, axis=1), 2, pid_k, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS, HAS_BIAS, SPLIT_K)
     if ROWS > 3:
-        _emit_row(tl.sum(acc3, axis=1), 3, pid_k, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS, HAS_BIAS,
-                  SPLIT_K)
+        _emit_row(tl.sum(acc3, axis=1), 3, pid_k, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS, HAS_BIAS, SPLIT_K)
     if SPLIT_K > 1:
         arrive_and_reduce(count_ptr, pid_n, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS, HAS_BIAS, SPLIT_K)
 
@@ -215,8 +276,10 @@ def check_counters(counters: torch.Tensor | None, like: torch.Tensor, needed: in
     if counters is None:
         return
     if counters.dtype != torch.int32 or counters.dim() != 1 or not counters.is_contiguous():
-        raise ValueError(f"counters must be a contiguous 1-d int32 tensor, got {counters.dtype} "
-                         f"{tuple(counters.shape)} strides {counters.stride()}")
+        raise ValueError(
+            f"counters must be a contiguous 1-d int32 tensor, got {counters.dtype} "
+            f"{tuple(counters.shape)} strides {counters.stride()}"
+        )
     check_same_device(x=like, counters=counters)
     if counters.numel() < needed:
         raise ValueError(f"counters needs >= {needed} elements, got {counters.numel()}")
@@ -231,8 +294,14 @@ def arrival_counters(counters: torch.Tensor | None, like: torch.Tensor, needed: 
     return counters
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tiles: GemvTiles | None = None,
-         counters: torch.Tensor | None = None, pdl: bool | None = None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    tiles: GemvTiles | None = None,
+    counters: torch.Tensor | None = None,
+    pdl: bool | None = None,
+) -> torch.Tensor:
     """y = x @ weight^T (+ bias) with fp32 accumulation, one Triton launch (+ a counter memset for split-K
     without `counters`).
     x [M, K] (1 <= M <= 4; fp32/fp16/bf16, unit stride in K), weight [N, K] contiguous, bias [N] or None (x's
@@ -249,32 +318,57 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     t = tiles or default_gemv_tiles(N, K)
     bk = _rows_block_k(t, M)
     k_split = triton.cdiv(triton.cdiv(K, max(1, t.split_k)), bk) * bk
-    split = triton.cdiv(K, k_split)                           # no empty slices
+    split = triton.cdiv(K, k_split)  # no empty slices
     blocks = triton.cdiv(N, t.block_n)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    part = cnt = y                                            # unused unless split > 1
+    part = cnt = y  # unused unless split > 1
     if split > 1:
         part = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
         cnt = arrival_counters(counters, x, blocks)
     _gemv_kernel[(blocks, split)](
-        x, weight, bias if bias is not None else y, y, part, cnt, N, K, k_split, x.stride(0), y.stride(0),
-        ROWS=M, HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_K=K % bk == 0, PREFETCH=t.prefetch,
-        BLOCK_N=t.block_n, BLOCK_K=bk, num_warps=t.warps, num_stages=1, **pdl_args(x, pdl))
+        x,
+        weight,
+        bias if bias is not None else y,
+        y,
+        part,
+        cnt,
+        N,
+        K,
+        k_split,
+        x.stride(0),
+        y.stride(0),
+        ROWS=M,
+        HAS_BIAS=bias is not None,
+        SPLIT_K=split,
+        EVEN_K=K % bk == 0,
+        PREFETCH=t.prefetch,
+        BLOCK_N=t.block_n,
+        BLOCK_K=bk,
+        num_warps=t.warps,
+        num_stages=1,
+        **pdl_args(x, pdl),
+    )
     return y
 
 
 # Up to this the GEMV runs single rows, mamba in_proj (27.7 M) included; lm_head (352 M) stays on cuBLAS, which
 # streams it at copy bandwidth (measured on H200 with benchmarks/pdl_bench.py, see benchmarks/RESULTS.md).
-MAX_GEMV_WEIGHT_ELEMENTS = 32 * 2 ** 20
+MAX_GEMV_WEIGHT_ELEMENTS = 32 * 2**20
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           counters: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, counters: torch.Tensor | None = None
+) -> torch.Tensor:
     """`F.linear` for x [..., K]: a single row (batch-1 decode) on a weight of <= MAX_GEMV_WEIGHT_ELEMENTS runs
     `gemv` (one launch; cuBLAS picks split-K + a reduce kernel there, which is slower), every
     other case cuBLAS. Chosen by shape alone. counters: `gemv`'s persistent split-K arrival counters (or None)."""
     K = x.shape[-1]
-    if (x.numel() == K and weight.numel() <= MAX_GEMV_WEIGHT_ELEMENTS and x.dtype == weight.dtype
-            and weight.is_contiguous() and x.dtype in (torch.float16, torch.bfloat16, torch.float32)):
+    if (
+        x.numel() == K
+        and weight.numel() <= MAX_GEMV_WEIGHT_ELEMENTS
+        and x.dtype == weight.dtype
+        and weight.is_contiguous()
+        and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    ):
         return gemv(x.reshape(1, K), weight, bias, counters=counters).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)

@@ -17,26 +17,35 @@ launches on Hopper+ (triton_common).
 Weight bytes are read once per pair, so the tiled path (one read per expert) wins as soon as pairs share experts:
 this path is for T * k up to MAX_GEMV_PAIRS.
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
 from service.engine.kernels import moe, triton_gemv, triton_moe
+from service.engine.kernels.tiles import ExpertGemvTiles
 from service.engine.kernels.triton_activation import relu2
 from service.engine.kernels.triton_common import check_dtype, check_same_device, pdl_args, pdl_release, pdl_wait
 from service.engine.kernels.triton_gemv import _load_w, _load_x, dot_tiles
 from service.engine.kernels.triton_moe import check_experts_args, sum_slots
-from service.engine.kernels.tiles import ExpertGemvTiles
 
-MAX_GEMV_PAIRS = 16          # (token, slot) pairs up to which `moe_experts_gemv` accepts a batch
+MAX_GEMV_PAIRS = 16  # (token, slot) pairs up to which `moe_experts_gemv` accepts a batch
 
 
 @triton.jit
-def _expert_dot(w_rows, x_ptr, K, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                DEPTH: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False):
+def _expert_dot(
+    w_rows,
+    x_ptr,
+    K,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DEPTH: tl.constexpr,
+    STAGES: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     """Weight rows at w_rows [BLOCK_N, 1] (unit stride along K) times the x row at x_ptr over [0, K): the fp32
     [BLOCK_N, BLOCK_K] partial products (the caller reduces axis 1). DEPTH 1-2 with STAGES 1 is `dot_tiles`
     (DEPTH 2: its register prefetch, the default); DEPTH 3-4 keeps DEPTH - 1 further tiles in registers (the last
@@ -109,16 +118,36 @@ def _up_program(top_k, nb_routed, nb_shared, SHARED: tl.constexpr):
 
 
 @triton.jit
-def _expert_up_kernel(x_ptr, w_ptr, w_shared_ptr, ids_ptr, h_ptr, top_k, n_routed, n_shared, nb_routed, nb_shared,
-                      K, s_x, s_w_e, s_h, SHARED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, DEPTH: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+def _expert_up_kernel(
+    x_ptr,
+    w_ptr,
+    w_shared_ptr,
+    ids_ptr,
+    h_ptr,
+    top_k,
+    n_routed,
+    n_shared,
+    nb_routed,
+    nb_shared,
+    K,
+    s_x,
+    s_w_e,
+    s_h,
+    SHARED: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DEPTH: tl.constexpr,
+    STAGES: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """h[q, :n] = relu(W_q x_t)^2 for slot q's expert W_q [n, K] (n = I, or S for the shared slot).
     PDL: waits first (the expert ids are the router's output, usually the kernel just before)."""
     pdl_wait(PDL)
     q, j = _up_program(top_k, nb_routed, nb_shared, SHARED)
     t, _, _, w, n_out = _slot_expert(q, ids_ptr, w_ptr, w_shared_ptr, s_w_e, top_k, n_routed, n_shared, SHARED)
     offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(offs_n, n_out - 1).to(tl.int64)       # loads unmasked, stores masked
+    rows = tl.minimum(offs_n, n_out - 1).to(tl.int64)  # loads unmasked, stores masked
     r = _expert_dot(w + rows[:, None] * K, x_ptr + t * s_x, K, EVEN_K, BLOCK_N, BLOCK_K, DEPTH, STAGES)
     pdl_release(PDL)
     r = tl.maximum(tl.sum(r, axis=1), 0.0)
@@ -126,9 +155,29 @@ def _expert_up_kernel(x_ptr, w_ptr, w_shared_ptr, ids_ptr, h_ptr, top_k, n_route
 
 
 @triton.jit
-def _expert_down_kernel(h_ptr, w_ptr, w_shared_ptr, ids_ptr, topk_w_ptr, y_ptr, top_k, n_routed, n_shared, n_out,
-                        nb_out, s_h, s_w_e, s_y, SHARED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, DEPTH: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+def _expert_down_kernel(
+    h_ptr,
+    w_ptr,
+    w_shared_ptr,
+    ids_ptr,
+    topk_w_ptr,
+    y_ptr,
+    top_k,
+    n_routed,
+    n_shared,
+    n_out,
+    nb_out,
+    s_h,
+    s_w_e,
+    s_y,
+    SHARED: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DEPTH: tl.constexpr,
+    STAGES: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """y[q] = w_q * W_q h[q, :K] for slot q's expert W_q [n_out, K] (K = I, or S for the shared slot, weight 1);
     program -> (q, row block j), each slot's blocks consecutive.
     PDL: the ids are read and the first weight tile loaded before the wait (the ids were written before the up
@@ -161,12 +210,25 @@ def check_shared_args(x: torch.Tensor, shared_up: torch.Tensor | None, shared_do
 
 
 def _launch_args(t: ExpertGemvTiles, like: torch.Tensor) -> dict:
-    return dict(BLOCK_N=t.block_n, BLOCK_K=t.block_k, DEPTH=t.depth, STAGES=t.stages, num_warps=t.warps,
-                num_stages=1, **pdl_args(like))
+    return dict(
+        BLOCK_N=t.block_n,
+        BLOCK_K=t.block_k,
+        DEPTH=t.depth,
+        STAGES=t.stages,
+        num_warps=t.warps,
+        num_stages=1,
+        **pdl_args(like),
+    )
 
 
-def expert_up_pass(x: torch.Tensor, up: torch.Tensor, ids: torch.Tensor, top_k: int, tiles: ExpertGemvTiles,
-                   shared_up: torch.Tensor | None = None) -> torch.Tensor:
+def expert_up_pass(
+    x: torch.Tensor,
+    up: torch.Tensor,
+    ids: torch.Tensor,
+    top_k: int,
+    tiles: ExpertGemvTiles,
+    shared_up: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The up pass of `moe_experts_gemv` (arguments checked there): x [T, d_in], up [E, I, d_in], ids [T * k]
     contiguous, shared_up [S, d_in] or None -> h [T * slots, max(I, S)], row t * slots + j = relu(W x_t)^2 of
     slot j (slot k: the shared expert)."""
@@ -176,14 +238,36 @@ def expert_up_pass(x: torch.Tensor, up: torch.Tensor, ids: torch.Tensor, top_k: 
     h = torch.empty(T * slots, max(inter, n_shared), dtype=x.dtype, device=x.device)
     nb_routed, nb_shared = triton.cdiv(inter, tiles.block_n), triton.cdiv(n_shared, tiles.block_n)
     _expert_up_kernel[(T * (top_k * nb_routed + nb_shared),)](
-        x, up, shared_up if n_shared else up, ids, h, top_k, inter, n_shared, nb_routed, nb_shared, d_in,
-        x.stride(0), up.stride(0), h.stride(0), SHARED=slots - top_k, EVEN_K=d_in % tiles.block_k == 0,
-        **_launch_args(tiles, x))
+        x,
+        up,
+        shared_up if n_shared else up,
+        ids,
+        h,
+        top_k,
+        inter,
+        n_shared,
+        nb_routed,
+        nb_shared,
+        d_in,
+        x.stride(0),
+        up.stride(0),
+        h.stride(0),
+        SHARED=slots - top_k,
+        EVEN_K=d_in % tiles.block_k == 0,
+        **_launch_args(tiles, x),
+    )
     return h
 
 
-def expert_down_pass(h: torch.Tensor, down: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, top_k: int,
-                     tiles: ExpertGemvTiles, shared_down: torch.Tensor | None = None) -> torch.Tensor:
+def expert_down_pass(
+    h: torch.Tensor,
+    down: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    top_k: int,
+    tiles: ExpertGemvTiles,
+    shared_down: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The down pass of `moe_experts_gemv`: h [T * slots, >= max(I, S)] from `expert_up_pass`, down [E, d_in, I],
     ids [T * k], weights [T * k] fp32 contiguous, shared_down [d_in, S] or None -> y [T * slots, d_in], row q =
     the routing weight (1 for the shared slot) times W_q h[q]."""
@@ -193,16 +277,39 @@ def expert_down_pass(h: torch.Tensor, down: torch.Tensor, ids: torch.Tensor, wei
     y = torch.empty(h.shape[0], d_in, dtype=h.dtype, device=h.device)
     nb_out = triton.cdiv(d_in, tiles.block_n)
     _expert_down_kernel[(h.shape[0] * nb_out,)](
-        h, down, shared_down if n_shared else down, ids, weights, y, top_k, inter, n_shared, d_in, nb_out,
-        h.stride(0), down.stride(0), y.stride(0), SHARED=slots - top_k,
-        EVEN_K=inter % tiles.block_k == 0 and n_shared % tiles.block_k == 0, **_launch_args(tiles, h))
+        h,
+        down,
+        shared_down if n_shared else down,
+        ids,
+        weights,
+        y,
+        top_k,
+        inter,
+        n_shared,
+        d_in,
+        nb_out,
+        h.stride(0),
+        down.stride(0),
+        y.stride(0),
+        SHARED=slots - top_k,
+        EVEN_K=inter % tiles.block_k == 0 and n_shared % tiles.block_k == 0,
+        **_launch_args(tiles, h),
+    )
     return y
 
 
-def moe_experts_gemv(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor, tiles: ExpertGemvTiles | None = None, *,
-                     shared_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
-                     down_tiles: ExpertGemvTiles | None = None) -> torch.Tensor:
+def moe_experts_gemv(
+    x: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    tiles: ExpertGemvTiles | None = None,
+    *,
+    shared_up: torch.Tensor | None = None,
+    shared_down: torch.Tensor | None = None,
+    down_tiles: ExpertGemvTiles | None = None,
+) -> torch.Tensor:
     """Routed experts (+ the shared expert) as grouped GEMVs (Triton) for T * k <= MAX_GEMV_PAIRS pairs.
     x [T, d_in] (unit stride in d_in), up [E, I, d_in], down [E, d_in, I] (contiguous), topk_weights [T, k]
     (fp32), topk_ids [T, k], optional shared_up [S, d_in] and shared_down [d_in, S] (both or neither, contiguous)
@@ -211,12 +318,14 @@ def moe_experts_gemv(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, topk
     T, d_in, E, inter, top_k = check_experts_args(x, up, down, topk_weights, topk_ids)
     n_shared = check_shared_args(x, shared_up, shared_down)
     if T * top_k > MAX_GEMV_PAIRS:
-        raise ValueError(f"moe_experts_gemv takes up to {MAX_GEMV_PAIRS} (token, slot) pairs, got {T * top_k}: "
-                         "use triton_moe.moe_experts")
+        raise ValueError(
+            f"moe_experts_gemv takes up to {MAX_GEMV_PAIRS} (token, slot) pairs, got {T * top_k}: "
+            "use triton_moe.moe_experts"
+        )
     if T == 0:
         return torch.empty(0, d_in, dtype=x.dtype, device=x.device)
     t = tiles or ExpertGemvTiles()
-    slots = top_k + (1 if n_shared else 0)              # per token: k routed slots, then the shared one
+    slots = top_k + (1 if n_shared else 0)  # per token: k routed slots, then the shared one
     ids = topk_ids.reshape(-1).contiguous()
     h = expert_up_pass(x, up, ids, top_k, t, shared_up if n_shared else None)
     w = topk_weights.to(torch.float32).reshape(-1).contiguous()
@@ -224,9 +333,16 @@ def moe_experts_gemv(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, topk
     return sum_slots(y, T, slots)
 
 
-def moe_experts_tiled_shared(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-                             topk_ids: torch.Tensor, *, shared_up: torch.Tensor | None = None,
-                             shared_down: torch.Tensor | None = None) -> torch.Tensor:
+def moe_experts_tiled_shared(
+    x: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    shared_up: torch.Tensor | None = None,
+    shared_down: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`triton_moe.moe_experts` (sorted-token grouped GEMMs) for the routed experts, plus the shared expert as
     `triton_gemv.linear` -> `triton_activation.relu2` -> `triton_gemv.linear` when given. Same signature and shapes
     as `moe.moe_experts_ref`. The routed sum is rounded to x's dtype once before the add (torch adds fp16/bf16 in
@@ -238,14 +354,20 @@ def moe_experts_tiled_shared(x: torch.Tensor, up: torch.Tensor, down: torch.Tens
     return routed + triton_gemv.linear(relu2(triton_gemv.linear(x, shared_up)), shared_down)
 
 
-def moe_experts_by_size(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
-                        topk_ids: torch.Tensor, *, shared_up: torch.Tensor | None = None,
-                        shared_down: torch.Tensor | None = None) -> torch.Tensor:
+def moe_experts_by_size(
+    x: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    shared_up: torch.Tensor | None = None,
+    shared_down: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Routed experts (+ the shared expert when shared_up/shared_down are given), Triton, chosen by shape alone: the
     grouped GEMVs above for T * k <= MAX_GEMV_PAIRS (batch-1/2 decode: no alignment launch, no padded rows, the
     shared expert folded into the same two launches), else `moe_experts_tiled_shared`.
     Same signature and shapes as `moe.moe_experts_ref`."""
     if topk_ids.numel() <= MAX_GEMV_PAIRS:
         return moe_experts_gemv(x, up, down, topk_weights, topk_ids, shared_up=shared_up, shared_down=shared_down)
-    return moe_experts_tiled_shared(x, up, down, topk_weights, topk_ids, shared_up=shared_up,
-                                    shared_down=shared_down)
+    return moe_experts_tiled_shared(x, up, down, topk_weights, topk_ids, shared_up=shared_up, shared_down=shared_down)

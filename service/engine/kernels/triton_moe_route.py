@@ -20,29 +20,46 @@ Products, by `RouteTiles.mode`:
 The top-k packs (order-preserving int of the fp32 choice, E_PAD - 1 - index) into one int64 per expert: one max
 reduction per pick, ties to the lowest index. No host sync: graph-capturable.
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from service.engine.kernels.triton_common import (block_dim, check_dim, check_inner_contiguous,
-                                                  check_same_device, check_shape, pdl_args, pdl_release,
-                                                  pdl_wait)
-from service.engine.kernels.triton_gemv import arrival_counters, check_counters
 from service.engine.kernels.tiles import RouteTiles, route_tiles
+from service.engine.kernels.triton_common import (
+    block_dim,
+    check_dim,
+    check_inner_contiguous,
+    check_same_device,
+    check_shape,
+    pdl_args,
+    pdl_release,
+    pdl_wait,
+)
+from service.engine.kernels.triton_gemv import arrival_counters, check_counters
 
-MAX_EXPERTS = 1024          # the selection holds a [rows, next_pow2(E)] tile in registers
-SELECT_TILE = 2048          # rows * padded experts per selection step (int64 keys)
-WEIGHT_TILE = 8192          # rows * padded top_k * padded experts (the weight gather)
-REDUCE_TILE = 8192          # K slices * rows * padded experts per partial-sum load
+MAX_EXPERTS = 1024  # the selection holds a [rows, next_pow2(E)] tile in registers
+SELECT_TILE = 2048  # rows * padded experts per selection step (int64 keys)
+WEIGHT_TILE = 8192  # rows * padded top_k * padded experts (the weight gather)
+REDUCE_TILE = 8192  # K slices * rows * padded experts per partial-sum load
 MODES = {"fma": 0, "ieee": 1, "bf16x3": 2}
 
 
 @triton.jit
-def _fma_logits(h_rows, w_rows, k0, d, mt, me, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr):
+def _fma_logits(
+    h_rows,
+    w_rows,
+    k0,
+    d,
+    mt,
+    me,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K_STEPS: tl.constexpr,
+):
     """h[rows, k0:k0+K_STEPS*BLOCK_K] . W[experts, same] in fp32 by multiply-accumulate: [BLOCK_T, BLOCK_E]."""
     acc3 = tl.zeros((BLOCK_T, BLOCK_E, BLOCK_K), tl.float32)
     for i in tl.static_range(K_STEPS):
@@ -55,8 +72,20 @@ def _fma_logits(h_rows, w_rows, k0, d, mt, me, BLOCK_T: tl.constexpr, BLOCK_E: t
 
 
 @triton.jit
-def _dot_logits(h_rows, w_rows, k0, d, mt, me, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, SPLIT_BF16: tl.constexpr, DOT_TY: tl.constexpr):
+def _dot_logits(
+    h_rows,
+    w_rows,
+    k0,
+    d,
+    mt,
+    me,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K_STEPS: tl.constexpr,
+    SPLIT_BF16: tl.constexpr,
+    DOT_TY: tl.constexpr,
+):
     """Same as `_fma_logits` with tl.dot: 'ieee' fp32, or bf16 h times the exact three-part bf16 split of W
     (DOT_TY bf16; fp32 in the CPU interpreter, whose tl.dot multiplies the raw bits of bf16 operands)."""
     acc = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
@@ -68,9 +97,9 @@ def _dot_logits(h_rows, w_rows, k0, d, mt, me, BLOCK_T: tl.constexpr, BLOCK_E: t
         b = tl.load(w_rows[None, :] + offs_k[:, None], mask=me[None, :] & mk[:, None], other=0.0).to(tl.float32)
         if SPLIT_BF16:
             b1 = b.to(tl.bfloat16)
-            r = b - b1.to(tl.float32)                   # exact: b1 is b rounded to 8 significant bits
+            r = b - b1.to(tl.float32)  # exact: b1 is b rounded to 8 significant bits
             b2 = r.to(tl.bfloat16)
-            b3 = (r - b2.to(tl.float32)).to(tl.bfloat16)   # the last <= 8 bits: exact in bf16
+            b3 = (r - b2.to(tl.float32)).to(tl.bfloat16)  # the last <= 8 bits: exact in bf16
             a = a.to(DOT_TY)
             acc = tl.dot(a, b1.to(DOT_TY), acc)
             acc_lo = tl.dot(a, b2.to(DOT_TY), acc_lo)
@@ -89,8 +118,9 @@ def _argmax_lowest(v, avail, cols, E_PAD: tl.constexpr):
 
 
 @triton.jit
-def _group_limit(choice, avail, cols, n_group, topk_group, group_size, SEL_T: tl.constexpr, E_PAD: tl.constexpr,
-                 G_PAD: tl.constexpr):
+def _group_limit(
+    choice, avail, cols, n_group, topk_group, group_size, SEL_T: tl.constexpr, E_PAD: tl.constexpr, G_PAD: tl.constexpr
+):
     """avail restricted to the topk_group groups with the largest (top-1 + top-2) choice."""
     grp = cols // group_size
     gcols = tl.arange(0, G_PAD)
@@ -114,10 +144,10 @@ def _group_limit(choice, avail, cols, n_group, topk_group, group_size, SEL_T: tl
 def _top_k_ids(choice, avail, cols, top_k, SEL_T: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr):
     """[SEL_T, K_PAD] int32: the top_k available experts by choice, best first (ties: lowest index), -1 past top_k.
     key = (order-preserving int32 of choice) << 32 | (E_PAD - 1 - index): one int64 max per pick."""
-    bits = tl.where(choice == 0.0, 0.0, choice).to(tl.int32, bitcast=True)     # -0.0 ties +0.0
-    bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)           # signed order = float order (non-NaN)
+    bits = tl.where(choice == 0.0, 0.0, choice).to(tl.int32, bitcast=True)  # -0.0 ties +0.0
+    bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed order = float order (non-NaN)
     low = (E_PAD - 1 - cols).to(tl.int64)[None, :]
-    dead = (tl.zeros((SEL_T, E_PAD), tl.int32) - 2147483647 - 1).to(tl.int64) << 32 | low   # below any float
+    dead = (tl.zeros((SEL_T, E_PAD), tl.int32) - 2147483647 - 1).to(tl.int64) << 32 | low  # below any float
     key = tl.where(avail, bits.to(tl.int64) << 32 | low, dead)
     kcols = tl.arange(0, K_PAD)
     ids = tl.full((SEL_T, K_PAD), -1, tl.int32)
@@ -129,8 +159,9 @@ def _top_k_ids(choice, avail, cols, top_k, SEL_T: tl.constexpr, E_PAD: tl.conste
 
 
 @triton.jit
-def _row_logits(part_ptr, rows, cols, mr, mc, T, E, n_ks, SEL_T: tl.constexpr, KS_TILE: tl.constexpr,
-                E_PAD: tl.constexpr):
+def _row_logits(
+    part_ptr, rows, cols, mr, mc, T, E, n_ks, SEL_T: tl.constexpr, KS_TILE: tl.constexpr, E_PAD: tl.constexpr
+):
     """Sum over the K slices of the partial logits of rows x cols (fixed order: deterministic)."""
     acc = tl.zeros((SEL_T, E_PAD), tl.float32)
     for k0 in range(0, n_ks, KS_TILE):
@@ -142,22 +173,41 @@ def _row_logits(part_ptr, rows, cols, mr, mc, T, E, n_ks, SEL_T: tl.constexpr, K
 
 
 @triton.jit
-def _select_rows(part_ptr, bias_ptr, w_out_ptr, ids_ptr, row0, T, E, n_ks, s_b, top_k, n_group, topk_group,
-                 scaling, SEL_T: tl.constexpr, KS_TILE: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                 G_PAD: tl.constexpr, GROUPED: tl.constexpr, NORM: tl.constexpr):
+def _select_rows(
+    part_ptr,
+    bias_ptr,
+    w_out_ptr,
+    ids_ptr,
+    row0,
+    T,
+    E,
+    n_ks,
+    s_b,
+    top_k,
+    n_group,
+    topk_group,
+    scaling,
+    SEL_T: tl.constexpr,
+    KS_TILE: tl.constexpr,
+    E_PAD: tl.constexpr,
+    K_PAD: tl.constexpr,
+    G_PAD: tl.constexpr,
+    GROUPED: tl.constexpr,
+    NORM: tl.constexpr,
+):
     """Top-k of rows [row0, row0 + SEL_T): writes weights and ids [T, top_k]."""
     rows = row0 + tl.arange(0, SEL_T)
     cols = tl.arange(0, E_PAD)
     mr = rows < T
     mc = cols < E
-    bias = tl.load(bias_ptr + cols * s_b, mask=mc, other=0.0).to(tl.float32)       # issued with the partials
+    bias = tl.load(bias_ptr + cols * s_b, mask=mc, other=0.0).to(tl.float32)  # issued with the partials
     s = tl.sigmoid(_row_logits(part_ptr, rows, cols, mr, mc, T, E, n_ks, SEL_T, KS_TILE, E_PAD))
     choice = s + bias[None, :]
     avail = mc[None, :] & (rows >= 0)[:, None]
     if GROUPED:
         avail = _group_limit(choice, avail, cols, n_group, topk_group, E // n_group, SEL_T, E_PAD, G_PAD)
     ids = _top_k_ids(choice, avail, cols, top_k, SEL_T, E_PAD, K_PAD)
-    w = tl.sum(tl.where(cols[None, None, :] == ids[:, :, None], s[:, None, :], 0.0), axis=2)   # 0 past top_k
+    w = tl.sum(tl.where(cols[None, None, :] == ids[:, :, None], s[:, None, :], 0.0), axis=2)  # 0 past top_k
     if NORM:
         w = w / (tl.sum(w, axis=1)[:, None] + 1e-20)
     w = w * scaling
@@ -169,21 +219,89 @@ def _select_rows(part_ptr, bias_ptr, w_out_ptr, ids_ptr, row0, T, E, n_ks, s_b, 
 
 
 @triton.jit
-def _select_block(part_ptr, bias_ptr, w_out_ptr, ids_ptr, pid_t, T, E, n_ks, s_b, top_k, n_group, topk_group,
-                  scaling, BLOCK_T: tl.constexpr, SEL_T: tl.constexpr, KS_TILE: tl.constexpr, E_PAD: tl.constexpr,
-                  K_PAD: tl.constexpr, G_PAD: tl.constexpr, GROUPED: tl.constexpr, NORM: tl.constexpr):
+def _select_block(
+    part_ptr,
+    bias_ptr,
+    w_out_ptr,
+    ids_ptr,
+    pid_t,
+    T,
+    E,
+    n_ks,
+    s_b,
+    top_k,
+    n_group,
+    topk_group,
+    scaling,
+    BLOCK_T: tl.constexpr,
+    SEL_T: tl.constexpr,
+    KS_TILE: tl.constexpr,
+    E_PAD: tl.constexpr,
+    K_PAD: tl.constexpr,
+    G_PAD: tl.constexpr,
+    GROUPED: tl.constexpr,
+    NORM: tl.constexpr,
+):
     for r0 in range(0, BLOCK_T, SEL_T):
-        _select_rows(part_ptr, bias_ptr, w_out_ptr, ids_ptr, pid_t * BLOCK_T + r0, T, E, n_ks, s_b, top_k, n_group,
-                     topk_group, scaling, SEL_T, KS_TILE, E_PAD, K_PAD, G_PAD, GROUPED, NORM)
+        _select_rows(
+            part_ptr,
+            bias_ptr,
+            w_out_ptr,
+            ids_ptr,
+            pid_t * BLOCK_T + r0,
+            T,
+            E,
+            n_ks,
+            s_b,
+            top_k,
+            n_group,
+            topk_group,
+            scaling,
+            SEL_T,
+            KS_TILE,
+            E_PAD,
+            K_PAD,
+            G_PAD,
+            GROUPED,
+            NORM,
+        )
 
 
 @triton.jit
-def _moe_route_kernel(h_ptr, w_ptr, bias_ptr, part_ptr, count_ptr, w_out_ptr, ids_ptr,
-                      T, E, d, s_h, s_w, s_b, top_k, n_group, topk_group, scaling,
-                      MODE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                      K_STEPS: tl.constexpr, N_ARRIVE: tl.constexpr, SEL_T: tl.constexpr, KS_TILE: tl.constexpr,
-                      E_PAD: tl.constexpr, K_PAD: tl.constexpr, G_PAD: tl.constexpr, GROUPED: tl.constexpr,
-                      NORM: tl.constexpr, DOT_TY: tl.constexpr, PDL: tl.constexpr):
+def _moe_route_kernel(
+    h_ptr,
+    w_ptr,
+    bias_ptr,
+    part_ptr,
+    count_ptr,
+    w_out_ptr,
+    ids_ptr,
+    T,
+    E,
+    d,
+    s_h,
+    s_w,
+    s_b,
+    top_k,
+    n_group,
+    topk_group,
+    scaling,
+    MODE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K_STEPS: tl.constexpr,
+    N_ARRIVE: tl.constexpr,
+    SEL_T: tl.constexpr,
+    KS_TILE: tl.constexpr,
+    E_PAD: tl.constexpr,
+    K_PAD: tl.constexpr,
+    G_PAD: tl.constexpr,
+    GROUPED: tl.constexpr,
+    NORM: tl.constexpr,
+    DOT_TY: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pdl_wait(PDL)
     pid_t = tl.program_id(0)
     pid_k = tl.program_id(2)
@@ -199,17 +317,60 @@ def _moe_route_kernel(h_ptr, w_ptr, bias_ptr, part_ptr, count_ptr, w_out_ptr, id
     else:
         acc = _dot_logits(h_rows, w_rows, k0, d, mt, me, BLOCK_T, BLOCK_E, BLOCK_K, K_STEPS, MODE == 2, DOT_TY)
     pdl_release(PDL)
-    tl.store(part_ptr + (pid_k * T + offs_t.to(tl.int64))[:, None] * E + offs_e[None, :], acc,
-             mask=mt[:, None] & me[None, :])
-    tl.debug_barrier()          # every thread's stores are done before the read-back / the counter
+    tl.store(
+        part_ptr + (pid_k * T + offs_t.to(tl.int64))[:, None] * E + offs_e[None, :], acc, mask=mt[:, None] & me[None, :]
+    )
+    tl.debug_barrier()  # every thread's stores are done before the read-back / the counter
     if N_ARRIVE == 1:
-        _select_block(part_ptr, bias_ptr, w_out_ptr, ids_ptr, pid_t, T, E, tl.num_programs(2), s_b, top_k, n_group,
-                      topk_group, scaling, BLOCK_T, SEL_T, KS_TILE, E_PAD, K_PAD, G_PAD, GROUPED, NORM)
+        _select_block(
+            part_ptr,
+            bias_ptr,
+            w_out_ptr,
+            ids_ptr,
+            pid_t,
+            T,
+            E,
+            tl.num_programs(2),
+            s_b,
+            top_k,
+            n_group,
+            topk_group,
+            scaling,
+            BLOCK_T,
+            SEL_T,
+            KS_TILE,
+            E_PAD,
+            K_PAD,
+            G_PAD,
+            GROUPED,
+            NORM,
+        )
     else:
         arrived = tl.atomic_add(count_ptr + pid_t, 1, sem="acq_rel", scope="gpu")
-        if arrived == N_ARRIVE - 1:         # the last program of this token block: every partial is in L2
-            _select_block(part_ptr, bias_ptr, w_out_ptr, ids_ptr, pid_t, T, E, tl.num_programs(2), s_b, top_k,
-                          n_group, topk_group, scaling, BLOCK_T, SEL_T, KS_TILE, E_PAD, K_PAD, G_PAD, GROUPED, NORM)
+        if arrived == N_ARRIVE - 1:  # the last program of this token block: every partial is in L2
+            _select_block(
+                part_ptr,
+                bias_ptr,
+                w_out_ptr,
+                ids_ptr,
+                pid_t,
+                T,
+                E,
+                tl.num_programs(2),
+                s_b,
+                top_k,
+                n_group,
+                topk_group,
+                scaling,
+                BLOCK_T,
+                SEL_T,
+                KS_TILE,
+                E_PAD,
+                K_PAD,
+                G_PAD,
+                GROUPED,
+                NORM,
+            )
             tl.store(count_ptr + pid_t, 0)  # leaves a persistent counter buffer zeroed for the next launch
 
 
@@ -245,21 +406,39 @@ def _check_tiles(t: RouteTiles, h: torch.Tensor) -> None:
         raise ValueError(f"tl.dot modes need block_t, block_e, block_k >= 16: {t}")
 
 
-def moe_route(h: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
-              n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float,
-              counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route(
+    h: torch.Tensor,
+    gate_weight: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    scaling: float,
+    counters: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """h [T, d] (bf16/fp16/fp32, unit stride in d), gate_weight [E, d] (unit stride in d), correction_bias [E]
     -> (topk_weights [T, top_k] fp32, topk_ids [T, top_k] int64), one Triton launch (+ a zero fill of one int32
     arrival counter per token block when a token block spans several programs and counters is None); tiles from
     `route_tiles`. counters: optional persistent int32 zeros of >= one element per token block (left zeroed; unused
     when a token block has a single program)."""
-    return moe_route_tiled(h, gate_weight, correction_bias, top_k, n_group, topk_group, norm_topk_prob, scaling,
-                           None, counters)
+    return moe_route_tiled(
+        h, gate_weight, correction_bias, top_k, n_group, topk_group, norm_topk_prob, scaling, None, counters
+    )
 
 
-def moe_route_tiled(h: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
-                    n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float, tiles: RouteTiles | None,
-                    counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route_tiled(
+    h: torch.Tensor,
+    gate_weight: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    scaling: float,
+    tiles: RouteTiles | None,
+    counters: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`moe_route` with a given launch shape (None: `route_tiles`)."""
     _check_route_args(h, gate_weight, correction_bias, top_k, n_group, topk_group)
     check_counters(counters, h)
@@ -274,20 +453,48 @@ def moe_route_tiled(h: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
     cfg = tiles or route_tiles(T, e_pad, d, h.dtype)
     _check_tiles(cfg, h)
     grid = (triton.cdiv(T, cfg.block_t), triton.cdiv(E, cfg.block_e), triton.cdiv(d, cfg.block_k * cfg.k_steps))
-    part = torch.empty(grid[2], T, E, dtype=torch.float32, device=dev)         # partial logits per K slice
+    part = torch.empty(grid[2], T, E, dtype=torch.float32, device=dev)  # partial logits per K slice
     n_arrive = grid[1] * grid[2]
-    if n_arrive > 1:            # one arrival counter per token block
+    if n_arrive > 1:  # one arrival counter per token block
         counts = arrival_counters(counters, h, grid[0])
-    else:                       # never read: a placeholder pointer
+    else:  # never read: a placeholder pointer
         counts = counters if counters is not None else torch.empty(1, dtype=torch.int32, device=dev)
     sel_t = max(1, min(cfg.block_t, SELECT_TILE // e_pad, WEIGHT_TILE // (e_pad * k_pad)))
     ks_tile = min(triton.next_power_of_2(grid[2]), max(1, REDUCE_TILE // (sel_t * e_pad)))
     _moe_route_kernel[grid](
-        h, gate_weight, correction_bias, part, counts, weights, ids, T, E, d, h.stride(0), gate_weight.stride(0),
-        correction_bias.stride(0), top_k, n_group, topk_group, float(scaling),
-        MODE=MODES[cfg.mode], BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k, K_STEPS=cfg.k_steps,
-        N_ARRIVE=n_arrive, SEL_T=sel_t, KS_TILE=ks_tile, E_PAD=e_pad, K_PAD=k_pad,
-        G_PAD=triton.next_power_of_2(n_group), GROUPED=n_group > 1, NORM=bool(norm_topk_prob),
-        DOT_TY=tl.bfloat16 if dev.type == "cuda" else tl.float32, num_warps=cfg.warps,
-        num_stages=cfg.stages, **pdl_args(h))
+        h,
+        gate_weight,
+        correction_bias,
+        part,
+        counts,
+        weights,
+        ids,
+        T,
+        E,
+        d,
+        h.stride(0),
+        gate_weight.stride(0),
+        correction_bias.stride(0),
+        top_k,
+        n_group,
+        topk_group,
+        float(scaling),
+        MODE=MODES[cfg.mode],
+        BLOCK_T=cfg.block_t,
+        BLOCK_E=cfg.block_e,
+        BLOCK_K=cfg.block_k,
+        K_STEPS=cfg.k_steps,
+        N_ARRIVE=n_arrive,
+        SEL_T=sel_t,
+        KS_TILE=ks_tile,
+        E_PAD=e_pad,
+        K_PAD=k_pad,
+        G_PAD=triton.next_power_of_2(n_group),
+        GROUPED=n_group > 1,
+        NORM=bool(norm_topk_prob),
+        DOT_TY=tl.bfloat16 if dev.type == "cuda" else tl.float32,
+        num_warps=cfg.warps,
+        num_stages=cfg.stages,
+        **pdl_args(h),
+    )
     return weights, ids

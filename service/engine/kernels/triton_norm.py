@@ -3,14 +3,23 @@
 Same signatures and semantics as `norm.rms_norm_ref` / `norm.add_rms_norm_ref` / `norm.gated_group_rms_norm_ref`.
 PDL launches on Hopper+ (triton_common): the norm weight is read before the wait, the activations after it.
 """
+
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from service.engine.kernels.triton_common import (block_dim, check_dim, check_inner_contiguous, check_same_device,
-                                                  check_shape, pdl_args, pdl_release, pdl_wait)
+from service.engine.kernels.triton_common import (
+    block_dim,
+    check_dim,
+    check_inner_contiguous,
+    check_same_device,
+    check_shape,
+    pdl_args,
+    pdl_release,
+    pdl_wait,
+)
 
 
 @triton.jit
@@ -56,25 +65,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x2.shape[0] == 0:
         return out.view(x.shape)
     bd = block_dim(d, 1)
-    _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, d, x2.stride(0), out.stride(0), eps, BLOCK_D=bd,
-                                     num_warps=_warps(bd), **pdl_args(x))
+    _rms_norm_kernel[(x2.shape[0],)](
+        x2, weight, out, d, x2.stride(0), out.stride(0), eps, BLOCK_D=bd, num_warps=_warps(bd), **pdl_args(x)
+    )
     return out.view(x.shape)
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, d, s_x, s_r, s_o, s_n, eps,
-                         BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+def _add_rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, d, s_x, s_r, s_o, s_n, eps, BLOCK_D: tl.constexpr, PDL: tl.constexpr
+):
     row, offs, m, w = _row_weight(w_ptr, d, BLOCK_D, PDL)
     x = tl.load(x_ptr + row * s_x + offs, mask=m, other=0.0).to(tl.float32)
     res = tl.load(res_ptr + row * s_r + offs, mask=m, other=0.0).to(tl.float32)
     pdl_release(PDL)
-    h = (res + x).to(new_res_ptr.dtype.element_ty)          # rounded once, like torch's `residual + x`
+    h = (res + x).to(new_res_ptr.dtype.element_ty)  # rounded once, like torch's `residual + x`
     tl.store(new_res_ptr + row * s_n + offs, h, mask=m)
     _scale_store(out_ptr + row * s_o, offs, m, w, h.to(tl.float32), d, eps)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add + RMSNorm in one launch (Triton), see `norm.add_rms_norm_ref`. x, residual [..., d] (same shape
     and dtype, unit stride in d), weight [d] -> (normed, new_residual), two new tensors in residual's dtype
     (out of place: inputs are not written, so a captured CUDA graph's buffers keep their meaning)."""
@@ -93,15 +105,29 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     new_res = torch.empty_like(out)
     if r2.shape[0] > 0:
         bd = block_dim(d, 1)
-        _add_rms_norm_kernel[(r2.shape[0],)](x2, r2, weight, out, new_res, d, x2.stride(0), r2.stride(0),
-                                             out.stride(0), new_res.stride(0), eps, BLOCK_D=bd, num_warps=_warps(bd),
-                                             **pdl_args(x))
+        _add_rms_norm_kernel[(r2.shape[0],)](
+            x2,
+            r2,
+            weight,
+            out,
+            new_res,
+            d,
+            x2.stride(0),
+            r2.stride(0),
+            out.stride(0),
+            new_res.stride(0),
+            eps,
+            BLOCK_D=bd,
+            num_warps=_warps(bd),
+            **pdl_args(x),
+        )
     return out.view(residual.shape), new_res.view(residual.shape)
 
 
 @triton.jit
-def _gated_rms_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, group_size, s_y, s_z, s_o, eps, BLOCK: tl.constexpr,
-                           PDL: tl.constexpr):
+def _gated_rms_norm_kernel(
+    y_ptr, z_ptr, w_ptr, out_ptr, group_size, s_y, s_z, s_o, eps, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * group_size + tl.arange(0, BLOCK)
     m = tl.arange(0, BLOCK) < group_size
@@ -113,8 +139,9 @@ def _gated_rms_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, group_size, s_y, s_z, s
     _scale_store(out_ptr + row * s_o, offs, m, w, y * z * tl.sigmoid(z), group_size, eps)
 
 
-def gated_group_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,
-                         eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+def gated_group_rms_norm(
+    y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float, out_dtype: torch.dtype
+) -> torch.Tensor:
     """Gated group RMSNorm (Triton). y, z [T, Di] (unit stride in Di; z may be a strided split),
     weight [Di]: (y * silu(z)) normalised over groups of group_size channels, times weight -> [T, Di] out_dtype."""
     check_dim("y", y, 2)
@@ -129,7 +156,18 @@ def gated_group_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
     if T == 0:
         return out
     bg = block_dim(group_size, 1)
-    _gated_rms_norm_kernel[(T, Di // group_size)](y, z, weight, out, group_size, y.stride(0), z.stride(0),
-                                                   out.stride(0), eps, BLOCK=bg, num_warps=_warps(bg),
-                                                   **pdl_args(y))
+    _gated_rms_norm_kernel[(T, Di // group_size)](
+        y,
+        z,
+        weight,
+        out,
+        group_size,
+        y.stride(0),
+        z.stride(0),
+        out.stride(0),
+        eps,
+        BLOCK=bg,
+        num_warps=_warps(bg),
+        **pdl_args(y),
+    )
     return out

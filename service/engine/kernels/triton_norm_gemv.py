@@ -21,6 +21,7 @@ Batch-1 only (M = 1): larger batches keep the norm kernel + GEMV/cuBLAS (`add_rm
 `gated_norm_linear`: the triton bundle's ops, choosing by shape). References: `norm.add_rms_norm_linear_ref`,
 `norm.gated_norm_linear_ref` (pure torch; in norm.py so the torch bundle imports no Triton).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,14 +31,31 @@ import triton
 import triton.language as tl
 
 from service.engine.kernels import Kernels, triton_gemv, triton_norm
-from service.engine.kernels.triton_common import (block_dim, check_dim, check_inner_contiguous, check_same_device,
-                                                  check_shape, pdl_args, pdl_release, pdl_wait)
-# triton_gemv's loop pieces: tile loads, the per-split epilogue, the last arriver's reduction
-from service.engine.kernels.triton_gemv import _emit_row, _load, _load_w, _rows_block_k, arrival_counters, arrive_and_reduce, program_block
 from service.engine.kernels.tiles import GemvTiles, default_gemv_tiles
+from service.engine.kernels.triton_common import (
+    block_dim,
+    check_dim,
+    check_inner_contiguous,
+    check_same_device,
+    check_shape,
+    pdl_args,
+    pdl_release,
+    pdl_wait,
+)
+
+# triton_gemv's loop pieces: tile loads, the per-split epilogue, the last arriver's reduction
+from service.engine.kernels.triton_gemv import (
+    _emit_row,
+    _load,
+    _load_w,
+    _rows_block_k,
+    arrival_counters,
+    arrive_and_reduce,
+    program_block,
+)
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-PROLOGUE_CHUNK = 512        # elements per step of the rms prologue: a power of two >= 128 (see `_sum_sq`)
+PROLOGUE_CHUNK = 512  # elements per step of the rms prologue: a power of two >= 128 (see `_sum_sq`)
 
 
 @triton.jit
@@ -49,7 +67,7 @@ def _h_chunk(a_ptr, b_ptr, res_ptr, offs, m, WRITER, GATED: tl.constexpr):
     if GATED:
         h = a * b * tl.sigmoid(b)
     else:
-        hr = (b + a).to(res_ptr.dtype.element_ty)          # rounded once, like triton_norm.add_rms_norm
+        hr = (b + a).to(res_ptr.dtype.element_ty)  # rounded once, like triton_norm.add_rms_norm
         if WRITER:
             tl.store(res_ptr + offs, hr, mask=m)
         h = hr.to(tl.float32)
@@ -57,8 +75,18 @@ def _h_chunk(a_ptr, b_ptr, res_ptr, offs, m, WRITER, GATED: tl.constexpr):
 
 
 @triton.jit
-def _sum_sq(a_ptr, b_ptr, res_ptr, base, n, WRITER, GATED: tl.constexpr, BLOCK_P: tl.constexpr,
-            CHUNK: tl.constexpr, LEVELS: tl.constexpr):
+def _sum_sq(
+    a_ptr,
+    b_ptr,
+    res_ptr,
+    base,
+    n,
+    WRITER,
+    GATED: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    CHUNK: tl.constexpr,
+    LEVELS: tl.constexpr,
+):
     """Sum of h^2 over [base, base + n) (n <= BLOCK_P = 2^LEVELS * CHUNK), CHUNK elements at a time (few
     registers), the chunk sums added pairwise: in the interpreter the order of one tl.sum over [BLOCK_P] as
     triton_norm does it (numpy's pairwise summation, CHUNK >= 128 and powers of two), so bit-equal to it there."""
@@ -75,8 +103,20 @@ def _sum_sq(a_ptr, b_ptr, res_ptr, base, n, WRITER, GATED: tl.constexpr, BLOCK_P
 
 
 @triton.jit
-def _row_rms(a_ptr, b_ptr, res_ptr, K, eps, WRITER, GATED: tl.constexpr, GROUP: tl.constexpr,
-             BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK: tl.constexpr, LEVELS: tl.constexpr):
+def _row_rms(
+    a_ptr,
+    b_ptr,
+    res_ptr,
+    K,
+    eps,
+    WRITER,
+    GATED: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    CHUNK: tl.constexpr,
+    LEVELS: tl.constexpr,
+):
     """The row's 1/rms: gated, a [BLOCK_G] vector (entry g: group g); else one scalar (WRITER stores the new
     residual). BLOCK_P: triton_norm's block (the group, or the row, rounded up to a power of two)."""
     if GATED:
@@ -91,9 +131,21 @@ def _row_rms(a_ptr, b_ptr, res_ptr, K, eps, WRITER, GATED: tl.constexpr, GROUP: 
 
 
 @triton.jit
-def _load_normed(a_rows, b_rows, nw_rows, rstd, k0, K, OUT: tl.constexpr, GATED: tl.constexpr,
-                 GROUP: tl.constexpr, SPAN: tl.constexpr, BLOCK_G: tl.constexpr, EVEN_K: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+def _load_normed(
+    a_rows,
+    b_rows,
+    nw_rows,
+    rstd,
+    k0,
+    K,
+    OUT: tl.constexpr,
+    GATED: tl.constexpr,
+    GROUP: tl.constexpr,
+    SPAN: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """The normalised activation chunk at k0 in OUT, broadcast to the weight tile (like triton_gemv's x load)."""
     offs_k = (k0 + tl.arange(0, BLOCK_K))[None, :]
     mk = offs_k < K
@@ -102,9 +154,9 @@ def _load_normed(a_rows, b_rows, nw_rows, rstd, k0, K, OUT: tl.constexpr, GATED:
     nw = _load(nw_rows + offs_k, mk, EVEN_K, "evict_last").to(tl.float32)
     if GATED:
         h = a * b * tl.sigmoid(b)
-        r = tl.zeros((1, BLOCK_K), tl.float32)              # each element's group rms (0 past K)
+        r = tl.zeros((1, BLOCK_K), tl.float32)  # each element's group rms (0 past K)
         gids = tl.arange(0, BLOCK_G)
-        for s in tl.static_range(SPAN):                     # the groups this chunk can touch
+        for s in tl.static_range(SPAN):  # the groups this chunk can touch
             g = k0 // GROUP + s
             r = tl.where(offs_k // GROUP == g, tl.sum(tl.where(gids == g, rstd, 0.0), axis=0), r)
     else:
@@ -114,14 +166,34 @@ def _load_normed(a_rows, b_rows, nw_rows, rstd, k0, K, OUT: tl.constexpr, GATED:
 
 
 @triton.jit
-def _norm_dot(w_rows, a_ptr, b_ptr, nw_ptr, res_ptr, k_lo, k_hi, K, eps, WRITER, GATED: tl.constexpr,
-              GROUP: tl.constexpr, SPAN: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr,
-              CHUNK: tl.constexpr, LEVELS: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _norm_dot(
+    w_rows,
+    a_ptr,
+    b_ptr,
+    nw_ptr,
+    res_ptr,
+    k_lo,
+    k_hi,
+    K,
+    eps,
+    WRITER,
+    GATED: tl.constexpr,
+    GROUP: tl.constexpr,
+    SPAN: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    CHUNK: tl.constexpr,
+    LEVELS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """triton_gemv.dot_tiles for one row whose x chunks are normalised on the fly: the fp32 [BLOCK_N, BLOCK_K]
     partial-product tile over [k_lo, k_hi). The row's rms is computed after `pdl_wait`."""
     acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    zero = tl.zeros((BLOCK_N, 1), tl.int32)                 # activations broadcast over the tile: w's layout
+    zero = tl.zeros((BLOCK_N, 1), tl.int32)  # activations broadcast over the tile: w's layout
     a_rows, b_rows, nw_rows = a_ptr + zero, b_ptr + zero, nw_ptr + zero
     OUT: tl.constexpr = w_rows.dtype.element_ty
     if PREFETCH:
@@ -130,11 +202,12 @@ def _norm_dot(w_rows, a_ptr, b_ptr, nw_ptr, res_ptr, k_lo, k_hi, K, eps, WRITER,
         pdl_wait(PDL)
         rstd = _row_rms(a_ptr, b_ptr, res_ptr, K, eps, WRITER, GATED, GROUP, BLOCK_G, BLOCK_P, CHUNK, LEVELS)
         x = _load_normed(a_rows, b_rows, nw_rows, rstd, k_lo, K, OUT, GATED, GROUP, SPAN, BLOCK_G, EVEN_K, BLOCK_K)
-        for k0 in range(k_lo, k_hi, BLOCK_K):               # the last step re-loads its own tile (an L2 hit)
+        for k0 in range(k_lo, k_hi, BLOCK_K):  # the last step re-loads its own tile (an L2 hit)
             k_next = tl.minimum(k0 + BLOCK_K, k_last)
             nw = _load_w(w_rows, k_next, K, EVEN_K, BLOCK_K)
-            nx = _load_normed(a_rows, b_rows, nw_rows, rstd, k_next, K, OUT, GATED, GROUP, SPAN, BLOCK_G, EVEN_K,
-                              BLOCK_K)
+            nx = _load_normed(
+                a_rows, b_rows, nw_rows, rstd, k_next, K, OUT, GATED, GROUP, SPAN, BLOCK_G, EVEN_K, BLOCK_K
+            )
             acc += w.to(tl.float32) * x.to(tl.float32)
             w, x = nw, nx
     else:
@@ -142,22 +215,66 @@ def _norm_dot(w_rows, a_ptr, b_ptr, nw_ptr, res_ptr, k_lo, k_hi, K, eps, WRITER,
         rstd = _row_rms(a_ptr, b_ptr, res_ptr, K, eps, WRITER, GATED, GROUP, BLOCK_G, BLOCK_P, CHUNK, LEVELS)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             w = _load_w(w_rows, k0, K, EVEN_K, BLOCK_K)
-            x = _load_normed(a_rows, b_rows, nw_rows, rstd, k0, K, OUT, GATED, GROUP, SPAN, BLOCK_G, EVEN_K,
-                             BLOCK_K)
+            x = _load_normed(a_rows, b_rows, nw_rows, rstd, k0, K, OUT, GATED, GROUP, SPAN, BLOCK_G, EVEN_K, BLOCK_K)
             acc += w.to(tl.float32) * x.to(tl.float32)
     return acc
 
 
 @triton.jit
-def _norm_gemv_kernel(a_ptr, b_ptr, nw_ptr, w_ptr, bias_ptr, y_ptr, res_ptr, part_ptr, count_ptr, N, K, k_split,
-                      eps, GATED: tl.constexpr, GROUP: tl.constexpr, SPAN: tl.constexpr, BLOCK_G: tl.constexpr,
-                      BLOCK_P: tl.constexpr, CHUNK: tl.constexpr, LEVELS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _norm_gemv_kernel(
+    a_ptr,
+    b_ptr,
+    nw_ptr,
+    w_ptr,
+    bias_ptr,
+    y_ptr,
+    res_ptr,
+    part_ptr,
+    count_ptr,
+    N,
+    K,
+    k_split,
+    eps,
+    GATED: tl.constexpr,
+    GROUP: tl.constexpr,
+    SPAN: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    CHUNK: tl.constexpr,
+    LEVELS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pid_n, pid_k, offs_n, mn, w_rows, k_lo = program_block(w_ptr, N, K, k_split, BLOCK_N)
-    acc = _norm_dot(w_rows, a_ptr, b_ptr, nw_ptr, res_ptr, k_lo, tl.minimum(k_lo + k_split, K), K, eps,
-                    (pid_n == 0) & (pid_k == 0), GATED, GROUP, SPAN, BLOCK_G, BLOCK_P, CHUNK, LEVELS, EVEN_K,
-                    PREFETCH, BLOCK_N, BLOCK_K, PDL)
+    acc = _norm_dot(
+        w_rows,
+        a_ptr,
+        b_ptr,
+        nw_ptr,
+        res_ptr,
+        k_lo,
+        tl.minimum(k_lo + k_split, K),
+        K,
+        eps,
+        (pid_n == 0) & (pid_k == 0),
+        GATED,
+        GROUP,
+        SPAN,
+        BLOCK_G,
+        BLOCK_P,
+        CHUNK,
+        LEVELS,
+        EVEN_K,
+        PREFETCH,
+        BLOCK_N,
+        BLOCK_K,
+        PDL,
+    )
     pdl_release(PDL)
     _emit_row(tl.sum(acc, axis=1), 0, pid_k, offs_n, mn, bias_ptr, y_ptr, part_ptr, N, 0, 1, HAS_BIAS, SPLIT_K)
     if SPLIT_K > 1:
@@ -173,11 +290,17 @@ def _group_span(block_k: int, group: int) -> int:
 
 def _norm_consts(K: int, group: int | None, block_k: int) -> dict:
     """The kernel's norm constexprs: add + RMSNorm (group None) or the gated group norm."""
-    block_p = block_dim(group or K, 1)                  # triton_norm's block: the group, or the row
+    block_p = block_dim(group or K, 1)  # triton_norm's block: the group, or the row
     chunk = min(block_p, PROLOGUE_CHUNK)
-    return dict(GATED=group is not None, GROUP=group or 1, SPAN=_group_span(block_k, group) if group else 1,
-                BLOCK_G=block_dim(K // group, 1) if group else 1, BLOCK_P=block_p, CHUNK=chunk,
-                LEVELS=(block_p // chunk).bit_length() - 1)
+    return dict(
+        GATED=group is not None,
+        GROUP=group or 1,
+        SPAN=_group_span(block_k, group) if group else 1,
+        BLOCK_G=block_dim(K // group, 1) if group else 1,
+        BLOCK_P=block_p,
+        CHUNK=chunk,
+        LEVELS=(block_p // chunk).bit_length() - 1,
+    )
 
 
 def _check_gemv_part(name: str, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -185,8 +308,10 @@ def _check_gemv_part(name: str, a: torch.Tensor, weight: torch.Tensor, bias: tor
     check_dim(name, a, 2)
     check_dim("weight", weight, 2)
     if a.shape[0] != 1 or a.shape[1] == 0 or weight.shape[0] == 0:
-        raise ValueError(f"{name} must be one non-empty row [1, K] and weight non-empty, got {tuple(a.shape)}, "
-                         f"weight {tuple(weight.shape)}: use the unfused ops")
+        raise ValueError(
+            f"{name} must be one non-empty row [1, K] and weight non-empty, got {tuple(a.shape)}, "
+            f"weight {tuple(weight.shape)}: use the unfused ops"
+        )
     check_shape("weight", weight, (weight.shape[0], a.shape[1]))
     if weight.dtype not in FLOATS or not weight.is_contiguous():
         raise ValueError(f"weight must be a contiguous fp32/fp16/bf16 tensor, got {weight.dtype}")
@@ -203,25 +328,52 @@ def _launch(a, b, norm_weight, weight, bias, res_out, eps, group, tiles, counter
     t = tiles or default_gemv_tiles(N, K)
     bk = _rows_block_k(t, 1)
     k_split = triton.cdiv(triton.cdiv(K, max(1, t.split_k)), bk) * bk
-    split = triton.cdiv(K, k_split)                           # no empty slices (as triton_gemv.gemv)
+    split = triton.cdiv(K, k_split)  # no empty slices (as triton_gemv.gemv)
     blocks = triton.cdiv(N, t.block_n)
     y = torch.empty(1, N, dtype=weight.dtype, device=weight.device)
-    part = cnt = y                                            # unused unless split > 1
+    part = cnt = y  # unused unless split > 1
     if split > 1:
         part = torch.empty(split, 1, N, dtype=torch.float32, device=y.device)
         cnt = arrival_counters(counters, y, blocks)
     _norm_gemv_kernel[(blocks, split)](
-        a, b, norm_weight, weight, bias if bias is not None else y, y, res_out if res_out is not None else y, part,
-        cnt, N, K, k_split, eps, **_norm_consts(K, group, bk), HAS_BIAS=bias is not None, SPLIT_K=split,
-        EVEN_K=K % bk == 0, PREFETCH=t.prefetch, BLOCK_N=t.block_n, BLOCK_K=bk, num_warps=t.warps, num_stages=1,
-        **pdl_args(a, pdl))
+        a,
+        b,
+        norm_weight,
+        weight,
+        bias if bias is not None else y,
+        y,
+        res_out if res_out is not None else y,
+        part,
+        cnt,
+        N,
+        K,
+        k_split,
+        eps,
+        **_norm_consts(K, group, bk),
+        HAS_BIAS=bias is not None,
+        SPLIT_K=split,
+        EVEN_K=K % bk == 0,
+        PREFETCH=t.prefetch,
+        BLOCK_N=t.block_n,
+        BLOCK_K=bk,
+        num_warps=t.warps,
+        num_stages=1,
+        **pdl_args(a, pdl),
+    )
     return y
 
 
-def add_rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                      weight: torch.Tensor, bias: torch.Tensor | None = None, tiles: GemvTiles | None = None,
-                      counters: torch.Tensor | None = None, pdl: bool | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm_gemv(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    tiles: GemvTiles | None = None,
+    counters: torch.Tensor | None = None,
+    pdl: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add + RMSNorm + linear in one launch (see `norm.add_rms_norm_linear_ref`).
     x, residual [1, K] (same dtype as weight; unit stride in K), norm_weight [K] (any float dtype), weight [N, K]
     contiguous, bias [N] or None -> (y [1, N], new_residual [1, K]), two new tensors in weight's dtype.
@@ -237,9 +389,18 @@ def add_rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor, norm_weight: torc
     return _launch(x, residual, norm_weight, weight, bias, new_res, eps, None, tiles, counters, pdl), new_res
 
 
-def gated_norm_gemv(y: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, group_size: int, eps: float,
-                    weight: torch.Tensor, bias: torch.Tensor | None = None, tiles: GemvTiles | None = None,
-                    counters: torch.Tensor | None = None, pdl: bool | None = None) -> torch.Tensor:
+def gated_norm_gemv(
+    y: torch.Tensor,
+    z: torch.Tensor,
+    norm_weight: torch.Tensor,
+    group_size: int,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    tiles: GemvTiles | None = None,
+    counters: torch.Tensor | None = None,
+    pdl: bool | None = None,
+) -> torch.Tensor:
     """Gated group RMSNorm + linear in one launch (see `norm.gated_norm_linear_ref`): the normed activation is
     rounded to weight's dtype. y, z [1, Di] (any float dtypes, unit stride in Di; z may be a strided split),
     norm_weight [Di], group_size dividing Di, weight [N, Di] contiguous, bias [N] or None -> [1, N] in weight's
@@ -259,34 +420,62 @@ def gated_norm_gemv(y: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor,
 
 def _gemv_row(a: torch.Tensor, weight: torch.Tensor) -> bool:
     """a [..., K] is one row that `triton_gemv.linear` would run as its GEMV on weight (and the fused kernels take)."""
-    return (a.numel() == a.shape[-1] > 0 and weight.numel() <= triton_gemv.MAX_GEMV_WEIGHT_ELEMENTS
-            and weight.dtype in FLOATS and weight.is_contiguous() and a.stride(-1) == 1)
+    return (
+        a.numel() == a.shape[-1] > 0
+        and weight.numel() <= triton_gemv.MAX_GEMV_WEIGHT_ELEMENTS
+        and weight.dtype in FLOATS
+        and weight.is_contiguous()
+        and a.stride(-1) == 1
+    )
 
 
-def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                        weight: torch.Tensor, bias: torch.Tensor | None = None, counters: torch.Tensor | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The triton bundle's op (`norm.add_rms_norm_linear_ref` semantics): x, residual [..., K] -> (y [..., N],
     new_residual [..., K]). One row with a GEMV-sized weight of x's dtype: `add_rms_norm_gemv` (one launch); any
     other shape: `triton_norm.add_rms_norm`, then `triton_gemv.linear` (GEMV or cuBLAS). Chosen by shape alone."""
     K, N = x.shape[-1], weight.shape[0]
-    if (_gemv_row(x, weight) and residual.stride(-1) == 1 and x.dtype == residual.dtype == weight.dtype
-            and (bias is None or bias.dtype == weight.dtype)):
-        y, new_res = add_rms_norm_gemv(x.reshape(1, K), residual.reshape(1, K), norm_weight, eps, weight, bias,
-                                       counters=counters)
+    if (
+        _gemv_row(x, weight)
+        and residual.stride(-1) == 1
+        and x.dtype == residual.dtype == weight.dtype
+        and (bias is None or bias.dtype == weight.dtype)
+    ):
+        y, new_res = add_rms_norm_gemv(
+            x.reshape(1, K), residual.reshape(1, K), norm_weight, eps, weight, bias, counters=counters
+        )
         return y.view(*x.shape[:-1], N), new_res.view(residual.shape)
     normed, new_res = triton_norm.add_rms_norm(x, residual, norm_weight, eps)
     return triton_gemv.linear(normed, weight, bias, counters=counters), new_res
 
 
-def gated_norm_linear(y: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, group_size: int, eps: float,
-                      weight: torch.Tensor, bias: torch.Tensor | None = None, counters: torch.Tensor | None = None
-                      ) -> torch.Tensor:
+def gated_norm_linear(
+    y: torch.Tensor,
+    z: torch.Tensor,
+    norm_weight: torch.Tensor,
+    group_size: int,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The triton bundle's op (`norm.gated_norm_linear_ref` semantics): y, z [T, Di] -> [T, N] in weight's dtype.
     One row with a GEMV-sized weight: `gated_norm_gemv` (one launch); any other shape:
     `triton_norm.gated_group_rms_norm` (to weight's dtype), then `triton_gemv.linear`. Chosen by shape alone."""
-    if (_gemv_row(y, weight) and z.stride(-1) == 1 and y.dtype in FLOATS and z.dtype in FLOATS
-            and (bias is None or bias.dtype == weight.dtype)):
+    if (
+        _gemv_row(y, weight)
+        and z.stride(-1) == 1
+        and y.dtype in FLOATS
+        and z.dtype in FLOATS
+        and (bias is None or bias.dtype == weight.dtype)
+    ):
         return gated_norm_gemv(y, z, norm_weight, group_size, eps, weight, bias, counters=counters)
     normed = triton_norm.gated_group_rms_norm(y, z, norm_weight, group_size, eps, weight.dtype)
     return triton_gemv.linear(normed, weight, bias, counters=counters)
@@ -294,10 +483,12 @@ def gated_norm_linear(y: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tenso
 
 def without_norm_fusion(k: Kernels) -> Kernels:
     """Bundle k with the two fused ops run unfused: k's norm kernel, then k's `linear` (A/B benchmarks, tests)."""
+
     def add_rms_norm_linear_(x, residual, norm_weight, eps, weight, bias=None):
         normed, h = k.add_rms_norm(x, residual, norm_weight, eps)
         return k.linear(normed, weight, bias), h
 
     def gated_norm_linear_(y, z, norm_weight, group_size, eps, weight, bias=None):
         return k.linear(k.gated_rms_norm(y, z, norm_weight, group_size, eps, weight.dtype), weight, bias)
+
     return dataclasses.replace(k, add_rms_norm_linear=add_rms_norm_linear_, gated_norm_linear=gated_norm_linear_)

@@ -17,25 +17,45 @@ States stay fp32 in memory; matrix products take the operands' dtype (bf16/fp16)
 The decode step `_ssu_kernel` is one launch; `selective_state_update_slots_raw_dt` also folds the mamba layer's
 dt preprocessing (softplus(dt + dt_bias), clamp) and A = -exp(A_log) into it.
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
 from service.engine.kernels.ssd import ChunkLayout
-from service.engine.kernels.triton_common import (block_dim, check_dim, check_dtype, check_inner_contiguous,
-                                                  check_same_device, check_shape, dot_precision, pdl_args,
-                                                  pdl_release, pdl_wait)
 from service.engine.kernels.tiles import SsdTiles
+from service.engine.kernels.triton_common import (
+    block_dim,
+    check_dim,
+    check_dtype,
+    check_inner_contiguous,
+    check_same_device,
+    check_shape,
+    dot_precision,
+    pdl_args,
+    pdl_release,
+    pdl_wait,
+)
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _chunk_cumsum_kernel(dt_ptr, A_ptr, chunk_start_ptr, chunk_len_ptr, cs_ptr, H, s_dt_t, s_dt_h,
-                         CHUNK: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr):
+def _chunk_cumsum_kernel(
+    dt_ptr,
+    A_ptr,
+    chunk_start_ptr,
+    chunk_len_ptr,
+    cs_ptr,
+    H,
+    s_dt_t,
+    s_dt_h,
+    CHUNK: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     c = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     start = tl.load(chunk_start_ptr + c)
@@ -51,11 +71,32 @@ def _chunk_cumsum_kernel(dt_ptr, A_ptr, chunk_start_ptr, chunk_len_ptr, cs_ptr, 
 
 
 @triton.jit
-def _chunk_state_kernel(x_ptr, B_ptr, dt_ptr, cs_ptr, chunk_start_ptr, chunk_len_ptr, states_ptr,
-                        H, P, N, heads_per_group,
-                        s_x_t, s_x_h, s_x_p, s_b_t, s_b_g, s_b_n, s_dt_t, s_dt_h,
-                        CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _chunk_state_kernel(
+    x_ptr,
+    B_ptr,
+    dt_ptr,
+    cs_ptr,
+    chunk_start_ptr,
+    chunk_len_ptr,
+    states_ptr,
+    H,
+    P,
+    N,
+    heads_per_group,
+    s_x_t,
+    s_x_h,
+    s_x_p,
+    s_b_t,
+    s_b_g,
+    s_b_n,
+    s_dt_t,
+    s_dt_h,
+    CHUNK: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     c = tl.program_id(0)
     h = tl.program_id(1)
     num_nb = tl.cdiv(N, BLOCK_N)
@@ -71,10 +112,16 @@ def _chunk_state_kernel(x_ptr, B_ptr, dt_ptr, cs_ptr, chunk_start_ptr, chunk_len
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mk = offs_k < n
         tok = (start + offs_k).to(tl.int64)
-        xt = tl.load(x_ptr + tok[None, :] * s_x_t + h * s_x_h + offs_p[:, None] * s_x_p,
-                     mask=mk[None, :] & (offs_p[:, None] < P), other=0.0)                    # [BP, BK]
-        b = tl.load(B_ptr + tok[:, None] * s_b_t + g * s_b_g + offs_n[None, :] * s_b_n,
-                    mask=mk[:, None] & (offs_n[None, :] < N), other=0.0)                     # [BK, BN]
+        xt = tl.load(
+            x_ptr + tok[None, :] * s_x_t + h * s_x_h + offs_p[:, None] * s_x_p,
+            mask=mk[None, :] & (offs_p[:, None] < P),
+            other=0.0,
+        )  # [BP, BK]
+        b = tl.load(
+            B_ptr + tok[:, None] * s_b_t + g * s_b_g + offs_n[None, :] * s_b_n,
+            mask=mk[:, None] & (offs_n[None, :] < N),
+            other=0.0,
+        )  # [BK, BN]
         dt = tl.load(dt_ptr + tok * s_dt_t + h * s_dt_h, mask=mk, other=0.0).to(tl.float32)
         cs = tl.load(cs_base + offs_k, mask=mk, other=0.0)
         w = tl.where(mk, tl.exp(cs_last - cs) * dt, 0.0)
@@ -85,8 +132,21 @@ def _chunk_state_kernel(x_ptr, B_ptr, dt_ptr, cs_ptr, chunk_start_ptr, chunk_len
 
 
 @triton.jit
-def _state_passing_kernel(states_ptr, prev_ptr, init_ptr, cs_ptr, first_chunk_ptr, num_chunks_ptr, chunk_len_ptr,
-                          H, PN, s_init_b, s_init_h, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+def _state_passing_kernel(
+    states_ptr,
+    prev_ptr,
+    init_ptr,
+    cs_ptr,
+    first_chunk_ptr,
+    num_chunks_ptr,
+    chunk_len_ptr,
+    H,
+    PN,
+    s_init_b,
+    s_init_h,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """states[c] <- end state of chunk c (fp32, in place over the local states); prev[c] <- state entering
     chunk c in the operands' dtype (what `_chunk_scan_kernel` multiplies by C)."""
     b = tl.program_id(0)
@@ -107,11 +167,41 @@ def _state_passing_kernel(states_ptr, prev_ptr, init_ptr, cs_ptr, first_chunk_pt
 
 
 @triton.jit
-def _chunk_scan_kernel(x_ptr, B_ptr, C_ptr, dt_ptr, cs_ptr, D_ptr, prev_ptr, chunk_start_ptr, chunk_len_ptr, y_ptr,
-                       H, P, N, heads_per_group,
-                       s_x_t, s_x_h, s_x_p, s_b_t, s_b_g, s_b_n, s_c_t, s_c_g, s_c_n, s_dt_t, s_dt_h, s_y_t, s_y_h,
-                       CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                       BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _chunk_scan_kernel(
+    x_ptr,
+    B_ptr,
+    C_ptr,
+    dt_ptr,
+    cs_ptr,
+    D_ptr,
+    prev_ptr,
+    chunk_start_ptr,
+    chunk_len_ptr,
+    y_ptr,
+    H,
+    P,
+    N,
+    heads_per_group,
+    s_x_t,
+    s_x_h,
+    s_x_p,
+    s_b_t,
+    s_b_g,
+    s_b_n,
+    s_c_t,
+    s_c_g,
+    s_c_n,
+    s_dt_t,
+    s_dt_h,
+    s_y_t,
+    s_y_h,
+    CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     c = tl.program_id(0)
     h = tl.program_id(1)
     m0 = tl.program_id(2) * BLOCK_M
@@ -127,30 +217,41 @@ def _chunk_scan_kernel(x_ptr, B_ptr, C_ptr, dt_ptr, cs_ptr, D_ptr, prev_ptr, chu
     tok_m = (start + offs_m).to(tl.int64)
     cs_base = cs_ptr + (c.to(tl.int64) * H + h) * CHUNK
     cs_m = tl.load(cs_base + offs_m, mask=mm, other=0.0)
-    cm = tl.load(C_ptr + tok_m[:, None] * s_c_t + g * s_c_g + offs_n[None, :] * s_c_n,
-                 mask=mm[:, None] & mn[None, :], other=0.0)                                  # [BM, BN]
+    cm = tl.load(
+        C_ptr + tok_m[:, None] * s_c_t + g * s_c_g + offs_n[None, :] * s_c_n, mask=mm[:, None] & mn[None, :], other=0.0
+    )  # [BM, BN]
     # state entering the chunk (written by `_state_passing_kernel`), read as [BN, BP]
-    st = tl.load(prev_ptr + (c.to(tl.int64) * H + h) * P * N + offs_n[:, None] + offs_p[None, :] * N,
-                 mask=mn[:, None] & mp[None, :], other=0.0)
-    acc = tl.dot(cm, st, input_precision=DOT_PRECISION) * tl.exp(cs_m)[:, None]               # [BM, BP]
+    st = tl.load(
+        prev_ptr + (c.to(tl.int64) * H + h) * P * N + offs_n[:, None] + offs_p[None, :] * N,
+        mask=mn[:, None] & mp[None, :],
+        other=0.0,
+    )
+    acc = tl.dot(cm, st, input_precision=DOT_PRECISION) * tl.exp(cs_m)[:, None]  # [BM, BP]
     k_end = tl.minimum(m0 + BLOCK_M, n)
     for k0 in range(0, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mk = offs_k < n
         tok_k = (start + offs_k).to(tl.int64)
-        bt = tl.load(B_ptr + tok_k[None, :] * s_b_t + g * s_b_g + offs_n[:, None] * s_b_n,
-                     mask=mk[None, :] & mn[:, None], other=0.0)                              # [BN, BK]
-        cb = tl.dot(cm, bt, input_precision=DOT_PRECISION)                                   # [BM, BK]
+        bt = tl.load(
+            B_ptr + tok_k[None, :] * s_b_t + g * s_b_g + offs_n[:, None] * s_b_n,
+            mask=mk[None, :] & mn[:, None],
+            other=0.0,
+        )  # [BN, BK]
+        cb = tl.dot(cm, bt, input_precision=DOT_PRECISION)  # [BM, BK]
         cs_k = tl.load(cs_base + offs_k, mask=mk, other=0.0)
         dt_k = tl.load(dt_ptr + tok_k * s_dt_t + h * s_dt_h, mask=mk, other=0.0).to(tl.float32)
         causal = (offs_k[None, :] <= offs_m[:, None]) & mk[None, :]
         seg = tl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf"))
         cb = cb * tl.exp(seg) * dt_k[None, :]
-        xk = tl.load(x_ptr + tok_k[:, None] * s_x_t + h * s_x_h + offs_p[None, :] * s_x_p,
-                     mask=mk[:, None] & mp[None, :], other=0.0)                              # [BK, BP]
+        xk = tl.load(
+            x_ptr + tok_k[:, None] * s_x_t + h * s_x_h + offs_p[None, :] * s_x_p,
+            mask=mk[:, None] & mp[None, :],
+            other=0.0,
+        )  # [BK, BP]
         acc += tl.dot(cb.to(xk.dtype), xk, input_precision=DOT_PRECISION)
-    xm = tl.load(x_ptr + tok_m[:, None] * s_x_t + h * s_x_h + offs_p[None, :] * s_x_p,
-                 mask=mm[:, None] & mp[None, :], other=0.0)
+    xm = tl.load(
+        x_ptr + tok_m[:, None] * s_x_t + h * s_x_h + offs_p[None, :] * s_x_p, mask=mm[:, None] & mp[None, :], other=0.0
+    )
     acc += tl.load(D_ptr + h).to(tl.float32) * xm.to(tl.float32)
     tl.store(y_ptr + tok_m[:, None] * s_y_t + h * s_y_h + offs_p[None, :], acc, mask=mm[:, None] & mp[None, :])
 
@@ -181,17 +282,24 @@ def _check_ssd_args(x, dt, A, B, C, D, initial_states, layout) -> None:
     if H % G:
         raise ValueError(f"heads {H} not divisible by groups {G} (x [T, H, P], B [T, G, N])")
     if layout.num_chunks.numel() != initial_states.shape[0]:
-        raise ValueError(f"initial_states has {initial_states.shape[0]} requests, layout has "
-                         f"{layout.num_chunks.numel()}")
+        raise ValueError(
+            f"initial_states has {initial_states.shape[0]} requests, layout has {layout.num_chunks.numel()}"
+        )
     if sum(layout.chunk_lens_host) != T:
         raise ValueError(f"layout covers {sum(layout.chunk_lens_host)} tokens, x has T={T}")
-    check_same_device(x=x, dt=dt, A=A, B=B, C=C, D=D, initial_states=initial_states,
-                      chunk_start=layout.chunk_start)
+    check_same_device(x=x, dt=dt, A=A, B=B, C=C, D=D, initial_states=initial_states, chunk_start=layout.chunk_start)
 
 
-def ssd_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-               D: torch.Tensor, initial_states: torch.Tensor, layout: ChunkLayout
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def ssd_varlen(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    initial_states: torch.Tensor,
+    layout: ChunkLayout,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunk-aligned varlen SSD (Triton).
 
     x [T, H, P] (rows may be strided), dt [T, H] fp32 (softplus'd, clamped), A [H] fp32 (negative),
@@ -201,9 +309,17 @@ def ssd_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
     return ssd_varlen_tiled(x, dt, A, B, C, D, initial_states, layout, SsdTiles())
 
 
-def ssd_varlen_tiled(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                     D: torch.Tensor, initial_states: torch.Tensor, layout: ChunkLayout, tiles: SsdTiles
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def ssd_varlen_tiled(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    initial_states: torch.Tensor,
+    layout: ChunkLayout,
+    tiles: SsdTiles,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`ssd_varlen` with explicit launch shapes (benchmarks compare tiles through this)."""
     _check_ssd_args(x, dt, A, B, C, D, initial_states, layout)
     T, H, P = x.shape
@@ -216,27 +332,95 @@ def ssd_varlen_tiled(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torc
     y = torch.empty(T, H, P, dtype=torch.float32, device=dev)
     if Nc == 0:
         return y, states
-    prev = torch.empty(Nc, H, P, N, dtype=x.dtype, device=dev)     # state entering each chunk, operand dtype
+    prev = torch.empty(Nc, H, P, N, dtype=x.dtype, device=dev)  # state entering each chunk, operand dtype
     prec = dot_precision(x.dtype)
     bl, bh = block_dim(chunk, 1), min(block_dim(H, 1), 16)
-    _chunk_cumsum_kernel[(Nc, triton.cdiv(H, bh))](dt, A, layout.chunk_start, layout.chunk_len, cs, H,
-                                                   dt.stride(0), dt.stride(1), CHUNK=chunk, BLOCK_L=bl, BLOCK_H=bh)
+    _chunk_cumsum_kernel[(Nc, triton.cdiv(H, bh))](
+        dt,
+        A,
+        layout.chunk_start,
+        layout.chunk_len,
+        cs,
+        H,
+        dt.stride(0),
+        dt.stride(1),
+        CHUNK=chunk,
+        BLOCK_L=bl,
+        BLOCK_H=bh,
+    )
     bp, bn = min(block_dim(P), 64), min(block_dim(N), 128)
     grid = (Nc, H, triton.cdiv(P, bp) * triton.cdiv(N, bn))
-    _chunk_state_kernel[grid](x, B, dt, cs, layout.chunk_start, layout.chunk_len, states, H, P, N, H // G,
-                              *x.stride(), *B.stride(), *dt.stride(),
-                              CHUNK=chunk, BLOCK_P=bp, BLOCK_N=bn, BLOCK_K=min(block_dim(chunk), tiles.state_block_k),
-                              DOT_PRECISION=prec, num_warps=4, num_stages=2)
+    _chunk_state_kernel[grid](
+        x,
+        B,
+        dt,
+        cs,
+        layout.chunk_start,
+        layout.chunk_len,
+        states,
+        H,
+        P,
+        N,
+        H // G,
+        *x.stride(),
+        *B.stride(),
+        *dt.stride(),
+        CHUNK=chunk,
+        BLOCK_P=bp,
+        BLOCK_N=bn,
+        BLOCK_K=min(block_dim(chunk), tiles.state_block_k),
+        DOT_PRECISION=prec,
+        num_warps=4,
+        num_stages=2,
+    )
     blk = min(block_dim(P * N), tiles.pass_block)
     _state_passing_kernel[(init.shape[0], H, triton.cdiv(P * N, blk))](
-        states, prev, init, cs, layout.first_chunk, layout.num_chunks, layout.chunk_len, H, P * N,
-        init.stride(0), init.stride(1), CHUNK=chunk, BLOCK=blk, num_warps=4 if blk >= 512 else 2)
+        states,
+        prev,
+        init,
+        cs,
+        layout.first_chunk,
+        layout.num_chunks,
+        layout.chunk_len,
+        H,
+        P * N,
+        init.stride(0),
+        init.stride(1),
+        CHUNK=chunk,
+        BLOCK=blk,
+        num_warps=4 if blk >= 512 else 2,
+    )
     bm = min(block_dim(chunk), tiles.scan_block_m)
     _chunk_scan_kernel[(Nc, H, triton.cdiv(chunk, bm))](
-        x, B, C, dt, cs, D, prev, layout.chunk_start, layout.chunk_len, y, H, P, N, H // G,
-        *x.stride(), *B.stride(), *C.stride(), *dt.stride(), y.stride(0), y.stride(1),
-        CHUNK=chunk, BLOCK_M=bm, BLOCK_K=min(bm, tiles.scan_block_k), BLOCK_P=block_dim(P), BLOCK_N=block_dim(N),
-        DOT_PRECISION=prec, num_warps=tiles.scan_warps, num_stages=2)
+        x,
+        B,
+        C,
+        dt,
+        cs,
+        D,
+        prev,
+        layout.chunk_start,
+        layout.chunk_len,
+        y,
+        H,
+        P,
+        N,
+        H // G,
+        *x.stride(),
+        *B.stride(),
+        *C.stride(),
+        *dt.stride(),
+        y.stride(0),
+        y.stride(1),
+        CHUNK=chunk,
+        BLOCK_M=bm,
+        BLOCK_K=min(bm, tiles.scan_block_k),
+        BLOCK_P=block_dim(P),
+        BLOCK_N=block_dim(N),
+        DOT_PRECISION=prec,
+        num_warps=tiles.scan_warps,
+        num_stages=2,
+    )
     return y, states
 
 
@@ -252,11 +436,43 @@ def _softplus(v):
 
 
 @triton.jit
-def _ssu_kernel(state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, new_ptr, slot_ptr, dt_bias_ptr,
-                dt_lo, dt_hi, H, P, N, heads_per_group, s_st_b, s_st_h, s_x_b, s_x_h, s_dt_b, s_dt_h,
-                s_b_b, s_b_g, s_c_b, s_c_g, s_y_b, s_y_h,
-                BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SLOTS: tl.constexpr, RAW_DT: tl.constexpr,
-                DT_CLAMP: tl.constexpr, PDL: tl.constexpr):
+def _ssu_kernel(
+    state_ptr,
+    x_ptr,
+    dt_ptr,
+    A_ptr,
+    B_ptr,
+    C_ptr,
+    D_ptr,
+    y_ptr,
+    new_ptr,
+    slot_ptr,
+    dt_bias_ptr,
+    dt_lo,
+    dt_hi,
+    H,
+    P,
+    N,
+    heads_per_group,
+    s_st_b,
+    s_st_h,
+    s_x_b,
+    s_x_h,
+    s_dt_b,
+    s_dt_h,
+    s_b_b,
+    s_b_g,
+    s_c_b,
+    s_c_g,
+    s_y_b,
+    s_y_h,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
+    RAW_DT: tl.constexpr,
+    DT_CLAMP: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """HAS_SLOTS: state rows are pool slots slot_ptr[b] and new_ptr is the pool itself (in place).
     RAW_DT: dt is in_proj's raw dt and A_ptr holds A_log: dt <- softplus(dt + dt_bias) (clamped to [dt_lo, dt_hi]
     if DT_CLAMP), A = -exp(A_log), all fp32."""
@@ -272,8 +488,8 @@ def _ssu_kernel(state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, y_ptr, new
     dst_ptr = new_ptr
     a = tl.load(A_ptr + h).to(tl.float32)
     d_skip = tl.load(D_ptr + h).to(tl.float32)
-    pdl_wait(PDL)                      # weights above, everything an earlier kernel writes below
-    if HAS_SLOTS:                      # one base pointer for the in-place read and write
+    pdl_wait(PDL)  # weights above, everything an earlier kernel writes below
+    if HAS_SLOTS:  # one base pointer for the in-place read and write
         row = tl.load(slot_ptr + b).to(tl.int64)
         dst_ptr = state_ptr
     st = tl.load(state_ptr + row * s_st_b + h * s_st_h + st_off, mask=m2, other=0.0)
@@ -303,8 +519,15 @@ def _check_ssu_args(x, dt, A, B, C, D) -> tuple[int, int, int, int, int]:
     return Bq, H, P, G, N
 
 
-def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
-                           B: torch.Tensor, C: torch.Tensor, D: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def selective_state_update(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step (Triton). state [Bq, H, P, N] fp32, x [Bq, H, P], dt [Bq, H] fp32, A [H],
     B/C [Bq, G, N] (unit stride in N), D [H]. Returns (y [Bq, H, P] fp32, new_state [Bq, H, P, N] fp32)."""
     Bq, H, P, G, N = _check_ssu_args(x, dt, A, B, C, D)
@@ -318,25 +541,74 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
         return y, new
     bp = min(block_dim(P, 1), 16)
     _ssu_kernel[(Bq, H, triton.cdiv(P, bp))](
-        state, x, dt, A, B, C, D, y, new, x, dt, 0.0, 0.0, H, P, N, H // G, state.stride(0), state.stride(1),
-        x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), B.stride(0), B.stride(1), C.stride(0), C.stride(1),
-        y.stride(0), y.stride(1), BLOCK_P=bp, BLOCK_N=block_dim(N, 1), HAS_SLOTS=False, RAW_DT=False, PDL=False,
-        DT_CLAMP=False, num_warps=4)
+        state,
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        y,
+        new,
+        x,
+        dt,
+        0.0,
+        0.0,
+        H,
+        P,
+        N,
+        H // G,
+        state.stride(0),
+        state.stride(1),
+        x.stride(0),
+        x.stride(1),
+        dt.stride(0),
+        dt.stride(1),
+        B.stride(0),
+        B.stride(1),
+        C.stride(0),
+        C.stride(1),
+        y.stride(0),
+        y.stride(1),
+        BLOCK_P=bp,
+        BLOCK_N=block_dim(N, 1),
+        HAS_SLOTS=False,
+        RAW_DT=False,
+        PDL=False,
+        DT_CLAMP=False,
+        num_warps=4,
+    )
     return y, new
 
 
-def selective_state_update_slots(ssm_pool: torch.Tensor, slot_ids: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
-                                 A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
+def selective_state_update_slots(
+    ssm_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+) -> torch.Tensor:
     """One decode step on the pool in place (Triton), see `ssd.selective_state_update_slots_ref`.
     ssm_pool [S, H, P, N] fp32 with unit-stride (P, N) rows, slot_ids [Bq] int64. Returns y [Bq, H, P] fp32."""
     _check_ssu_slots_args(ssm_pool, slot_ids, x, dt, A, B, C, D)
     return _launch_ssu_slots(ssm_pool, slot_ids, x, dt, A, B, C, D, None, None)
 
 
-def selective_state_update_slots_raw_dt(ssm_pool: torch.Tensor, slot_ids: torch.Tensor, x: torch.Tensor,
-                                        dt: torch.Tensor, A_log: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                                        D: torch.Tensor, dt_bias: torch.Tensor, dt_clamp: tuple[float, float]
-                                        ) -> torch.Tensor:
+def selective_state_update_slots_raw_dt(
+    ssm_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A_log: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    dt_clamp: tuple[float, float],
+) -> torch.Tensor:
     """One decode step on the pool in place from the raw parameters, in one launch (Triton), see
     `ssd.selective_state_update_slots_raw_dt_ref`: dt [Bq, H] raw (any float dtype, rows may be strided, e.g. a split
     of in_proj's output), A_log [H], dt_bias [H]; softplus(dt + dt_bias), the clamp and A = -exp(A_log) are computed
@@ -368,13 +640,45 @@ def _launch_ssu_slots(ssm_pool, slot_ids, x, dt, A, B, C, D, dt_bias, dt_clamp) 
         return y
     raw = dt_bias is not None
     lo, hi = dt_clamp if raw else (0.0, float("inf"))
-    clamp = raw and (lo > 0.0 or hi != float("inf"))          # exactly when `ssd.dt_softplus_clamp` clamps
-    hi = min(float(hi), torch.finfo(torch.float32).max)       # a finite scalar argument; same clamp on finite dt
+    clamp = raw and (lo > 0.0 or hi != float("inf"))  # exactly when `ssd.dt_softplus_clamp` clamps
+    hi = min(float(hi), torch.finfo(torch.float32).max)  # a finite scalar argument; same clamp on finite dt
     bp = min(block_dim(P, 1), 16)
     _ssu_kernel[(Bq, H, triton.cdiv(P, bp))](
-        ssm_pool, x, dt, A, B, C, D, y, ssm_pool, slot_ids, dt_bias if raw else dt, float(lo), hi, H, P, N, H // G,
-        ssm_pool.stride(0), ssm_pool.stride(1), x.stride(0), x.stride(1), dt.stride(0), dt.stride(1),
-        B.stride(0), B.stride(1), C.stride(0), C.stride(1), y.stride(0), y.stride(1),
-        BLOCK_P=bp, BLOCK_N=block_dim(N, 1), HAS_SLOTS=True, RAW_DT=raw, DT_CLAMP=clamp,
-        num_warps=4, **pdl_args(x))
+        ssm_pool,
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        y,
+        ssm_pool,
+        slot_ids,
+        dt_bias if raw else dt,
+        float(lo),
+        hi,
+        H,
+        P,
+        N,
+        H // G,
+        ssm_pool.stride(0),
+        ssm_pool.stride(1),
+        x.stride(0),
+        x.stride(1),
+        dt.stride(0),
+        dt.stride(1),
+        B.stride(0),
+        B.stride(1),
+        C.stride(0),
+        C.stride(1),
+        y.stride(0),
+        y.stride(1),
+        BLOCK_P=bp,
+        BLOCK_N=block_dim(N, 1),
+        HAS_SLOTS=True,
+        RAW_DT=raw,
+        DT_CLAMP=clamp,
+        num_warps=4,
+        **pdl_args(x),
+    )
     return y

@@ -7,6 +7,7 @@ scatters k and v from their strided views. Checkpoints keep HF's `q_proj`/`k_pro
 `checkpoint_parts` tells the loader which segment of `qkv_proj` each fills.
 Under tp: query heads split; KV heads split too, or (tp > num_key_value_heads) the KV head of this rank's query
 heads replicated on the tp / num_key_value_heads ranks that hold them; `o_proj` row-parallel, one all-reduce."""
+
 from __future__ import annotations
 
 import torch
@@ -24,7 +25,7 @@ class Attention(nn.Module):
         super().__init__()
         self.parallel = parallel
         self.hq, self.hkv, self.dh = shapes.attention_heads, shapes.kv_heads, cfg.head_dim
-        self.scale = self.dh ** -0.5
+        self.scale = self.dh**-0.5
         dh = self.dh
         q = Segment(cfg.num_attention_heads * dh, shapes.attention_head_start * dh, self.hq * dh)
         kv = Segment(cfg.num_key_value_heads * dh, shapes.kv_head_start * dh, self.hkv * dh)
@@ -34,23 +35,40 @@ class Attention(nn.Module):
     @staticmethod
     def checkpoint_parts() -> dict[str, tuple[str, int]]:
         """HF checkpoint tensor -> (our parameter, its segment), names relative to this module."""
-        return {"q_proj.weight": ("qkv_proj.weight", 0), "k_proj.weight": ("qkv_proj.weight", 1),
-                "v_proj.weight": ("qkv_proj.weight", 2)}
+        return {
+            "q_proj.weight": ("qkv_proj.weight", 0),
+            "k_proj.weight": ("qkv_proj.weight", 1),
+            "v_proj.weight": ("qkv_proj.weight", 2),
+        }
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """qkv [T, (Hq + 2*Hkv) * Dh] -> views q [T, Hq, Dh], k and v [T, Hkv, Dh] (row stride (Hq + 2*Hkv) * Dh);
         head counts are this rank's."""
         T = qkv.shape[0]
         q, kv = self.hq * self.dh, self.hkv * self.dh
-        return (qkv[:, :q].view(T, self.hq, self.dh), qkv[:, q:q + kv].view(T, self.hkv, self.dh),
-                qkv[:, q + kv:].view(T, self.hkv, self.dh))
+        return (
+            qkv[:, :q].view(T, self.hq, self.dh),
+            qkv[:, q : q + kv].view(T, self.hkv, self.dh),
+            qkv[:, q + kv :].view(T, self.hkv, self.dh),
+        )
 
-    def forward(self, h: torch.Tensor, meta: AttentionMeta, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                k: Kernels) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, meta: AttentionMeta, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Kernels
+    ) -> torch.Tensor:
         """h [T, hidden]; k_cache/v_cache [num_pages * page_size, Hkv, Dh] of this rank's KV heads (new K/V
         written in place). Returns [T, hidden], summed over the ranks."""
         q, key, value = self.split_qkv(project(k, self.qkv_proj, h))
         k.write_kv(k_cache, v_cache, key, value, meta.kv_slot_mapping)
-        o = k.paged_attention(q, k_cache, v_cache, meta.page_table, meta.query_start_loc, meta.prefix_lens,
-                              meta.max_query_len, meta.max_seq_len, meta.page_size, self.scale)
+        o = k.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.page_table,
+            meta.query_start_loc,
+            meta.prefix_lens,
+            meta.max_query_len,
+            meta.max_seq_len,
+            meta.page_size,
+            self.scale,
+        )
         return self.parallel.all_reduce(project(k, self.o_proj, o.reshape(h.shape[0], self.hq * self.dh)))

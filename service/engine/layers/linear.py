@@ -12,16 +12,16 @@ stacked experts). A parameter without a loader is replicated (`full_loader`).
 - `ReplicatedLinear`: whole weight on every rank; `partial_input` (a linear applied to each rank's partial sum,
   the latent MoE's fc2) keeps the bias on rank 0 only, as above.
 At tp 1 all of them are plain `nn.Linear`s holding the whole weight."""
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
 
 from service.engine.kernels import Kernels
-
 
 _FP8 = torch.float8_e4m3fn
 
@@ -39,8 +39,9 @@ def project(k: Kernels, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return k.linear(x, layer.weight, layer.bias)
 
 
-def add_norm_project(k: Kernels, layer: nn.Linear, out: torch.Tensor, residual: torch.Tensor,
-                     norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_norm_project(
+    k: Kernels, layer: nn.Linear, out: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(layer(RMSNorm(residual + out) * norm_weight), residual + out): `k.add_rms_norm_linear` (one launch at batch 1
     on the Triton bundle), or for an FP8 layer `k.add_rms_norm` then `k.fp8_linear`."""
     if layer.weight.dtype == _FP8:
@@ -49,8 +50,15 @@ def add_norm_project(k: Kernels, layer: nn.Linear, out: torch.Tensor, residual: 
     return k.add_rms_norm_linear(out, residual, norm_weight, eps, layer.weight, layer.bias)
 
 
-def gated_norm_project(k: Kernels, layer: nn.Linear, y: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor,
-                       group_size: int, eps: float) -> torch.Tensor:
+def gated_norm_project(
+    k: Kernels,
+    layer: nn.Linear,
+    y: torch.Tensor,
+    z: torch.Tensor,
+    norm_weight: torch.Tensor,
+    group_size: int,
+    eps: float,
+) -> torch.Tensor:
     """layer(gated group RMSNorm(y, z)): `k.gated_norm_linear`, or for an FP8 layer `k.gated_rms_norm` (to z's
     dtype) then `k.fp8_linear`."""
     if layer.weight.dtype == _FP8:
@@ -61,12 +69,13 @@ def gated_norm_project(k: Kernels, layer: nn.Linear, y: torch.Tensor, z: torch.T
 @dataclass(frozen=True)
 class Source:
     """One checkpoint tensor, not read yet."""
-    name: str                                          # its checkpoint name (error messages)
-    shape: tuple[int, ...]                             # its full shape
+
+    name: str  # its checkpoint name (error messages)
+    shape: tuple[int, ...]  # its full shape
     read: Callable[[tuple[slice, ...]], torch.Tensor]  # the part at one slice per dim (reads only that part)
 
     @classmethod
-    def of_tensor(cls, name: str, t: torch.Tensor) -> "Source":
+    def of_tensor(cls, name: str, t: torch.Tensor) -> Source:
         """An in-memory tensor as a source (tests, models built in memory)."""
         return cls(name, tuple(t.shape), lambda index: t[index])
 
@@ -80,12 +89,13 @@ WeightLoader = Callable[[torch.Tensor, Source, "int | None"], None]
 @dataclass(frozen=True)
 class Segment:
     """This rank's part of one segment of a split axis: rows [start, start + size) of the segment's `full` rows."""
+
     full: int
     start: int
     size: int
 
     @classmethod
-    def whole(cls, n: int) -> "Segment":
+    def whole(cls, n: int) -> Segment:
         return cls(n, 0, n)
 
 
@@ -105,8 +115,10 @@ def copy_into(dst: torch.Tensor, t: torch.Tensor, src: Source) -> None:
     if tuple(dst.shape) != tuple(t.shape):
         raise _mismatch(src, tuple(dst.shape))
     if (dst.dtype == _FP8) != (t.dtype == _FP8):
-        raise ValueError(f"tensor {src.name!r} is {t.dtype}, the model expects {dst.dtype} (from the checkpoint's "
-                         "quantization config: check quant_algo and exclude_modules)")
+        raise ValueError(
+            f"tensor {src.name!r} is {t.dtype}, the model expects {dst.dtype} (from the checkpoint's "
+            "quantization config: check quant_algo and exclude_modules)"
+        )
     dst.copy_(t.to(dtype=dst.dtype))
 
 
@@ -119,6 +131,7 @@ def full_loader(dst: torch.Tensor, src: Source, part: int | None) -> None:
 
 def segment_loader(dim: int, segments: tuple[Segment, ...]) -> WeightLoader:
     """Loader of a parameter split along `dim` into `segments` (this rank's rows of each, concatenated)."""
+
     def load(dst: torch.Tensor, src: Source, part: int | None) -> None:
         chosen = range(len(segments)) if part is None else (part,)
         expected = list(dst.shape)
@@ -133,11 +146,13 @@ def segment_loader(dim: int, segments: tuple[Segment, ...]) -> WeightLoader:
                 copy_into(dst.narrow(dim, dst_off, seg.size), src.read(tuple(index)), src)
                 src_off += seg.full
             dst_off += seg.size
+
     return load
 
 
 def rank0_loader(rank: int) -> WeightLoader:
     """A term added to a partial sum (row-parallel bias): rank 0 holds it, the other ranks hold zeros."""
+
     def load(dst: torch.Tensor, src: Source, part: int | None) -> None:
         if rank == 0:
             full_loader(dst, src, part)
@@ -145,6 +160,7 @@ def rank0_loader(rank: int) -> WeightLoader:
             raise _mismatch(src, tuple(dst.shape))
         else:
             dst.zero_()
+
     return load
 
 

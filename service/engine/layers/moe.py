@@ -4,6 +4,7 @@ MLP: up_proj column-parallel, down_proj row-parallel. MoE: the fp32 router on ev
 routed experts intermediate-split over the ranks (ep == 1) or spread whole, E / ep per rank, the picks of other
 ranks' experts given weight 0 (ep == tp); the latent projections (fc1/fc2_latent) replicated, fc2 applied to each
 rank's partial; the shared expert intermediate-split. Routed and shared partials are summed, then ONE all-reduce."""
+
 from __future__ import annotations
 
 import torch
@@ -12,8 +13,17 @@ from torch import nn
 from service.engine.config import ModelConfig
 from service.engine.distributed.parallel import ParallelContext, RankShapes
 from service.engine.kernels import Kernels
-from service.engine.layers.linear import (ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, Segment, Source,
-                                          copy_into, is_fp8_linear, project, set_loader)
+from service.engine.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    Segment,
+    Source,
+    copy_into,
+    is_fp8_linear,
+    project,
+    set_loader,
+)
 
 
 class MLP(nn.Module):
@@ -35,8 +45,9 @@ class Router(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32),
-                                                    requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(cfg.n_routed_experts, dtype=torch.float32), requires_grad=False
+        )
 
 
 def expert_loader(shapes: RankShapes, split_dim: int):
@@ -57,6 +68,7 @@ def expert_loader(shapes: RankShapes, split_dim: int):
             copy_into(dst, src.read((slice(e0, e0 + n), *index[1:])), src)
         elif e0 <= part < e0 + n:
             copy_into(dst[part - e0], src.read(tuple(index[1:])), src)
+
     return load
 
 
@@ -72,8 +84,9 @@ class Experts(nn.Module):
         set_loader(self.down_proj, expert_loader(shapes, 2))
 
 
-def local_picks(weights: torch.Tensor, ids: torch.Tensor, num_local: int, rank: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def local_picks(
+    weights: torch.Tensor, ids: torch.Tensor, num_local: int, rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing [T, k] over all experts -> the same over this rank's num_local experts (rank r holds experts
     [r * num_local, (r + 1) * num_local)), shapes kept so every op (and CUDA graph) stays static: a pick of another
     rank's expert becomes weight 0 on local expert 0. Those picks are still computed (the kernels have no skip), all
@@ -89,29 +102,49 @@ class MoE(nn.Module):
         self.cfg, self.shapes, self.parallel = cfg, shapes, parallel
         self.gate = Router(cfg)
         self.experts = Experts(cfg, shapes)
-        shared = Segment(cfg.moe_shared_expert_intermediate_size, parallel.rank * shapes.shared_intermediate,
-                         shapes.shared_intermediate)
+        shared = Segment(
+            cfg.moe_shared_expert_intermediate_size,
+            parallel.rank * shapes.shared_intermediate,
+            shapes.shared_intermediate,
+        )
         self.shared_experts = MLP(cfg.hidden_size, shared, cfg.mlp_bias, parallel, reduce=False)
         if cfg.moe_latent_size:
             self.fc1_latent_proj = ReplicatedLinear(cfg.hidden_size, cfg.moe_latent_size, cfg.mlp_bias, parallel.rank)
-            self.fc2_latent_proj = ReplicatedLinear(cfg.moe_latent_size, cfg.hidden_size, cfg.mlp_bias, parallel.rank,
-                                                    partial_input=True)
+            self.fc2_latent_proj = ReplicatedLinear(
+                cfg.moe_latent_size, cfg.hidden_size, cfg.mlp_bias, parallel.rank, partial_input=True
+            )
 
     def forward(self, h: torch.Tensor, k: Kernels) -> torch.Tensor:
         """h [T, hidden] -> [T, hidden] summed over the ranks. Without a latent projection and biases the shared
         expert goes into the routed-experts op (one fp32 sum, one rounding; the Triton bundle folds it into its
         batch-1/2 launches)."""
         c = self.cfg
-        weights, ids = k.moe_route(h, self.gate.weight, self.gate.e_score_correction_bias, c.num_experts_per_tok,
-                                   c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
+        weights, ids = k.moe_route(
+            h,
+            self.gate.weight,
+            self.gate.e_score_correction_bias,
+            c.num_experts_per_tok,
+            c.n_group,
+            c.topk_group,
+            c.norm_topk_prob,
+            c.routed_scaling_factor,
+        )
         if self.shapes.ep > 1:
             weights, ids = local_picks(weights, ids, self.shapes.experts, self.parallel.rank)
         if self.experts.up_proj.dtype == torch.float8_e4m3fn:
             return self.parallel.all_reduce(self._forward_fp8(h, weights, ids, k))
         if not c.moe_latent_size and not c.mlp_bias and not is_fp8_linear(self.shared_experts.up_proj):
-            return self.parallel.all_reduce(k.moe_experts(
-                h, self.experts.up_proj, self.experts.down_proj, weights, ids,
-                shared_up=self.shared_experts.up_proj.weight, shared_down=self.shared_experts.down_proj.weight))
+            return self.parallel.all_reduce(
+                k.moe_experts(
+                    h,
+                    self.experts.up_proj,
+                    self.experts.down_proj,
+                    weights,
+                    ids,
+                    shared_up=self.shared_experts.up_proj.weight,
+                    shared_down=self.shared_experts.down_proj.weight,
+                )
+            )
         x = project(k, self.fc1_latent_proj, h) if c.moe_latent_size else h
         routed = k.moe_experts(x, self.experts.up_proj, self.experts.down_proj, weights, ids)
         if c.moe_latent_size:
@@ -123,8 +156,17 @@ class MoE(nn.Module):
         shared expert and latent projections run as separate linears (each FP8 or not, as the checkpoint has them)."""
         e = self.experts
         x = project(k, self.fc1_latent_proj, h) if self.cfg.moe_latent_size else h
-        routed = k.fp8_moe_experts(x, e.up_proj, e.down_proj, e.up_proj_weight_scale, e.down_proj_weight_scale,
-                                   e.up_proj_input_scale, e.down_proj_input_scale, weights, ids)
+        routed = k.fp8_moe_experts(
+            x,
+            e.up_proj,
+            e.down_proj,
+            e.up_proj_weight_scale,
+            e.down_proj_weight_scale,
+            e.up_proj_input_scale,
+            e.down_proj_input_scale,
+            weights,
+            ids,
+        )
         if self.cfg.moe_latent_size:
             routed = project(k, self.fc2_latent_proj, routed)
         return routed + self.shared_experts(h, k)

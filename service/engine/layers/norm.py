@@ -1,4 +1,5 @@
 """Norm weights as modules (the math lives in kernels/norm.py)."""
+
 from __future__ import annotations
 
 import torch

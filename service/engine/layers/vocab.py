@@ -3,6 +3,7 @@ V_local = ceil(vocab_size / tp) (rows past vocab_size, on the last rank, are zer
 
 Embedding: each rank looks up the ids it holds (zeros for the others), then one all-reduce. lm_head: each rank's
 logits [R, V_local], all-gathered in rank order and cut to vocab_size. At tp 1 both are the plain ops."""
+
 from __future__ import annotations
 
 import torch
@@ -20,12 +21,14 @@ def vocab_loader(vocab_size: int, shapes: RankShapes):
 
     def load(dst: torch.Tensor, src: Source, part: int | None) -> None:
         if src.shape != (vocab_size, dst.shape[1]):
-            raise ValueError(f"tensor {src.name!r} has shape {src.shape}, the model expects "
-                             f"{(vocab_size, dst.shape[1])}")
+            raise ValueError(
+                f"tensor {src.name!r} has shape {src.shape}, the model expects {(vocab_size, dst.shape[1])}"
+            )
         n = max(0, min(vocab_size - v0, dst.shape[0]))
         if n:
             copy_into(dst[:n], src.read((slice(v0, v0 + n), slice(None))), src)
         dst[n:].zero_()
+
     return load
 
 
@@ -56,4 +59,4 @@ class ParallelLMHead(nn.Linear):
         local = project(k, self, x).float()
         if self.parallel.tp == 1:
             return local
-        return self.parallel.all_gather(local, dim=-1)[:, :self.vocab_size]
+        return self.parallel.all_gather(local, dim=-1)[:, : self.vocab_size]

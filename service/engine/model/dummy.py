@@ -12,6 +12,7 @@ router is fp32 normal(0, 1/sqrt(hidden)) with zero correction bias, norms are 1,
 uniform(+-1/sqrt(K)) (PyTorch's Conv1d default), A_log = log(uniform(1, 16)), D = 1 and dt_bias =
 softplus^-1(dt) for dt log-uniform in [1e-3, 1e-1] (as Mamba-2 initializes them), embeddings normal(0, 1).
 """
+
 from __future__ import annotations
 
 import math
@@ -22,9 +23,9 @@ from torch import nn
 
 from service.engine.model.quant import EXPERT_SCALES, FP8_DTYPE, FP8_MAX
 
-DUMMY_INPUT_RANGE = 32.0          # |activation| an FP8 linear's static input scale covers
-_WEIGHT_SIGMAS = 8.0              # |weight| / std an FP8 weight scale covers
-_SLICE_ELEMENTS = 1 << 26         # elements drawn per slice (256 MiB of fp32)
+DUMMY_INPUT_RANGE = 32.0  # |activation| an FP8 linear's static input scale covers
+_WEIGHT_SIGMAS = 8.0  # |weight| / std an FP8 weight scale covers
+_SLICE_ELEMENTS = 1 << 26  # elements drawn per slice (256 MiB of fp32)
 
 
 def _generator(device: torch.device, seed: int, name: str) -> torch.Generator:
@@ -39,7 +40,7 @@ def _fill_slices(p: torch.Tensor, draw, g: torch.Generator, scale: float = 1.0) 
     rows = max(1, _SLICE_ELEMENTS // max(1, p[0].numel())) if p.dim() else 1
     flat = p.view(1) if p.dim() == 0 else p
     for start in range(0, flat.shape[0], rows):
-        dst = flat[start:start + rows]
+        dst = flat[start : start + rows]
         values = draw(tuple(dst.shape), g)
         if p.dtype == FP8_DTYPE:
             values = values.div_(scale).clamp_(-FP8_MAX, FP8_MAX)
@@ -55,9 +56,8 @@ def _uniform(lo: float, hi: float, device: torch.device):
 
 
 def _dt_bias(shape: tuple[int, ...], g: torch.Generator, device: torch.device) -> torch.Tensor:
-    dt = torch.exp(torch.rand(shape, generator=g, device=device) * (math.log(1e-1) - math.log(1e-3))
-                   + math.log(1e-3))
-    return dt + torch.log(-torch.expm1(-dt))                                   # softplus^-1(dt)
+    dt = torch.exp(torch.rand(shape, generator=g, device=device) * (math.log(1e-1) - math.log(1e-3)) + math.log(1e-3))
+    return dt + torch.log(-torch.expm1(-dt))  # softplus^-1(dt)
 
 
 def _fp8_weight_scale(std: float) -> float:
@@ -74,8 +74,8 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
         g = _generator(p.device, seed, name)
         dev = p.device
         if leaf in ("weight_scale", "input_scale", "k_scale", "v_scale") or leaf in EXPERT_SCALES:
-            continue                                                           # set with their weights below
-        if leaf in ("up_proj", "down_proj") and owner_name.endswith("experts"):     # stacked experts [E, out, in]
+            continue  # set with their weights below
+        if leaf in ("up_proj", "down_proj") and owner_name.endswith("experts"):  # stacked experts [E, out, in]
             std = 1.0 / math.sqrt(p.shape[-1])
             scale = _fp8_weight_scale(std)
             _fill_slices(p, _normal(std, dev), g, scale)
@@ -95,7 +95,7 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
         elif owner_name.endswith("conv1d"):
             bound = 1.0 / math.sqrt(owner.kernel_size[0])
             _fill_slices(p, _uniform(-bound, bound, dev), g)
-        elif p.dim() == 2:                                                     # linears and the router
+        elif p.dim() == 2:  # linears and the router
             std = 1.0 / math.sqrt(p.shape[1])
             scale = _fp8_weight_scale(std)
             _fill_slices(p, _normal(std, dev), g, scale)
@@ -105,7 +105,6 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
         else:
             raise ValueError(f"dummy weights: no rule for parameter {name!r} of shape {tuple(p.shape)}")
     for module in modules.values():
-        if hasattr(module, "k_scale"):                                         # FP8 KV cache: unit scales
+        if hasattr(module, "k_scale"):  # FP8 KV cache: unit scales
             module.k_scale.data.fill_(1.0)
             module.v_scale.data.fill_(1.0)
-

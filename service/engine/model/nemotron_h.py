@@ -10,12 +10,14 @@ Under tensor parallelism (`ParallelContext`, docs/design.md: Tensor and expert p
 model from its `rank_shapes` view and runs the same forward on the same tokens: each mixer returns its output summed
 over the ranks (one all-reduce per layer), so the residual stream h is replicated; the embedding and lm_head are
 vocabulary-parallel and the logits are all-gathered, so every rank returns the full-vocabulary logits."""
+
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from service.engine.config import ATTENTION, MAMBA, MLP as MLP_T, MOE, ModelConfig
+from service.engine.config import ATTENTION, MAMBA, MOE, ModelConfig
+from service.engine.config import MLP as MLP_T
 from service.engine.distributed.parallel import ParallelContext, RankShapes, rank_shapes
 from service.engine.kernels import Kernels
 from service.engine.layers.attention import Attention
@@ -68,8 +70,16 @@ class NemotronHForCausalLM(nn.Module):
         self.mamba_pool_index = {lid: j for j, lid in enumerate(cfg.mamba_layer_ids)}
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, attn: AttentionMeta, mamba: MambaMeta, logits_indices: torch.Tensor,
-                kv_cache: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attn: AttentionMeta,
+        mamba: MambaMeta,
+        logits_indices: torch.Tensor,
+        kv_cache: torch.Tensor,
+        conv_pool: torch.Tensor,
+        ssm_pool: torch.Tensor,
+    ) -> torch.Tensor:
         """input_ids [T]; kv_cache [L_attn, 2, num_slots, Hkv, Dh]; conv_pool [L_mamba, S, conv_dim, K-1];
         ssm_pool [L_mamba, S, H, P, N] fp32 (Hkv, conv_dim, H: this rank's, `self.shapes`).
         Returns logits [len(logits_indices), vocab] fp32 (the full vocabulary on every rank).
@@ -83,22 +93,32 @@ class NemotronHForCausalLM(nn.Module):
         h = self.backbone.embeddings(input_ids)
         return self.kernels.rms_norm(h, self.backbone.layers[0].norm.weight, self.cfg.layer_norm_epsilon), h
 
-    def run_layers(self, x: torch.Tensor, h: torch.Tensor, start: int, end: int, attn: AttentionMeta,
-                   mamba: MambaMeta, kv_cache: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_layers(
+        self,
+        x: torch.Tensor,
+        h: torch.Tensor,
+        start: int,
+        end: int,
+        attn: AttentionMeta,
+        mamba: MambaMeta,
+        kv_cache: torch.Tensor,
+        conv_pool: torch.Tensor,
+        ssm_pool: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layers [start, end): x = RMSNorm(h) for layer `start` -> (x for layer `end` (norm_f after the last
         layer), h after layer end-1). Each residual add runs fused with the norm that follows it; before a Mamba
         layer other than layer `start`, both run inside the layer, fused with its in_proj (`forward_add_norm`)."""
         k, eps, layers = self.kernels, self.cfg.layer_norm_epsilon, self.backbone.layers
-        fused = False           # layer lid's input is (out, h): its residual add + norm are left to its in_proj
-        out = x                 # the previous layer's mixer output (read only when fused)
+        fused = False  # layer lid's input is (out, h): its residual add + norm are left to its in_proj
+        out = x  # the previous layer's mixer output (read only when fused)
         for lid in range(start, end):
             block = layers[lid]
             if block.layer_type == MAMBA:
                 j = self.mamba_pool_index[lid]
                 if fused:
-                    out, h = block.mixer.forward_add_norm(out, h, block.norm.weight, eps, mamba, conv_pool[j],
-                                                          ssm_pool[j], k)
+                    out, h = block.mixer.forward_add_norm(
+                        out, h, block.norm.weight, eps, mamba, conv_pool[j], ssm_pool[j], k
+                    )
                 else:
                     out = block.mixer(x, mamba, conv_pool[j], ssm_pool[j], k)
             elif block.layer_type == ATTENTION:

@@ -17,6 +17,7 @@ In our model a quantized linear is the same module with `weight` in float8_e4m3f
 scale; stacked experts hold `up_proj_weight_scale` [E] and `up_proj_input_scale` (a scalar after `finalize_fp8`:
 the largest over the experts), likewise for down_proj.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -32,18 +33,20 @@ from torch import nn
 from service.engine.layers.linear import Source, copy_into, get_loader, set_loader
 
 FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0                       # largest finite float8_e4m3fn
-SUPPORTED = ("unquantized checkpoints, or NVIDIA ModelOpt FP8 (quant_algo 'FP8': per-tensor float8_e4m3fn weights "
-             "with fp32 weight_scale and static input_scale; kv_cache_quant_algo 'FP8' or none)")
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+SUPPORTED = (
+    "unquantized checkpoints, or NVIDIA ModelOpt FP8 (quant_algo 'FP8': per-tensor float8_e4m3fn weights "
+    "with fp32 weight_scale and static input_scale; kv_cache_quant_algo 'FP8' or none)"
+)
 SCALE_SUFFIXES = ("weight_scale", "input_scale")
 EXPERT_SCALES = ("up_proj_weight_scale", "up_proj_input_scale", "down_proj_weight_scale", "down_proj_input_scale")
 
 
 @dataclass(frozen=True)
 class QuantConfig:
-    quant_algo: str | None             # None: unquantized; "FP8": ModelOpt per-tensor FP8 weights + input scales
-    kv_cache_quant_algo: str | None    # None, or "FP8": the checkpoint carries k_scale / v_scale for an FP8 KV cache
-    exclude_modules: tuple[str, ...]   # fnmatch patterns of checkpoint module names kept in the model dtype
+    quant_algo: str | None  # None: unquantized; "FP8": ModelOpt per-tensor FP8 weights + input scales
+    kv_cache_quant_algo: str | None  # None, or "FP8": the checkpoint carries k_scale / v_scale for an FP8 KV cache
+    exclude_modules: tuple[str, ...]  # fnmatch patterns of checkpoint module names kept in the model dtype
 
     @property
     def fp8(self) -> bool:
@@ -53,21 +56,26 @@ class QuantConfig:
         """Whether a module (checkpoint name, `backbone.` or `model.` prefix) or one of its parents is excluded."""
         parts = _canonical(module_name).split(".")
         names = {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
-        names |= {"model." + n[len("backbone."):] for n in names if n.startswith("backbone.")}
+        names |= {"model." + n[len("backbone.") :] for n in names if n.startswith("backbone.")}
         return any(fnmatch.fnmatchcase(n, p) for n in names for p in self.exclude_modules)
 
     def to_hf_quant_config(self) -> dict[str, Any]:
         """The hf_quant_config.json contents of this scheme (ModelOpt layout)."""
-        return {"producer": {"name": "modelopt", "version": "hybrid-serve"},
-                "quantization": {"quant_algo": self.quant_algo, "kv_cache_quant_algo": self.kv_cache_quant_algo,
-                                 "exclude_modules": list(self.exclude_modules)}}
+        return {
+            "producer": {"name": "modelopt", "version": "hybrid-serve"},
+            "quantization": {
+                "quant_algo": self.quant_algo,
+                "kv_cache_quant_algo": self.kv_cache_quant_algo,
+                "exclude_modules": list(self.exclude_modules),
+            },
+        }
 
 
 UNQUANTIZED = QuantConfig(None, None, ())
 
 
 def _canonical(name: str) -> str:
-    return "backbone." + name[len("model."):] if name.startswith("model.") else name
+    return "backbone." + name[len("model.") :] if name.startswith("model.") else name
 
 
 def parse_quant_config(raw: dict[str, Any] | None, source: str) -> QuantConfig:
@@ -125,17 +133,19 @@ def _scale_loader(dst: torch.Tensor, src: Source, part: int | None) -> None:
     fused linear's [parts] vector."""
     if math.prod(src.shape) != 1:
         raise ValueError(f"tensor {src.name!r} has shape {src.shape}, a per-tensor scale has one element")
-    copy_into(dst.view(-1)[part:part + 1] if part is not None else dst.view(1), src.read_all().reshape(1), src)
+    copy_into(dst.view(-1)[part : part + 1] if part is not None else dst.view(1), src.read_all().reshape(1), src)
 
 
 def _expert_scale_loader(expert_start: int, experts: int):
     """Per-expert scales [E_local] of the held experts: part j is expert j's scale (skipped when another rank holds
     it), part None the stacked [E] tensor."""
+
     def load(dst: torch.Tensor, src: Source, part: int | None) -> None:
         if part is None:
-            copy_into(dst, src.read_all().reshape(-1)[expert_start:expert_start + experts], src)
+            copy_into(dst, src.read_all().reshape(-1)[expert_start : expert_start + experts], src)
         elif expert_start <= part < expert_start + experts:
             _scale_loader(dst[part - expert_start], src, None)
+
     return load
 
 
@@ -160,7 +170,8 @@ def fused_parts(model: nn.Module) -> dict[str, list[str]]:
         if hasattr(holder, "checkpoint_parts"):
             for part_name, (param, part) in holder.checkpoint_parts().items():
                 out.setdefault(f"{prefix}.{param.rsplit('.', 1)[0]}", []).append(
-                    (part, f"{prefix}.{part_name.rsplit('.', 1)[0]}"))
+                    (part, f"{prefix}.{part_name.rsplit('.', 1)[0]}")
+                )
     return {name: [n for _, n in sorted(parts)] for name, parts in out.items()}
 
 
@@ -174,7 +185,7 @@ def apply_quantization(model: nn.Module, quant: QuantConfig) -> list[str]:
     shapes = getattr(model, "shapes", None)
     for name, module in list(model.named_modules()):
         leaf = name.rsplit(".", 1)[-1]
-        if quant.kv_cache_quant_algo == "FP8" and hasattr(module, "checkpoint_parts"):    # attention: KV scales
+        if quant.kv_cache_quant_algo == "FP8" and hasattr(module, "checkpoint_parts"):  # attention: KV scales
             module.k_scale, module.v_scale = _param((), _scale_loader), _param((), _scale_loader)
         if not quant.fp8 or name == "" or leaf in ("gate", "embeddings"):
             continue
@@ -191,8 +202,10 @@ def apply_quantization(model: nn.Module, quant: QuantConfig) -> list[str]:
             parts = fused.get(name, [name])
             excluded = {quant.excluded(p) for p in parts}
             if len(excluded) > 1:
-                raise ValueError(f"exclude_modules covers some of the fused projections {parts} and not the others; "
-                                 "quantize all of them or none")
+                raise ValueError(
+                    f"exclude_modules covers some of the fused projections {parts} and not the others; "
+                    "quantize all of them or none"
+                )
             if not excluded.pop():
                 dev = module.weight.device
                 module.weight = _fp8_like(module.weight)

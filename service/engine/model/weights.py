@@ -8,6 +8,7 @@ parameter. Every tensor goes through its parameter's `weight_loader` (layers/lin
 safetensors' `get_slice`, so a rank reads only the rows/columns it holds (and skips experts other ranks hold): no
 rank materialises the whole model. `mtp.*` tensors (MTP heads) are skipped for now. Missing or unexpected tensors
 raise one `ValueError` that lists them."""
+
 from __future__ import annotations
 
 import json
@@ -23,14 +24,16 @@ from service.engine.distributed.parallel import ParallelContext
 from service.engine.layers.linear import Source, get_loader
 from service.engine.model.quant import scale_parts
 
-_EXPERT = re.compile(r"^(backbone\.layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.(weight|weight_scale|input_scale)$")
+_EXPERT = re.compile(
+    r"^(backbone\.layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.(weight|weight_scale|input_scale)$"
+)
 _STACKED = re.compile(r"experts\.(up_proj|down_proj)(?:_(weight_scale|input_scale))?$")
 
 
 @dataclass(frozen=True)
 class LoadStats:
-    tensors: int          # checkpoint tensors this rank read from (all or part)
-    elements_read: int    # tensor elements this rank read (its slices)
+    tensors: int  # checkpoint tensors this rank read from (all or part)
+    elements_read: int  # tensor elements this rank read (its slices)
 
 
 def checkpoint_files(model_path: str) -> list[str]:
@@ -47,7 +50,7 @@ def checkpoint_files(model_path: str) -> list[str]:
 
 def _canonical(name: str) -> str:
     if name.startswith("model."):
-        return "backbone." + name[len("model."):]
+        return "backbone." + name[len("model.") :]
     return name
 
 
@@ -60,11 +63,13 @@ class _Counter:
             t = read(index)
             self.elements += t.numel()
             return t
+
         return Source(name, shape, counted)
 
 
-def load_weights(model: nn.Module, model_path: str, tie_word_embeddings: bool = False,
-                 parallel: ParallelContext | None = None) -> LoadStats:
+def load_weights(
+    model: nn.Module, model_path: str, tie_word_embeddings: bool = False, parallel: ParallelContext | None = None
+) -> LoadStats:
     """Copies this rank's slice of every checkpoint tensor into `model` (casting to the parameter's dtype/device).
     parallel: the context `model` was built with (checked; None: the model's)."""
     _check_parallel(model, parallel)
@@ -75,9 +80,11 @@ def _checkpoint_tensors(model_path: str):
     """Per file: [(raw name, opener)] where opener() -> (shape, read(index)); the file stays open meanwhile."""
     for path in checkpoint_files(model_path):
         with safe_open(path, framework="pt") as f:
+
             def opener(raw: str):
                 sl = f.get_slice(raw)
                 return tuple(sl.get_shape()), lambda index: sl[index]
+
             yield [(raw, lambda raw=raw: opener(raw)) for raw in f.keys()]
 
 
@@ -85,7 +92,7 @@ def _load(model: nn.Module, files, model_path: str, tie_word_embeddings: bool) -
     """files: per checkpoint file, its (name, opener) pairs (`_checkpoint_tensors`); each tensor goes to its
     parameter's loader, which reads only this rank's part."""
     parts = _checkpoint_parts(model)
-    part_targets = {param_name for param_name, _, _ in parts.values()}   # loaded only through their parts
+    part_targets = {param_name for param_name, _, _ in parts.values()}  # loaded only through their parts
     params = {name: p for name, p in model.named_parameters() if name not in part_targets}
     expected = _expected_names(params, part_targets) | set(parts)
     if tie_word_embeddings:
@@ -108,9 +115,11 @@ def _load(model: nn.Module, files, model_path: str, tie_word_embeddings: bool) -
             seen.update(_names_covered(name, part, target, model))
     missing = sorted(expected - seen)
     if missing or unexpected:
-        raise ValueError(f"checkpoint {model_path!r} does not match the model: "
-                         f"missing tensors {missing[:50]}{' ...' if len(missing) > 50 else ''}; "
-                         f"unexpected tensors {sorted(unexpected)[:50]}")
+        raise ValueError(
+            f"checkpoint {model_path!r} does not match the model: "
+            f"missing tensors {missing[:50]}{' ...' if len(missing) > 50 else ''}; "
+            f"unexpected tensors {sorted(unexpected)[:50]}"
+        )
     if tie_word_embeddings:
         model.lm_head.weight = model.backbone.embeddings.weight
     return LoadStats(counter.tensors, counter.elements)
@@ -119,8 +128,10 @@ def _load(model: nn.Module, files, model_path: str, tie_word_embeddings: bool) -
 def _check_parallel(model: nn.Module, parallel: ParallelContext | None) -> None:
     mine = getattr(model, "parallel", ParallelContext())
     if parallel is not None and (parallel.tp, parallel.ep, parallel.rank) != (mine.tp, mine.ep, mine.rank):
-        raise ValueError(f"load_weights for tp={parallel.tp}, ep={parallel.ep}, rank={parallel.rank}, but the model "
-                         f"was built for tp={mine.tp}, ep={mine.ep}, rank={mine.rank}")
+        raise ValueError(
+            f"load_weights for tp={parallel.tp}, ep={parallel.ep}, rank={parallel.rank}, but the model "
+            f"was built for tp={mine.tp}, ep={mine.ep}, rank={mine.rank}"
+        )
 
 
 def _checkpoint_parts(model: nn.Module) -> dict[str, tuple[str, nn.Parameter, int]]:
@@ -129,9 +140,12 @@ def _checkpoint_parts(model: nn.Module) -> dict[str, tuple[str, nn.Parameter, in
     for prefix, module in model.named_modules():
         if hasattr(module, "checkpoint_parts"):
             for name, (param, part) in module.checkpoint_parts().items():
-                parts[f"{prefix}.{name}" if prefix else name] = (f"{prefix}.{param}" if prefix else param,
-                                                                 module.get_parameter(param), part)
-    parts.update(scale_parts(model))          # FP8: the fused linears' part scales, attention's k/v scales
+                parts[f"{prefix}.{name}" if prefix else name] = (
+                    f"{prefix}.{param}" if prefix else param,
+                    module.get_parameter(param),
+                    part,
+                )
+    parts.update(scale_parts(model))  # FP8: the fused linears' part scales, attention's k/v scales
     return parts
 
 
@@ -150,15 +164,16 @@ def _num_experts(stacked_name: str, params: dict[str, nn.Parameter]) -> int:
     return params[stacked_name.rsplit(".experts.", 1)[0] + ".gate.weight"].shape[0]
 
 
-def _resolve(name: str, params: dict[str, nn.Parameter], parts: dict[str, tuple[str, nn.Parameter, int]]
-             ) -> tuple[nn.Parameter | None, int | None]:
+def _resolve(
+    name: str, params: dict[str, nn.Parameter], parts: dict[str, tuple[str, nn.Parameter, int]]
+) -> tuple[nn.Parameter | None, int | None]:
     """The parameter a checkpoint tensor goes to, and which part of it (None: all of it)."""
     if name in parts:
         _, param, part = parts[name]
         return param, part
     m = _EXPERT.match(name)
     if m:
-        suffix = "" if m.group(4) == "weight" else "_" + m.group(4)       # FP8 scales: ...experts.up_proj_weight_scale
+        suffix = "" if m.group(4) == "weight" else "_" + m.group(4)  # FP8 scales: ...experts.up_proj_weight_scale
         return params.get(f"{m.group(1)}.{m.group(3)}{suffix}"), int(m.group(2))
     return params.get(name), None
 
@@ -171,12 +186,12 @@ def _per_expert_names(stacked_name: str, num_experts: int) -> list[str]:
     """`...experts.up_proj` -> the checkpoint's `...experts.{j}.up_proj.weight` names (FP8 scale stacks
     `...experts.up_proj_weight_scale` -> `...experts.{j}.up_proj.weight_scale`)."""
     m = _STACKED.search(stacked_name)
-    base = stacked_name[:m.start()] + "experts"
+    base = stacked_name[: m.start()] + "experts"
     return [f"{base}.{j}.{m.group(1)}.{m.group(2) or 'weight'}" for j in range(num_experts)]
 
 
 def _names_covered(name: str, part: int | None, target: nn.Parameter, model: nn.Module) -> list[str]:
-    if part is None and _is_stacked_experts(name):   # stacked form in the checkpoint
+    if part is None and _is_stacked_experts(name):  # stacked form in the checkpoint
         router = model.get_parameter(name.rsplit(".experts.", 1)[0] + ".gate.weight")
         return _per_expert_names(name, router.shape[0])
     return [name]

@@ -1,4 +1,5 @@
 """ForwardBatch: the flat tensors of one step, built from its StepPlan without per-token loops."""
+
 from __future__ import annotations
 
 import itertools
@@ -7,24 +8,25 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from service.engine.distributed.step import StepPlan
 from service.engine.kernels.ssd import build_chunk_layout, snapshot_chunk_indices
 from service.engine.layers.meta import AttentionMeta, MambaMeta, SnapshotPlan
-from service.engine.distributed.step import StepPlan
 
 
 @dataclass(frozen=True)
 class ForwardBatch:
-    input_ids: torch.Tensor        # [T] int64 token ids of all the plan's tokens, request-major
+    input_ids: torch.Tensor  # [T] int64 token ids of all the plan's tokens, request-major
     attn: AttentionMeta
     mamba: MambaMeta
-    logits_indices: torch.Tensor   # [R] int64 flat index of the last token of each sampling request
-    sample_rows: tuple[int, ...]   # R batch indices (into plan.rows) whose next token is sampled
+    logits_indices: torch.Tensor  # [R] int64 flat index of the last token of each sampling request
+    sample_rows: tuple[int, ...]  # R batch indices (into plan.rows) whose next token is sampled
 
 
 def scheduled_token_ids(plan: StepPlan) -> np.ndarray:
     """[T] int64 token ids of all of the plan's tokens, request-major (its rows' token_ids in batch order)."""
-    return np.fromiter(itertools.chain.from_iterable(r.token_ids for r in plan.rows), dtype=np.int64,
-                       count=plan.num_tokens)
+    return np.fromiter(
+        itertools.chain.from_iterable(r.token_ids for r in plan.rows), dtype=np.int64, count=plan.num_tokens
+    )
 
 
 def to_device_async(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -36,8 +38,9 @@ def to_device_async(values: list, dtype: torch.dtype, device: torch.device) -> t
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def build_forward_batch(plan: StepPlan, page_size: int, chunk_size: int, device: torch.device,
-                        input_ids: torch.Tensor | None = None) -> ForwardBatch:
+def build_forward_batch(
+    plan: StepPlan, page_size: int, chunk_size: int, device: torch.device, input_ids: torch.Tensor | None = None
+) -> ForwardBatch:
     """input_ids: [T] int64 on the device, the step's tokens when they are not on the host yet (None: the rows'
     token_ids)."""
     reqs = plan.rows
@@ -52,22 +55,28 @@ def build_forward_batch(plan: StepPlan, page_size: int, chunk_size: int, device:
     max_pages = max(len(s.page_ids) for s in reqs)
     page_table = np.zeros((B, max_pages), dtype=np.int64)
     for i, s in enumerate(reqs):
-        page_table[i, :len(s.page_ids)] = s.page_ids
+        page_table[i, : len(s.page_ids)] = s.page_ids
     slot_mapping = page_table[token_req, positions // page_size] * page_size + positions % page_size
     sample_rows = tuple(i for i, s in enumerate(reqs) if s.sample)
     logits_idx = qsl[1:][list(sample_rows)] - 1
 
     def dev(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
     qsl_dev = dev(qsl)
-    attn = AttentionMeta(dev(slot_mapping), dev(page_table), qsl_dev, dev(plens), int(qlens.max()),
-                         int((plens + qlens).max()), page_size)
+    attn = AttentionMeta(
+        dev(slot_mapping), dev(page_table), qsl_dev, dev(plens), int(qlens.max()), int((plens + qlens).max()), page_size
+    )
     decode_only = bool((qlens == 1).all())
     layout = None if decode_only else build_chunk_layout(qlens.tolist(), plens.tolist(), chunk_size, device)
     mamba = MambaMeta(
         slot_ids=dev(np.array([s.live_slot for s in reqs], dtype=np.int64)),
-        query_start_loc=qsl_dev, token_req=dev(token_req), decode_only=decode_only, layout=layout,
-        snapshots=_snapshot_plan(plan, layout, device))
+        query_start_loc=qsl_dev,
+        token_req=dev(token_req),
+        decode_only=decode_only,
+        layout=layout,
+        snapshots=_snapshot_plan(plan, layout, device),
+    )
     ids = dev(scheduled_token_ids(plan)) if input_ids is None else input_ids
     return ForwardBatch(ids, attn, mamba, dev(logits_idx), sample_rows)
 
@@ -81,9 +90,13 @@ def _snapshot_plan(plan: StepPlan, layout, device: torch.device) -> SnapshotPlan
             num_new.append(pt.position - s.prefix_len)
             positions.append(pt.position)
             dests.append(pt.slot_id)
-    chunk_idx = snapshot_chunk_indices(layout, req_idx, positions, plens) if (layout is not None and req_idx) \
+    chunk_idx = (
+        snapshot_chunk_indices(layout, req_idx, positions, plens)
+        if (layout is not None and req_idx)
         else [0] * len(req_idx)
+    )
 
     def t(x: list[int]) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.int64, device=device)
+
     return SnapshotPlan(t(req_idx), t(num_new), t(chunk_idx), t(dests))

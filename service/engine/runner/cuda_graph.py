@@ -10,6 +10,7 @@ The attention split plan of a captured step is sized from the page table's width
 max_pages * page_size), not from the step's lengths, so one graph serves every context length up to
 max_model_len.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -24,7 +25,7 @@ from service.engine.runner.batch import scheduled_token_ids
 from service.engine.runner.state_tensors import StateTensors
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-_FIELDS = 4     # rows of the small static buffer: input ids, slot ids, kv slot mapping, prefix lens
+_FIELDS = 4  # rows of the small static buffer: input ids, slot ids, kv slot mapping, prefix lens
 
 
 def graph_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -56,8 +57,15 @@ def is_graphable(plan: StepPlan, max_batch: int, max_pages: int) -> bool:
 class DecodeGraphs:
     """Captured decode forwards per bucket; `run(plan)` -> logits [B, vocab] fp32 (a view valid until next run)."""
 
-    def __init__(self, model: NemotronHForCausalLM, pools: StateTensors, page_size: int, max_pages: int,
-                 max_num_seqs: int, device: torch.device):
+    def __init__(
+        self,
+        model: NemotronHForCausalLM,
+        pools: StateTensors,
+        page_size: int,
+        max_pages: int,
+        max_num_seqs: int,
+        device: torch.device,
+    ):
         self.model, self.pools, self.page_size, self.max_pages = model, pools, page_size, max_pages
         self.buckets = graph_buckets(max_num_seqs)
         nb = self.buckets[-1]
@@ -65,7 +73,7 @@ class DecodeGraphs:
         # static device inputs: small [_FIELDS, nb] (ids, slots, kv slots, prefix lens) and the page table
         self.small = torch.zeros(_FIELDS, nb, dtype=torch.int64, device=device)
         self.page_table = torch.zeros(nb, max_pages, dtype=torch.int64, device=device)
-        self.arange = torch.arange(nb + 1, dtype=torch.int64, device=device)   # query_start_loc, logits rows
+        self.arange = torch.arange(nb + 1, dtype=torch.int64, device=device)  # query_start_loc, logits rows
         # two pinned sets used in turn: a step's host-to-device copy may still be queued while the next step
         # (launched ahead by async scheduling) packs its inputs; the set is reused only after its step's results
         # were waited for, which is after its copies ran
@@ -74,9 +82,9 @@ class DecodeGraphs:
         empty = torch.zeros(0, dtype=torch.int64, device=device)
         self.no_snapshots = SnapshotPlan(empty, empty, empty, empty)
         self.segments = layer_segments(len(model.backbone.layers))
-        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}   # bucket -> one captured graph per segment
-        self.logits: dict[int, torch.Tensor] = {}             # bucket -> its static logits [bucket, vocab]
-        self.num_replays = 0                                  # decode steps served by a graph
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # bucket -> one captured graph per segment
+        self.logits: dict[int, torch.Tensor] = {}  # bucket -> its static logits [bucket, vocab]
+        self.num_replays = 0  # decode steps served by a graph
 
     @property
     def max_batch(self) -> int:
@@ -89,9 +97,10 @@ class DecodeGraphs:
     def _metas(self, b: int) -> tuple[torch.Tensor, AttentionMeta, MambaMeta]:
         """(input ids, attention and mamba metadata) of bucket b over the static buffers."""
         ids, slots, kv_slots, prefix = self.small[0, :b], self.small[1, :b], self.small[2, :b], self.small[3, :b]
-        qsl = self.arange[:b + 1]
-        attn = AttentionMeta(kv_slots, self.page_table[:b], qsl, prefix, 1, self.max_pages * self.page_size,
-                             self.page_size)
+        qsl = self.arange[: b + 1]
+        attn = AttentionMeta(
+            kv_slots, self.page_table[:b], qsl, prefix, 1, self.max_pages * self.page_size, self.page_size
+        )
         return ids, attn, MambaMeta(slots, qsl, self.arange[:b], True, None, self.no_snapshots)
 
     @torch.inference_mode()
@@ -130,7 +139,7 @@ class DecodeGraphs:
             for i in range(len(self.segments)):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=mem_pool, stream=stream):
-                    out = self._segment(b, i, *out)     # keeps the segment's outputs alive for the next one
+                    out = self._segment(b, i, *out)  # keeps the segment's outputs alive for the next one
                 graphs.append(graph)
             self.graphs[b], self.logits[b] = graphs, out
         torch.cuda.synchronize(self.device)
@@ -150,9 +159,9 @@ class DecodeGraphs:
         b = self.bucket_for(B)
         w = max(len(s.page_ids) for s in plan.rows)
         host_small, host_table = self.host_small[self.num_replays % 2], self.host_table[self.num_replays % 2]
-        table = host_table[:b * w].view(b, w)
+        table = host_table[: b * w].view(b, w)
         pack_decode_inputs(plan, self.page_size, host_small.numpy()[:, :b], table.numpy(), token_ids is None)
-        self.small.copy_(host_small, non_blocking=True)       # whole buffer: one contiguous pinned copy
+        self.small.copy_(host_small, non_blocking=True)  # whole buffer: one contiguous pinned copy
         self.page_table[:b, :w].copy_(table, non_blocking=True)
         if token_ids is not None:
             self.small[0, :B].copy_(token_ids)
@@ -160,8 +169,9 @@ class DecodeGraphs:
         return self.replay(b)[:B]
 
 
-def pack_decode_inputs(plan: StepPlan, page_size: int, small: np.ndarray, table: np.ndarray,
-                       with_ids: bool = True) -> None:
+def pack_decode_inputs(
+    plan: StepPlan, page_size: int, small: np.ndarray, table: np.ndarray, with_ids: bool = True
+) -> None:
     """Fills the host buffers of a decode-only step of B requests for a bucket of b >= B rows:
     small [_FIELDS, b] (token ids, live slots, KV slot of the new token, prefix lengths), table [b, w] page ids
     (w >= every request's page count). Rows past B (padding) are all zero: scratch slot 0, scratch page 0.
@@ -172,7 +182,8 @@ def pack_decode_inputs(plan: StepPlan, page_size: int, small: np.ndarray, table:
     lens = np.fromiter(map(len, pages), dtype=np.int64, count=B)
     table[:] = 0
     table[:B][np.arange(table.shape[1]) < lens[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(pages), dtype=np.int64, count=int(lens.sum()))
+        itertools.chain.from_iterable(pages), dtype=np.int64, count=int(lens.sum())
+    )
     prefix = np.fromiter((s.prefix_len for s in reqs), dtype=np.int64, count=B)
     small[:, B:] = 0
     if with_ids:

@@ -8,6 +8,7 @@ order, to max_num_seqs live Mamba slots (each running request holds one), to the
 cached prefixes; memory beyond that stays free, so small engines sharing a GPU, as the tests do, stay small). Too little memory for one request of max_model_len tokens -> ValueError with the numbers.
 `profile_activation_bytes` measures the activation peak on CUDA with one forward of max_num_batched_tokens.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,20 +17,32 @@ from dataclasses import asdict, dataclass
 import torch
 
 GiB = 1 << 30
-GRAPH_RESERVE_BYTES = 1 * GiB        # CUDA-graph private pools and cuBLAS workspaces, kept free for capture
-SNAPSHOT_SHARE = 0.25                # at most this share of the memory after live slots goes to snapshot slots
+GRAPH_RESERVE_BYTES = 1 * GiB  # CUDA-graph private pools and cuBLAS workspaces, kept free for capture
+SNAPSHOT_SHARE = 0.25  # at most this share of the memory after live slots goes to snapshot slots
 
 
 @dataclass(frozen=True)
 class StateBytes:
     """Bytes of one unit of each pool (this rank's shapes)."""
-    kv_page: int            # one KV page over all attention layers: L_attn * 2 * page_size * Hkv * Dh * elem
-    mamba_slot: int         # one Mamba slot over all Mamba layers: L_mamba * (conv_dim * (K-1) * elem + H*P*N * 4)
+
+    kv_page: int  # one KV page over all attention layers: L_attn * 2 * page_size * Hkv * Dh * elem
+    mamba_slot: int  # one Mamba slot over all Mamba layers: L_mamba * (conv_dim * (K-1) * elem + H*P*N * 4)
 
 
-def state_bytes(num_attn_layers: int, page_size: int, kv_heads: int, head_dim: int, kv_elem: int,
-                num_mamba_layers: int, conv_dim: int, conv_kernel: int, conv_elem: int, mamba_heads: int,
-                mamba_head_dim: int, state_size: int) -> StateBytes:
+def state_bytes(
+    num_attn_layers: int,
+    page_size: int,
+    kv_heads: int,
+    head_dim: int,
+    kv_elem: int,
+    num_mamba_layers: int,
+    conv_dim: int,
+    conv_kernel: int,
+    conv_elem: int,
+    mamba_heads: int,
+    mamba_head_dim: int,
+    state_size: int,
+) -> StateBytes:
     kv = num_attn_layers * 2 * page_size * kv_heads * head_dim * kv_elem
     slot = num_mamba_layers * (conv_dim * (conv_kernel - 1) * conv_elem + mamba_heads * mamba_head_dim * state_size * 4)
     return StateBytes(kv, slot)
@@ -38,35 +51,48 @@ def state_bytes(num_attn_layers: int, page_size: int, kv_heads: int, head_dim: i
 @dataclass(frozen=True)
 class MemoryPlan:
     """Where the GPU's memory goes (bytes) and the pool sizes that follow."""
-    total_bytes: int            # the device's memory
-    budget_bytes: int           # total * gpu_memory_utilization
-    weights_bytes: int          # model parameters
-    activation_bytes: int       # peak of the profiling forward above what was allocated before it
-    graph_bytes: int            # reserve for CUDA graphs (0 without them)
-    num_kv_pages: int           # usable pages (the pool adds the reserved page 0)
-    num_live_slots: int         # Mamba live slots (= max_num_seqs)
-    num_snapshot_slots: int     # Mamba snapshot slots of the prefix cache
-    kv_bytes: int               # num_kv_pages * bytes per page
+
+    total_bytes: int  # the device's memory
+    budget_bytes: int  # total * gpu_memory_utilization
+    weights_bytes: int  # model parameters
+    activation_bytes: int  # peak of the profiling forward above what was allocated before it
+    graph_bytes: int  # reserve for CUDA graphs (0 without them)
+    num_kv_pages: int  # usable pages (the pool adds the reserved page 0)
+    num_live_slots: int  # Mamba live slots (= max_num_seqs)
+    num_snapshot_slots: int  # Mamba snapshot slots of the prefix cache
+    kv_bytes: int  # num_kv_pages * bytes per page
     mamba_live_bytes: int
     mamba_snapshot_bytes: int
-    free_bytes: int             # budget left unplanned (< one page)
+    free_bytes: int  # budget left unplanned (< one page)
 
     def log_line(self) -> str:
-        g = lambda b: f"{b / GiB:.2f} GiB"   # noqa: E731
-        return (f"memory plan: budget {g(self.budget_bytes)} of {g(self.total_bytes)}: weights {g(self.weights_bytes)}"
-                f", activations {g(self.activation_bytes)}, KV {g(self.kv_bytes)} ({self.num_kv_pages} pages), "
-                f"Mamba live {g(self.mamba_live_bytes)} ({self.num_live_slots} slots), snapshots "
-                f"{g(self.mamba_snapshot_bytes)} ({self.num_snapshot_slots} slots), CUDA graphs "
-                f"{g(self.graph_bytes)}, free {g(self.free_bytes)}")
+        g = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731
+        return (
+            f"memory plan: budget {g(self.budget_bytes)} of {g(self.total_bytes)}: weights {g(self.weights_bytes)}"
+            f", activations {g(self.activation_bytes)}, KV {g(self.kv_bytes)} ({self.num_kv_pages} pages), "
+            f"Mamba live {g(self.mamba_live_bytes)} ({self.num_live_slots} slots), snapshots "
+            f"{g(self.mamba_snapshot_bytes)} ({self.num_snapshot_slots} slots), CUDA graphs "
+            f"{g(self.graph_bytes)}, free {g(self.free_bytes)}"
+        )
 
     def stats(self) -> dict[str, float]:
         """The plan as engine stats (`memory_plan_*` keys, bytes and counts)."""
         return {f"memory_plan_{k}": float(v) for k, v in asdict(self).items()}
 
 
-def plan_memory(total_bytes: int, utilization: float, weights_bytes: int, activation_bytes: int, graph_bytes: int,
-                sizes: StateBytes, max_num_seqs: int, max_model_len: int, page_size: int,
-                max_snapshots: int, max_pages: int) -> MemoryPlan:
+def plan_memory(
+    total_bytes: int,
+    utilization: float,
+    weights_bytes: int,
+    activation_bytes: int,
+    graph_bytes: int,
+    sizes: StateBytes,
+    max_num_seqs: int,
+    max_model_len: int,
+    page_size: int,
+    max_snapshots: int,
+    max_pages: int,
+) -> MemoryPlan:
     """The plan (see the module docstring). max_snapshots: snapshot slots wanted at most (0: no prefix cache);
     max_pages: KV pages that can be of use at most (`useful_pages`)."""
     budget = int(total_bytes * utilization)
@@ -81,7 +107,8 @@ def plan_memory(total_bytes: int, utilization: float, weights_bytes: int, activa
             f"{total_bytes / GiB:.2f} GiB) - weights {weights_bytes / GiB:.2f} GiB - activations "
             f"{activation_bytes / GiB:.2f} GiB - CUDA graphs {graph_bytes / GiB:.2f} GiB = {left / GiB:.2f} GiB, but "
             f"{max_num_seqs} Mamba live slots and one request of max_model_len {max_model_len} need {need / GiB:.2f} "
-            "GiB: raise gpu_memory_utilization, or lower max_num_seqs, max_model_len or max_num_batched_tokens")
+            "GiB: raise gpu_memory_utilization, or lower max_num_seqs, max_model_len or max_num_batched_tokens"
+        )
     after_live = left - live_bytes
     snaps = min(max_snapshots, int(after_live * SNAPSHOT_SHARE) // max(sizes.mamba_slot, 1))
     if sizes.mamba_slot == 0:
@@ -90,8 +117,20 @@ def plan_memory(total_bytes: int, utilization: float, weights_bytes: int, activa
     pages = (after_live - snap_bytes) // sizes.kv_page if sizes.kv_page else min_pages
     pages = min(pages, max(min_pages, max_pages))
     kv_bytes = pages * sizes.kv_page
-    return MemoryPlan(total_bytes, budget, weights_bytes, activation_bytes, graph_bytes, pages, live, snaps, kv_bytes,
-                      live_bytes, snap_bytes, after_live - snap_bytes - kv_bytes)
+    return MemoryPlan(
+        total_bytes,
+        budget,
+        weights_bytes,
+        activation_bytes,
+        graph_bytes,
+        pages,
+        live,
+        snaps,
+        kv_bytes,
+        live_bytes,
+        snap_bytes,
+        after_live - snap_bytes - kv_bytes,
+    )
 
 
 def useful_pages(max_num_seqs: int, max_model_len: int, page_size: int) -> int:
@@ -111,11 +150,25 @@ def profile_activation_bytes(model, model_cfg, cfg, max_model_len: int, new_pool
     from service.engine.distributed.step import StepPlan, StepRow
     from service.engine.request import SamplingParams
     from service.engine.runner.batch import build_forward_batch
+
     tokens = min(cfg.max_num_batched_tokens, max_model_len)
     num_pages = math.ceil(tokens / cfg.page_size)
     pools = new_pools(PoolSizes(num_pages + 1, 1, 0))
-    sched = StepPlan((StepRow("memory-profile", 0, tokens, 1, tuple(range(1, num_pages + 1)), (1,) * tokens, (),
-                              SamplingParams(max_tokens=1)),), slot_zeros=(1,))
+    sched = StepPlan(
+        (
+            StepRow(
+                "memory-profile",
+                0,
+                tokens,
+                1,
+                tuple(range(1, num_pages + 1)),
+                (1,) * tokens,
+                (),
+                SamplingParams(max_tokens=1),
+            ),
+        ),
+        slot_zeros=(1,),
+    )
     device = pools.kv.device
     batch = build_forward_batch(sched, cfg.page_size, model_cfg.chunk_size, device)
     rows = torch.arange(min(cfg.max_num_seqs, tokens), device=device)
@@ -132,16 +185,39 @@ def profile_activation_bytes(model, model_cfg, cfg, max_model_len: int, new_pool
 
 def plan_for(cfg, model_cfg, model, max_model_len: int, dtype: torch.dtype, new_pools) -> MemoryPlan:
     """The plan of this engine on its CUDA device: weights counted, activations profiled, pools sized."""
-    m, s = model_cfg, model.shapes          # this rank's heads and groups
+    m, s = model_cfg, model.shapes  # this rank's heads and groups
     elem = torch.tensor([], dtype=dtype).element_size()
-    sizes = state_bytes(len(m.attention_layer_ids), cfg.page_size, s.kv_heads, m.head_dim, elem,
-                        len(m.mamba_layer_ids), s.conv_dim, m.conv_kernel, elem, s.mamba_heads, m.mamba_head_dim,
-                        m.ssm_state_size)
+    sizes = state_bytes(
+        len(m.attention_layer_ids),
+        cfg.page_size,
+        s.kv_heads,
+        m.head_dim,
+        elem,
+        len(m.mamba_layer_ids),
+        s.conv_dim,
+        m.conv_kernel,
+        elem,
+        s.mamba_heads,
+        m.mamba_head_dim,
+        m.ssm_state_size,
+    )
     activations = profile_activation_bytes(model, model_cfg, cfg, max_model_len, new_pools)
     total = torch.cuda.mem_get_info(torch.device(cfg.device))[1]
-    snapshots = 0 if cfg.mamba_cache_strategy == "off" else (
-        cfg.max_mamba_snapshots if cfg.max_mamba_snapshots is not None else 2 * cfg.max_num_seqs)
-    return plan_memory(total, cfg.gpu_memory_utilization, weights_bytes(model), activations,
-                       GRAPH_RESERVE_BYTES if cfg.cuda_graphs else 0, sizes, cfg.num_mamba_slots or cfg.max_num_seqs,
-                       max_model_len, cfg.page_size, snapshots,
-                       useful_pages(cfg.max_num_seqs, max_model_len, cfg.page_size))
+    snapshots = (
+        0
+        if cfg.mamba_cache_strategy == "off"
+        else (cfg.max_mamba_snapshots if cfg.max_mamba_snapshots is not None else 2 * cfg.max_num_seqs)
+    )
+    return plan_memory(
+        total,
+        cfg.gpu_memory_utilization,
+        weights_bytes(model),
+        activations,
+        GRAPH_RESERVE_BYTES if cfg.cuda_graphs else 0,
+        sizes,
+        cfg.num_mamba_slots or cfg.max_num_seqs,
+        max_model_len,
+        cfg.page_size,
+        snapshots,
+        useful_pages(cfg.max_num_seqs, max_model_len, cfg.page_size),
+    )

@@ -1,5 +1,6 @@
 """One rank's worker: builds the model and this rank's state tensors and carries out the device work of each
 `StepPlan` (slot copies and zeros, the forward, snapshot copies, and on rank 0 sampling)."""
+
 from __future__ import annotations
 
 import logging
@@ -13,8 +14,8 @@ from service.engine.config import EngineConfig, ModelConfig
 from service.engine.distributed.parallel import ParallelContext, RankShapes
 from service.engine.distributed.step import LaunchLimits, SlotOps, StepPlan, StepRow, sub_plan
 from service.engine.kernels import get_kernels
-from service.engine.model.nemotron_h import NemotronHForCausalLM
 from service.engine.model import loader
+from service.engine.model.nemotron_h import NemotronHForCausalLM
 from service.engine.runner import memory_plan
 from service.engine.runner.batch import build_forward_batch, to_device_async
 from service.engine.runner.cuda_graph import DecodeGraphs, is_graphable
@@ -39,31 +40,48 @@ def default_pool_sizes(cfg: EngineConfig, max_model_len: int) -> PoolSizes:
     num_pages = cfg.num_kv_pages or max(2 * cfg.max_num_seqs * pages_per_seq, math.ceil(max_model_len / cfg.page_size))
     snapshots = cfg.max_mamba_snapshots if cfg.max_mamba_snapshots is not None else 2 * cfg.max_num_seqs
     live = cfg.num_mamba_slots or cfg.max_num_seqs
-    return PoolSizes(num_kv_pages=num_pages + 1, num_live_slots=live,
-                     num_snapshot_slots=snapshots if cfg.mamba_cache_strategy != "off" else 0)
+    return PoolSizes(
+        num_kv_pages=num_pages + 1,
+        num_live_slots=live,
+        num_snapshot_slots=snapshots if cfg.mamba_cache_strategy != "off" else 0,
+    )
 
 
-def build_model(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                parallel: ParallelContext = ParallelContext()) -> NemotronHForCausalLM:
+def build_model(
+    cfg: EngineConfig,
+    model_cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    parallel: ParallelContext = ParallelContext(),
+) -> NemotronHForCausalLM:
     """This rank's part of the model (the whole model at tp 1), weights read slice by slice."""
     kernels = get_kernels(cfg.resolved().kernel_backend)
     log.info("kernel backend: %s", kernels.name)
     return loader.build_model(cfg, model_cfg, kernels, dtype, device, parallel)
 
 
-
 def state_shapes(m: ModelConfig, s: RankShapes) -> StateShapes:
     """The state tensor sizes of one rank: its KV heads, conv channels (x, B, C of its heads and groups), heads."""
-    return StateShapes(len(m.attention_layer_ids), s.kv_heads, m.head_dim, len(m.mamba_layer_ids),
-                       s.conv_dim, m.conv_kernel, s.mamba_heads, m.mamba_head_dim, m.ssm_state_size)
+    return StateShapes(
+        len(m.attention_layer_ids),
+        s.kv_heads,
+        m.head_dim,
+        len(m.mamba_layer_ids),
+        s.conv_dim,
+        m.conv_kernel,
+        s.mamba_heads,
+        m.mamba_head_dim,
+        m.ssm_state_size,
+    )
 
 
 @dataclass(frozen=True)
 class InFlightStep:
     """A plain decode step that was launched and whose results are not read yet (async scheduling)."""
-    rows: dict[str, int]                    # request_id -> its row in the plan
-    token_ids: torch.Tensor                 # [B] int64 sampled tokens on the device (every rank): the next inputs
-    host: HostSample | None                 # rank 0: the sampled tokens (and logprobs) on their way to the host
+
+    rows: dict[str, int]  # request_id -> its row in the plan
+    token_ids: torch.Tensor  # [B] int64 sampled tokens on the device (every rank): the next inputs
+    host: HostSample | None  # rank 0: the sampled tokens (and logprobs) on their way to the host
 
     def result(self) -> SamplerOutput:
         """Waits for this step's results only (rank 0)."""
@@ -74,39 +92,52 @@ class ModelRunner:
     """The worker of one tensor-parallel rank. rank 0 samples; with tp > 1 it shares the sampled tokens of a
     launched step with the other ranks (they feed the next step's inputs on the device)."""
 
-    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, max_model_len: int,
-                 model: NemotronHForCausalLM | None = None, parallel: ParallelContext = ParallelContext()):
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        model_cfg: ModelConfig,
+        max_model_len: int,
+        model: NemotronHForCausalLM | None = None,
+        parallel: ParallelContext = ParallelContext(),
+    ):
         cfg = cfg.resolved()
         self.cfg, self.model_cfg = cfg, model_cfg
-        self.parallel = parallel                # this rank's place in the engine's tp group
+        self.parallel = parallel  # this rank's place in the engine's tp group
         self.rank = parallel.rank
         self.device = torch.device(cfg.device)
         self.dtype = resolve_dtype(cfg, model_cfg)
-        if model is not None:   # a prebuilt model runs the configured backend (a bundle of that backend with
-            if model.kernels.name != cfg.kernel_backend:        # some ops swapped, e.g. by a benchmark, is kept)
+        if model is not None:  # a prebuilt model runs the configured backend (a bundle of that backend with
+            if model.kernels.name != cfg.kernel_backend:  # some ops swapped, e.g. by a benchmark, is kept)
                 model.kernels = get_kernels(cfg.kernel_backend)
             log.info("kernel backend: %s", model.kernels.name)
         self.model = model if model is not None else build_model(cfg, model_cfg, self.dtype, self.device, parallel)
         # on CUDA without an explicit num_kv_pages the pools fill the memory left (memory_plan.py); else max_num_seqs
         self.memory_plan = None
         if self.device.type == "cuda" and cfg.num_kv_pages is None:
-            self.memory_plan = memory_plan.plan_for(cfg, model_cfg, self.model, max_model_len, self.dtype,
-                                                    self._new_pools)
+            self.memory_plan = memory_plan.plan_for(
+                cfg, model_cfg, self.model, max_model_len, self.dtype, self._new_pools
+            )
             log.info(self.memory_plan.log_line())
-        self.pool_sizes = (default_pool_sizes(cfg, max_model_len) if self.memory_plan is None else PoolSizes(
-            self.memory_plan.num_kv_pages + 1, self.memory_plan.num_live_slots, self.memory_plan.num_snapshot_slots))
+        self.pool_sizes = (
+            default_pool_sizes(cfg, max_model_len)
+            if self.memory_plan is None
+            else PoolSizes(
+                self.memory_plan.num_kv_pages + 1, self.memory_plan.num_live_slots, self.memory_plan.num_snapshot_slots
+            )
+        )
         self.pools = self._new_pools(self.pool_sizes)
         self.sampler = Sampler(self.device, cfg.seed) if self.rank == 0 else None
-        self.generators: dict[str, torch.Generator] = {}   # request_id -> seeded generator (rank 0)
+        self.generators: dict[str, torch.Generator] = {}  # request_id -> seeded generator (rank 0)
         self.graphs = self._capture_graphs(max_model_len)
         # split mixed steps: plain decode rows replayed from a graph, the rest eager (tests may set it on CPU)
         self.split_steps = self.graphs is not None
-        self.num_split_steps = 0     # steps run as a graph part plus an eager part
-        self._last: InFlightStep | None = None   # the last launched step: a carried plan's input tokens
+        self.num_split_steps = 0  # steps run as a graph part plus an eager part
+        self._last: InFlightStep | None = None  # the last launched step: a carried plan's input tokens
 
     def _new_pools(self, sizes: PoolSizes) -> StateTensors:
-        return StateTensors(sizes, self.cfg.page_size, state_shapes(self.model_cfg, self.model.shapes), self.dtype,
-                            self.device)
+        return StateTensors(
+            sizes, self.cfg.page_size, state_shapes(self.model_cfg, self.model.shapes), self.dtype, self.device
+        )
 
     @property
     def limits(self) -> LaunchLimits:
@@ -118,11 +149,21 @@ class ModelRunner:
         """Decode graphs only on CUDA with the triton kernels (the torch reference path reads the device)."""
         cfg = self.cfg
         if not (cfg.cuda_graphs and self.device.type == "cuda" and cfg.kernel_backend == "triton"):
-            log.info("cuda graphs: off (cuda_graphs=%s, device=%s, kernel_backend=%s)", cfg.cuda_graphs,
-                     self.device, cfg.kernel_backend)
+            log.info(
+                "cuda graphs: off (cuda_graphs=%s, device=%s, kernel_backend=%s)",
+                cfg.cuda_graphs,
+                self.device,
+                cfg.kernel_backend,
+            )
             return None
-        graphs = DecodeGraphs(self.model, self.pools, cfg.page_size, math.ceil(max_model_len / cfg.page_size) + 1,
-                              cfg.max_num_seqs, self.device)
+        graphs = DecodeGraphs(
+            self.model,
+            self.pools,
+            cfg.page_size,
+            math.ceil(max_model_len / cfg.page_size) + 1,
+            cfg.max_num_seqs,
+            self.device,
+        )
         graphs.capture()
         log.info("cuda graphs: captured decode buckets %s", graphs.buckets)
         return graphs
@@ -137,9 +178,11 @@ class ModelRunner:
         if not rows:
             return SamplerOutput([], None, None)
         out = self._sample([plan.rows[i] for i in rows], logits).to_host().result()
-        return SamplerOutput(restore_batch_order(out.token_ids, rows),
-                             None if out.logprobs is None else restore_batch_order(out.logprobs, rows),
-                             None if out.top_logprobs is None else restore_batch_order(out.top_logprobs, rows))
+        return SamplerOutput(
+            restore_batch_order(out.token_ids, rows),
+            None if out.logprobs is None else restore_batch_order(out.logprobs, rows),
+            None if out.top_logprobs is None else restore_batch_order(out.top_logprobs, rows),
+        )
 
     def launch(self, plan: StepPlan) -> InFlightStep:
         """Enqueues a plain decode step (`is_launchable(plan, self.limits)`): slot work, the forward, sampling and
@@ -235,13 +278,19 @@ class ModelRunner:
             return self.graphs.run(plan), tuple(range(len(plan.rows)))
         return self._eager(plan)
 
-    def _eager(self, plan: StepPlan, input_ids: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, tuple[int, ...]]:
+    def _eager(self, plan: StepPlan, input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[int, ...]]:
         """One eager forward of the step: logits [R, vocab] and the R sampled rows. input_ids: [T] on the device
         when the tokens are not on the host (None: the rows' token_ids)."""
         batch = build_forward_batch(plan, self.cfg.page_size, self.model_cfg.chunk_size, self.device, input_ids)
-        logits = self.model(batch.input_ids, batch.attn, batch.mamba, batch.logits_indices,
-                            self.pools.kv, self.pools.conv, self.pools.ssm)
+        logits = self.model(
+            batch.input_ids,
+            batch.attn,
+            batch.mamba,
+            batch.logits_indices,
+            self.pools.kv,
+            self.pools.conv,
+            self.pools.ssm,
+        )
         return logits, batch.sample_rows
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
@@ -252,4 +301,3 @@ class ModelRunner:
             g.manual_seed(seed)
             self.generators[request_id] = g
         return self.generators[request_id]
-

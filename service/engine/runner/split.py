@@ -5,6 +5,7 @@ layout depends on the prefill lengths), but its plain decode rows can: requests 
 own mamba slot), so running the decode rows through a captured graph and the rest through one eager forward, in
 the same step, computes the same thing as one mixed forward. Slot copies and zeroing happen before both.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,8 +15,8 @@ from service.engine.distributed.step import StepPlan, is_plain_decode
 
 @dataclass(frozen=True)
 class StepSplit:
-    graph_rows: tuple[int, ...]   # indices into plan.rows of plain decode rows (1 token, sampled, no snapshot)
-    eager_rows: tuple[int, ...]   # indices into plan.rows of every other row, in batch order
+    graph_rows: tuple[int, ...]  # indices into plan.rows of plain decode rows (1 token, sampled, no snapshot)
+    eager_rows: tuple[int, ...]  # indices into plan.rows of every other row, in batch order
 
 
 def split_step(plan: StepPlan, max_batch: int, max_pages: int) -> StepSplit:

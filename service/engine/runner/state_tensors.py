@@ -1,5 +1,6 @@
 """One rank's state tensors: the paged KV cache and the mamba conv/ssm slots, indexed by the ids the engine's
 allocators (cache/pools.py) hand out. Page 0 and slot 0 are scratch (padding targets)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,13 +13,14 @@ from service.engine.cache.pools import PoolSizes
 @dataclass(frozen=True)
 class StateShapes:
     """Per-rank sizes of one token's KV and one slot's mamba state (this rank's heads and groups)."""
+
     num_attn_layers: int
-    kv_heads: int           # KV heads held by this rank
+    kv_heads: int  # KV heads held by this rank
     head_dim: int
     num_mamba_layers: int
-    conv_dim: int           # conv channels held by this rank (x, B, C of its heads and groups)
-    conv_width: int         # conv kernel K (the state holds K-1 columns)
-    mamba_heads: int        # mamba heads held by this rank
+    conv_dim: int  # conv channels held by this rank (x, B, C of its heads and groups)
+    conv_width: int  # conv kernel K (the state holds K-1 columns)
+    mamba_heads: int  # mamba heads held by this rank
     mamba_head_dim: int
     state_size: int
 
@@ -27,15 +29,23 @@ class StateTensors:
     """kv [L_attn, 2, num_pages * page_size, Hkv, Dh]; conv [L_mamba, S, conv_dim, K-1]; ssm [L_mamba, S, H, P, N]
     fp32 (S = all mamba slots, scratch slot 0 included)."""
 
-    def __init__(self, sizes: PoolSizes, page_size: int, shapes: StateShapes, dtype: torch.dtype,
-                 device: torch.device):
+    def __init__(self, sizes: PoolSizes, page_size: int, shapes: StateShapes, dtype: torch.dtype, device: torch.device):
         s = shapes
-        self.kv = torch.zeros(s.num_attn_layers, 2, sizes.num_kv_pages * page_size, s.kv_heads, s.head_dim,
-                              dtype=dtype, device=device)
-        self.conv = torch.zeros(s.num_mamba_layers, sizes.num_slots, s.conv_dim, s.conv_width - 1, dtype=dtype,
-                                device=device)
-        self.ssm = torch.zeros(s.num_mamba_layers, sizes.num_slots, s.mamba_heads, s.mamba_head_dim, s.state_size,
-                               dtype=torch.float32, device=device)
+        self.kv = torch.zeros(
+            s.num_attn_layers, 2, sizes.num_kv_pages * page_size, s.kv_heads, s.head_dim, dtype=dtype, device=device
+        )
+        self.conv = torch.zeros(
+            s.num_mamba_layers, sizes.num_slots, s.conv_dim, s.conv_width - 1, dtype=dtype, device=device
+        )
+        self.ssm = torch.zeros(
+            s.num_mamba_layers,
+            sizes.num_slots,
+            s.mamba_heads,
+            s.mamba_head_dim,
+            s.state_size,
+            dtype=torch.float32,
+            device=device,
+        )
 
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
         """Copies conv + ssm state of every mamba layer from src slots to dst slots (all reads before writes)."""

@@ -1,11 +1,12 @@
 """Continuous batching with a per-step token budget, chunked prefill, prefill + decode mixed in one
 step, admission on both pools, and preemption by recompute when KV pages run out. Each step's decisions go out
 as a `StepPlan` (ids and tokens only) for the ranks; the look-ahead of async scheduling is decided here too."""
+
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from service.engine.cache.manager import CacheManager
 from service.engine.distributed.step import LaunchLimits, SnapshotPoint, StepPlan, StepRow, is_launchable
@@ -14,20 +15,21 @@ from service.engine.request import FinishReason, Request, RequestStatus
 
 @dataclass(frozen=True)
 class ScheduledRequest:
-    request: Request                          # the (mutable) request; read-only during the forward
-    prefix_len: int                           # p: tokens already in the request's state before this step
-    num_new_tokens: int                       # l: tokens fed this step
-    sample: bool                              # this chunk ends at the last known token: sample the next one
-    snapshots: tuple[SnapshotPoint, ...]      # states to snapshot during the forward
+    request: Request  # the (mutable) request; read-only during the forward
+    prefix_len: int  # p: tokens already in the request's state before this step
+    num_new_tokens: int  # l: tokens fed this step
+    sample: bool  # this chunk ends at the last known token: sample the next one
+    snapshots: tuple[SnapshotPoint, ...]  # states to snapshot during the forward
 
 
 @dataclass(frozen=True)
 class SchedulerOutput:
     """The engine's view of a step (live requests) and the ranks' view of it (`plan`, row i = scheduled[i])."""
-    scheduled: tuple[ScheduledRequest, ...]   # in batch order
-    plan: StepPlan                            # the message every rank runs
-    preempted: tuple[str, ...] = ()           # request ids preempted this step (will be recomputed)
-    finished: tuple[Request, ...] = ()        # finished by the scheduler: alone and the KV pool is full ("length")
+
+    scheduled: tuple[ScheduledRequest, ...]  # in batch order
+    plan: StepPlan  # the message every rank runs
+    preempted: tuple[str, ...] = ()  # request ids preempted this step (will be recomputed)
+    finished: tuple[Request, ...] = ()  # finished by the scheduler: alone and the KV pool is full ("length")
 
     @property
     def num_tokens(self) -> int:
@@ -42,37 +44,51 @@ def fed_tokens(req: Request, p: int, n: int) -> tuple[int, ...]:
     prompt, out = req.prompt_token_ids, req.output_token_ids
     lp = len(prompt)
     if p + n <= lp:
-        return tuple(prompt[p:p + n])
+        return tuple(prompt[p : p + n])
     if p >= lp:
-        return tuple(out[p - lp:p + n - lp])
-    return tuple(prompt[p:]) + tuple(out[:p + n - lp])
+        return tuple(out[p - lp : p + n - lp])
+    return tuple(prompt[p:]) + tuple(out[: p + n - lp])
 
 
 def step_row(s: ScheduledRequest, carried: bool = False) -> StepRow:
     """The plan row of a scheduled request: ids, positions and the tokens it feeds (none when carried)."""
     req, p, n = s.request, s.prefix_len, s.num_new_tokens
     tokens = () if carried else fed_tokens(req, p, n)
-    return StepRow(req.request_id, p, n, req.live_slot, tuple(req.page_ids), tokens, s.snapshots,
-                   req.params if s.sample else None)
+    return StepRow(
+        req.request_id, p, n, req.live_slot, tuple(req.page_ids), tokens, s.snapshots, req.params if s.sample else None
+    )
 
 
-def make_output(scheduled: tuple[ScheduledRequest, ...], copies=(), zeros=(), publish=(), preempted=(),
-                finished=(), carried: bool = False) -> SchedulerOutput:
+def make_output(
+    scheduled: tuple[ScheduledRequest, ...],
+    copies=(),
+    zeros=(),
+    publish=(),
+    preempted=(),
+    finished=(),
+    carried: bool = False,
+) -> SchedulerOutput:
     """A SchedulerOutput and its plan (copies: (src snapshot, dst live); zeros: live slots; publish: (live, snap))."""
-    plan = StepPlan(tuple(step_row(s, carried) for s in scheduled), tuple(copies), tuple(zeros), tuple(publish),
-                    carried)
+    plan = StepPlan(
+        tuple(step_row(s, carried) for s in scheduled), tuple(copies), tuple(zeros), tuple(publish), carried
+    )
     return SchedulerOutput(scheduled, plan, tuple(preempted), tuple(finished))
 
 
 class Scheduler:
-    def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 launch_limits: LaunchLimits | None = None):
+    def __init__(
+        self,
+        cache: CacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        launch_limits: LaunchLimits | None = None,
+    ):
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
-        self.launch_limits = launch_limits   # None: never launch ahead (async scheduling off)
-        self.waiting: deque[Request] = deque()   # FIFO; preempted requests go back to the front
-        self.running: list[Request] = []         # admission order
+        self.launch_limits = launch_limits  # None: never launch ahead (async scheduling off)
+        self.waiting: deque[Request] = deque()  # FIFO; preempted requests go back to the front
+        self.running: list[Request] = []  # admission order
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -115,8 +131,11 @@ class Scheduler:
     def may_launch(self, sched: SchedulerOutput) -> bool:
         """Whether sched can be launched without waiting for its tokens: a plain decode step the ranks can launch,
         and no row captures states (a capture reads the state right after the step)."""
-        return (self.launch_limits is not None and is_launchable(sched.plan, self.launch_limits)
-                and not any(s.request.capture_states for s in sched.scheduled))
+        return (
+            self.launch_limits is not None
+            and is_launchable(sched.plan, self.launch_limits)
+            and not any(s.request.capture_states for s in sched.scheduled)
+        )
 
     def lookahead(self, cur: SchedulerOutput, ends_next: Callable[[Request], bool]) -> SchedulerOutput | None:
         """The step after the in-flight `cur`, when it is certain without cur's tokens: nobody waits for a free
@@ -131,7 +150,7 @@ class Scheduler:
             req = s.request
             if req.finish_reason is not None or ends_next(req):
                 continue
-            p = s.prefix_len + 1           # cur feeds position s.prefix_len; the next step feeds the token after
+            p = s.prefix_len + 1  # cur feeds position s.prefix_len; the next step feeds the token after
             if self.cache.decode_snapshot_due(req, p) or not self.cache.grow(req, p + 1):
                 return None
             rows.append(ScheduledRequest(req, p, 1, True, ()))

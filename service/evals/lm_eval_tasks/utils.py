@@ -1,5 +1,6 @@
 """lm-evaluation-harness datasets for the hybrid_* tasks, generated locally (no download): the held-out split of
 service/evals/tasks.py, one single-turn question per document."""
+
 from __future__ import annotations
 
 from typing import Any
