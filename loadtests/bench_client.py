@@ -79,6 +79,19 @@ def _choice_text(choice: dict[str, Any]) -> str:
     return choice.get("text") or ""
 
 
+async def sse_lines(resp: httpx.Response):
+    """The response's lines split at CR/LF only, as Server-Sent Events define them (httpx's `aiter_lines` also
+    splits at U+2028, U+0085 and other Unicode line breaks, which JSON strings in an event may hold unescaped)."""
+    buf = b""
+    async for data in resp.aiter_bytes():
+        buf += data
+        *lines, buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+        for line in lines:
+            yield line.decode()
+    if buf:
+        yield buf.decode()
+
+
 async def stream_request(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> RequestResult:
     """One streamed `/completions` or `/chat/completions` request (`stream` and `include_usage` are set here),
     measured: every SSE event with a choice counts as a chunk."""
@@ -92,7 +105,7 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict[str, A
                 return RequestResult(
                     None, (), time.perf_counter() - start, 0, 0, 0, "", f"HTTP {resp.status_code}: {detail}"
                 )
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp):
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 event = json.loads(line[len("data: ") :])

@@ -51,3 +51,25 @@ def test_bench_client_runs_against_the_server(main_app, capsys, workload):
     assert rc == 0 and summary["num_errors"] == 0 and summary["num_requests"] == 6
     assert summary["ttft"]["p50"] > 0 and summary["e2e"]["p99"] >= summary["e2e"]["p50"]
     assert summary["cache_hit_ratio"] > 0, summary
+
+
+def test_sse_lines_split_only_at_cr_lf():
+    """A JSON string holding U+2028 / U+0085 stays inside its event line; CRLF, CR and a line cut across chunks
+    are handled."""
+    import asyncio
+
+    import httpx
+
+    from loadtests.bench_client import sse_lines
+
+    chunks = ['data: {"t": "a\u2028b\u0085c"}\r\n', "\r\ndata: [DO", "NE]\rlast"]
+
+    def handler(request):
+        return httpx.Response(200, stream=httpx.ByteStream(b"".join(c.encode() for c in chunks)))
+
+    async def read():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            async with client.stream("GET", "http://127.0.0.1/x") as resp:
+                return [line async for line in sse_lines(resp)]
+
+    assert asyncio.run(read()) == ['data: {"t": "a\u2028b\u0085c"}', "", "data: [DONE]", "last"]
