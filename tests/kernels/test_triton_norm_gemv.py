@@ -251,6 +251,7 @@ def tiny_dir(tmp_path_factory) -> str:
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny_norm_gemv")), seed=3)
 
 
+@pytest.mark.slow  # ~160 s in the interpreter for a fusion that is off by default; the kernel tests above run by default
 def test_engine_batch1_fusion_leaves_tokens_and_logprobs_unchanged(tiny_dir, monkeypatch):
     """The tiny model ("M*MEM-M*E": mamba layers 2, 4, 6 take the fused add + norm + in_proj, all 4 the fused
     gated norm + out_proj) at batch 1: the fused kernels run in every decode step, and tokens and logprobs equal
