@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from benchmarks import roofline
+from benchmarks import roofline, step_split
 from service.engine import Engine, EngineConfig, SamplingParams
 from service.engine.config import ModelConfig
 from service.engine.kernels import Kernels, get_kernels
@@ -99,12 +99,21 @@ def phase_ms(engine: Engine, before: tuple[int, dict[str, float]], prefix: str) 
 
 
 def decode_tps(
-    engine: Engine, batch: int, prompt_len: int, steps: int, seed: int, trace_dir: str = ""
+    engine: Engine,
+    batch: int,
+    prompt_len: int,
+    steps: int,
+    seed: int,
+    trace_dir: str = "",
+    ceilings: tuple[float, float] | None = None,
+    notes: list[str] | None = None,
 ) -> tuple[float, dict[str, float]]:
     """(decode tok/s over `steps` pure decode steps at `batch`, host ms per step by engine phase and, with graphs,
-    the device ms of a replay on the last step's real inputs). trace_dir: also write a CPU+CUDA trace of 4 steps."""
+    the device ms of a replay on the last step's real inputs). trace_dir: also write a CPU+CUDA trace of 4 steps.
+    ceilings (bandwidth GB/s, bf16 TFLOP/s): also profile 4 steps and add their per-step time split and the step's
+    bound (`step_split`) to the results and, as text, to notes."""
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in random_prompts(batch, prompt_len, vocab, seed)]
     while any(not engine.requests[i].output_token_ids for i in ids):  # prefill everyone
         engine.step()
@@ -124,9 +133,69 @@ def decode_tps(
         phases[f"decode B={batch} replay ms (real inputs)"] = replay_ms(engine, g.bucket_for(batch))
     if trace_dir:
         profile_steps(engine, os.path.join(trace_dir, f"trace_decode_b{batch}.json"))
+    if ceilings is not None:
+        phases.update(decode_split(engine, batch, prompt_len + steps + 8, ceilings, notes))
     for i in ids:
         engine.abort(i)
     return batch * steps / elapsed, phases
+
+
+def decode_split(
+    engine: Engine, batch: int, context: int, ceilings: tuple[float, float], notes: list[str] | None
+) -> dict[str, float]:
+    """Profiles 4 decode steps of the running batch: device ms per kernel family, device busy and host gaps per step,
+    and the step's bound at `context` tokens per request (`step_split.decode_bound`)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        profile_steps(engine, path)
+        split = step_split.split_trace_file(path)
+    bound = step_bound(engine, batch, context, ceilings)
+    lines = step_split.split_lines(split, bound)
+    print("\n".join(lines), flush=True)
+    if notes is not None:
+        notes.extend(lines)
+    key = f"decode B={batch} split"
+    out = {
+        f"{key} wall ms": split.wall_ms,
+        f"{key} device busy ms": split.busy_ms,
+        f"{key} host gaps ms": split.idle_ms,
+    }
+    out.update({f"{key} {fam} ms": ms for fam, ms in split.family_ms.items()})
+    out[f"{key} bound (sum) ms"] = bound.sum_ms
+    return out
+
+
+def step_bound(engine: Engine, batch: int, context: int, ceilings: tuple[float, float]) -> step_split.StepBound:
+    """The bound of one decode step of this engine's model and pools at `batch` (see `step_split.decode_bound`)."""
+    model, cfg, pools = engine.runner.model, engine.model_config, engine.runner.pools
+    dense = expert = 0.0
+    elem = 2.0
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        if "embeddings" in name:
+            continue
+        if ".experts." in name:
+            expert += nbytes
+            elem = p.element_size()
+        else:
+            dense += nbytes
+    slots = pools.ssm.shape[1]
+    slot_bytes = (pools.conv.numel() * pools.conv.element_size() + pools.ssm.numel() * pools.ssm.element_size()) / slots
+    kv_token_bytes = pools.kv.numel() * pools.kv.element_size() / pools.kv.shape[2]
+    bw, tflops = ceilings
+    return step_split.decode_bound(
+        batch,
+        dense,
+        expert,
+        elem,
+        cfg.num_experts_per_tok,
+        cfg.n_routed_experts,
+        slot_bytes,
+        kv_token_bytes,
+        context,
+        bw,
+        tflops,
+    )
 
 
 def throughput_run(
@@ -216,7 +285,14 @@ def profile_decode(engine: Engine, batch: int, path: str) -> None:
     print(table, flush=True)
 
 
-def bench_variant(engine: Engine, args: argparse.Namespace, throughput: bool) -> dict[str, float]:
+def bench_variant(
+    engine: Engine,
+    args: argparse.Namespace,
+    throughput: bool,
+    ceilings: tuple[float, float] | None = None,
+    notes: list[str] | None = None,
+) -> dict[str, float]:
+    """ceilings (bandwidth GB/s, bf16 TFLOP/s): also split each decode batch's step time (`decode_split`)."""
     out: dict[str, float] = {}
     if engine.runner.graphs is not None:
         out.update(graph_replay_ms(engine, args.decode_batches))
@@ -227,7 +303,7 @@ def bench_variant(engine: Engine, args: argparse.Namespace, throughput: bool) ->
         print(f"  prefill ISL {isl}: {out[f'prefill ISL {isl}']:.0f} tok/s", flush=True)
     for b in args.decode_batches:
         out[f"decode B={b}"], phases = decode_tps(
-            engine, b, args.prompt_len, args.decode_steps, seed=1000 + b, trace_dir=args.trace_dir
+            engine, b, args.prompt_len, args.decode_steps, 1000 + b, args.trace_dir, ceilings, notes
         )
         out.update(phases)
         print(f"  decode B={b}: {out[f'decode B={b}']:.1f} tok/s", flush=True)
@@ -294,6 +370,14 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--out", default="")
     ap.add_argument("--trace-dir", default="", help="write CPU+CUDA chrome traces of 4 decode steps per batch here")
     ap.add_argument("--profile-out", default="", help="write a kernel profile of a batch-1 decode forward here")
+    ap.add_argument(
+        "--step-split",
+        action="store_true",
+        help="profile 4 steps of every decode batch: device ms per kernel family (GEMM, MoE, attention, SSU, conv, "
+        "norms, copies, other) and host gaps per step, next to the step's bound (weights + tensor-core work + "
+        "state and KV traffic at roofline.py's measured bandwidth and bf16 peak); CUDA only",
+    )
+
     args = ap.parse_args()
     args.isl = [int(x) for x in args.isl.split(",") if x]
     args.decode_batches = [int(x) for x in args.decode_batches.split(",") if x]
@@ -306,6 +390,11 @@ def main() -> None:
     tp_variants = set(args.throughput_variants.split(","))
     results: dict[str, dict[str, float]] = {}
     active: dict[str, float] = {}
+    notes: list[str] = []  # the step splits' text lines, printed again with the table
+    ceilings = None
+    if args.step_split and args.device.startswith("cuda"):
+        bw = max(roofline.copy_gbs(args.device), roofline.read_gbs(args.device))
+        ceilings = (bw, roofline.matmul_tflops(args.device))
     for fmt in [f for f in args.formats.split(",") if f]:
         model_dir = write_model_dir(args.config, fmt)
         base = dict(
@@ -347,12 +436,11 @@ def main() -> None:
             engine.runner.split_steps = engine.runner.graphs is not None and "nosplit" not in extra
             if engine.runner.memory_plan is not None:
                 print(f"{fmt} {variant}: {engine.runner.memory_plan.log_line()}", flush=True)
-            print(
-                f"{fmt} {variant}: engine ready in {time.perf_counter() - t0:.1f} s "
-                f"(graphs: {engine.runner.graphs.buckets if engine.runner.graphs else None})",
-                flush=True,
-            )
-            results[f"{fmt} {variant}"] = bench_variant(engine, args, variant in tp_variants)
+            g = engine.runner.graphs
+            graphs = f"{g.buckets}, keeping {g.captured_bytes / 2**30:.2f} GiB" if g is not None else None
+            print(f"{fmt} {variant}: engine ready in {time.perf_counter() - t0:.1f} s (graphs: {graphs})", flush=True)
+            notes.append(f"{fmt} {variant}:")
+            results[f"{fmt} {variant}"] = bench_variant(engine, args, variant in tp_variants, ceilings, notes)
             del engine
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
@@ -360,7 +448,7 @@ def main() -> None:
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
         shutil.rmtree(model_dir, ignore_errors=True)
-    report(results, active, args)
+    report(results, active, args, notes if ceilings is not None else [])
 
 
 def _fmt(v: float) -> str:
@@ -388,7 +476,9 @@ def bandwidth_limit_lines(results: dict[str, dict[str, float]], active: dict[str
     return lines
 
 
-def report(results: dict[str, dict[str, float]], active: dict[str, float], args: argparse.Namespace) -> None:
+def report(
+    results: dict[str, dict[str, float]], active: dict[str, float], args: argparse.Namespace, notes: list[str]
+) -> None:
     backends = list(results)
     keys = list(dict.fromkeys(k for b in backends for k in results[b]))
     lines = ["| metric (tok/s unless named) | " + " | ".join(backends) + " |", "| --- |" + " ---: |" * len(backends)]
@@ -396,6 +486,8 @@ def report(results: dict[str, dict[str, float]], active: dict[str, float], args:
         f"| {k} | " + " | ".join(_fmt(results[b][k]) if k in results[b] else "-" for b in backends) + " |" for k in keys
     ]
     lines += [""] + bandwidth_limit_lines(results, active, args.device)
+    if notes:
+        lines += ["", "Decode step split (device ms per step) and bound:"] + notes
     meta = {
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "torch": torch.__version__,

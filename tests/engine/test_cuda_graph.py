@@ -11,7 +11,13 @@ import torch
 from service.engine import Engine, EngineConfig, SamplingParams
 from service.engine.distributed.step import StepPlan, StepRow
 from service.engine.runner.batch import build_forward_batch
-from service.engine.runner.cuda_graph import BATCH_BUCKETS, graph_buckets, is_graphable, layer_segments
+from service.engine.runner.cuda_graph import (
+    BATCH_BUCKETS,
+    LARGE_BUCKET_STEP,
+    graph_buckets,
+    is_graphable,
+    layer_segments,
+)
 from tests.outputs import assert_same_outputs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,7 +38,21 @@ def test_buckets_cover_max_num_seqs():
     assert graph_buckets(1) == (1,)
     assert graph_buckets(5) == (1, 2, 4, 8)
     assert graph_buckets(256) == BATCH_BUCKETS
-    assert graph_buckets(10_000) == BATCH_BUCKETS
+    assert graph_buckets(300) == BATCH_BUCKETS + (300,)
+    assert graph_buckets(1024) == BATCH_BUCKETS + (384, 512, 640, 768, 896, 1024)
+    assert graph_buckets(1000) == BATCH_BUCKETS + (384, 512, 640, 768, 896, 1000)
+
+
+def test_every_batch_up_to_max_num_seqs_has_a_bucket():
+    """Each batch size B <= max_num_seqs replays the smallest bucket >= B: at most twice B up to 256, at most 127
+    padding rows above; no bucket exceeds max_num_seqs past the power of two that first holds it."""
+    for max_seqs in (3, 64, 200, 256, 257, 700, 1024):
+        buckets = graph_buckets(max_seqs)
+        assert list(buckets) == sorted(set(buckets)) and buckets[-1] >= max_seqs
+        assert buckets[-1] == max_seqs or buckets[-1] <= 256
+        for b in range(1, max_seqs + 1):
+            bucket = next(x for x in buckets if x >= b)
+            assert bucket < 2 * b if b <= 256 else bucket - b < LARGE_BUCKET_STEP, (max_seqs, b, bucket)
 
 
 def test_layer_segments_cover_every_layer_once():
@@ -180,3 +200,46 @@ def test_mixed_steps_split_equals_eager_tiny(tiny_model_dir):
     assert r0.num_split_steps == 0 and r1.num_split_steps >= 5, r1.num_split_steps
     assert r1.graphs.num_replays >= 20 + r1.num_split_steps, r1.graphs.num_replays
     _assert_same(eager, graphed, 1e-3)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graph_decode_above_256_equals_eager_tiny(tiny_model_dir):
+    """300 requests decoding together (max_num_seqs 520: buckets ..., 256, 384, 512, 520): their decode steps replay
+    bucket 384 with 84 padding rows and give the eager steps' tokens and logprobs."""
+    g = torch.Generator().manual_seed(1)
+    lens = torch.randint(5, 40, (300,), generator=g).tolist()
+    cfg = dict(dtype="float32", mamba_cache_strategy="off", page_size=4, max_num_seqs=520, max_num_batched_tokens=16384)
+    eager, n0 = _generate(tiny_model_dir, False, lens, 6, **cfg)
+    graphed, n1 = _generate(tiny_model_dir, True, lens, 6, **cfg)
+    assert n0 == 0 and n1 >= 4, n1
+    _assert_same(eager, graphed, 1e-3)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graph_memory_stays_within_the_plan(tmp_path):
+    """A Nano slice with max_num_seqs 1024 (buckets up to 1024, Nano's 131072-token vocabulary): what the captured
+    graphs keep is at most what the memory plan reserved for them."""
+    from service.testing.model_dir import published_config
+
+    config = published_config("nano")
+    config.update(hybrid_override_pattern="M*E", num_hidden_layers=3)
+    with open(tmp_path / "config.json", "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    engine = Engine(
+        EngineConfig(
+            model_path=str(tmp_path),
+            device="cuda",
+            dtype="bfloat16",
+            load_format="dummy",
+            mamba_cache_strategy="off",
+            max_num_seqs=1024,
+            max_model_len=1024,
+            page_size=64,
+            gpu_memory_utilization=0.3,
+        )
+    )
+    graphs, plan = engine.runner.graphs, engine.runner.memory_plan
+    assert graphs.buckets[-1] == 1024 and plan is not None
+    assert 1024 * 131072 * 4 <= graphs.captured_bytes <= plan.graph_bytes, (graphs.captured_bytes, plan.graph_bytes)

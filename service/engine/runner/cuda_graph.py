@@ -1,8 +1,11 @@
 """CUDA-graph capture and replay of decode-only steps (docs/design.md: Scheduler and runner).
 
 At start, the model's forward for a decode-only batch is captured once per batch-size bucket (largest first, one
-shared memory pool). A step whose requests all decode one token, all sample and take no snapshot, and that fits a
-bucket, is replayed: its inputs are copied into the static buffers (two host-to-device copies), padding rows point
+shared memory pool): powers of two up to 256, then every LARGE_BUCKET_STEP rows up to max_num_seqs, so a step of
+any size up to max_num_seqs is replayed (padding at most a factor of 2 below 256, at most 127 rows above). Every
+bucket writes its logits into the first rows of one static buffer [max bucket, vocab] fp32, so the captured
+graphs hold one logits buffer, not one per bucket (`graph_memory_bytes` is what the memory plan keeps for them).
+A step whose requests all decode one token, all sample and take no snapshot, and that fits a bucket, is replayed: its inputs are copied into the static buffers (two host-to-device copies), padding rows point
 at the scratch mamba slot 0 and the scratch KV page 0 (both reserved in cache/pools.py, never handed out), and the
 graph writes the bucket's logits buffer. Sampling stays outside the graph.
 
@@ -24,18 +27,39 @@ from service.engine.model.nemotron_h import NemotronHForCausalLM
 from service.engine.runner.batch import scheduled_token_ids
 from service.engine.runner.state_tensors import StateTensors
 
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # powers of two: the buckets up to 256 rows
+LARGE_BUCKET_STEP = 128  # rows between buckets above 256
 _FIELDS = 4  # rows of the small static buffer: input ids, slot ids, kv slot mapping, prefix lens
 
 
 def graph_buckets(max_num_seqs: int) -> tuple[int, ...]:
-    """Buckets up to the first one that holds max_num_seqs (at most the largest bucket)."""
+    """The captured batch sizes: powers of two up to the first one that holds max_num_seqs (at most 256), then
+    multiples of LARGE_BUCKET_STEP above 256, the last one max_num_seqs itself."""
     out = []
     for b in BATCH_BUCKETS:
         out.append(b)
         if b >= max_num_seqs:
-            break
+            return tuple(out)
+    b = BATCH_BUCKETS[-1]
+    while b < max_num_seqs:
+        b = min(b + LARGE_BUCKET_STEP, max_num_seqs)
+        out.append(b)
     return tuple(out)
+
+
+def graph_memory_bytes(buckets: tuple[int, ...], vocab_size: int, hidden_size: int, num_segments: int) -> int:
+    """Bytes the captured graphs keep (an upper estimate the memory plan reserves): the static logits [max bucket,
+    vocab] fp32, the largest bucket's transient peak (its logits in the model dtype and in fp32 before the copy into
+    the static buffer, plus a GRAPH_SLACK_BYTES allowance for the layers' activations and cuBLAS workspaces), and
+    every bucket's segment outputs (x and the residual h, [b, hidden], up to 4 bytes each, at each segment end)."""
+    top = max(buckets)
+    logits = top * vocab_size * 4
+    transient = top * vocab_size * (2 + 4) + GRAPH_SLACK_BYTES
+    boundaries = sum(buckets) * hidden_size * 2 * 4 * num_segments
+    return logits + transient + boundaries
+
+
+GRAPH_SLACK_BYTES = 512 << 20  # activations of one captured decode forward besides its logits, and workspaces
 
 
 def layer_segments(num_layers: int, first: int = 2) -> tuple[tuple[int, int], ...]:
@@ -70,6 +94,7 @@ class DecodeGraphs:
         self.buckets = graph_buckets(max_num_seqs)
         nb = self.buckets[-1]
         self.device = device
+        reserved_before = torch.cuda.memory_reserved(device)
         # static device inputs: small [_FIELDS, nb] (ids, slots, kv slots, prefix lens) and the page table
         self.small = torch.zeros(_FIELDS, nb, dtype=torch.int64, device=device)
         self.page_table = torch.zeros(nb, max_pages, dtype=torch.int64, device=device)
@@ -83,8 +108,11 @@ class DecodeGraphs:
         self.no_snapshots = SnapshotPlan(empty, empty, empty, empty)
         self.segments = layer_segments(len(model.backbone.layers))
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # bucket -> one captured graph per segment
-        self.logits: dict[int, torch.Tensor] = {}  # bucket -> its static logits [bucket, vocab]
+        # static logits [max bucket, vocab] fp32, shared by the buckets: bucket b writes rows [:b]
+        self.logits = torch.empty(nb, model.cfg.vocab_size, dtype=torch.float32, device=device)
         self.num_replays = 0  # decode steps served by a graph
+        self.reserved_before = reserved_before  # the allocator's reserved bytes before the static buffers
+        self.captured_bytes = 0  # memory the static buffers and the graphs keep (reserved after capture - before)
 
     @property
     def max_batch(self) -> int:
@@ -113,7 +141,10 @@ class DecodeGraphs:
         if i == 0:
             x, h = m.embed(ids)
         x, h = m.run_layers(x, h, start, end, attn, mamba, p.kv, p.conv, p.ssm)
-        return m.logits(x, self.arange[:b]) if i == len(self.segments) - 1 else (x, h)
+        if i < len(self.segments) - 1:
+            return x, h
+        self.logits[:b].copy_(m.logits(x, self.arange[:b]))
+        return self.logits[:b]
 
     def _forward(self, b: int) -> torch.Tensor:
         """The whole decode forward of bucket b, segment after segment (eager)."""
@@ -141,14 +172,15 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=mem_pool, stream=stream):
                     out = self._segment(b, i, *out)  # keeps the segment's outputs alive for the next one
                 graphs.append(graph)
-            self.graphs[b], self.logits[b] = graphs, out
+            self.graphs[b] = graphs
         torch.cuda.synchronize(self.device)
+        self.captured_bytes = torch.cuda.memory_reserved(self.device) - self.reserved_before
 
     def replay(self, bucket: int) -> torch.Tensor:
         """Replays bucket's segments in order on the current stream; returns its static logits [bucket, vocab]."""
         for graph in self.graphs[bucket]:
             graph.replay()
-        return self.logits[bucket]
+        return self.logits[:bucket]
 
     def run(self, plan: StepPlan, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Replay the smallest bucket that holds the step (`is_graphable(plan)` must hold). token_ids: [B] int64

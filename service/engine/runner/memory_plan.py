@@ -1,11 +1,13 @@
 """GPU memory planning: how many KV pages and Mamba live / snapshot slots fit after the weights and activations.
 
 The arithmetic (`plan_memory`) is pure and unit-tested: budget = total * gpu_memory_utilization; what is left after
-the weights, the activation peak of a profiling forward at the token budget and the CUDA-graph reserve goes, in
-order, to max_num_seqs live Mamba slots (each running request holds one), to the prefix cache's snapshot slots
-(at most the max_snapshots asked for, and at most SNAPSHOT_SHARE of what the live slots leave), and to KV pages
-(the rest, up to `useful_pages`: twice what max_num_seqs requests of max_model_len tokens hold, the second half for
-cached prefixes; memory beyond that stays free, so small engines sharing a GPU, as the tests do, stay small). Too little memory for one request of max_model_len tokens -> ValueError with the numbers.
+the weights, the activation peak of a profiling forward at the token budget and the CUDA-graph reserve (sized from
+the captured buckets, `graph_reserve_bytes`) goes, in order, to max_num_seqs live Mamba slots (each running request
+holds one), to the prefix cache's snapshot slots (at most the max_snapshots asked for, and at most SNAPSHOT_SHARE of
+what the live slots leave), and to KV pages (the rest, up to `useful_pages`: twice what max_num_seqs requests of
+max_model_len tokens hold, the second half for cached prefixes; memory beyond that stays free, so small engines
+sharing a GPU, as the tests do, stay small). Too little memory for one request of max_model_len tokens -> ValueError
+with the numbers.
 `profile_activation_bytes` measures the activation peak on CUDA with one forward of max_num_batched_tokens.
 """
 
@@ -16,8 +18,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from service.engine.runner.cuda_graph import graph_buckets, graph_memory_bytes, layer_segments
+
 GiB = 1 << 30
-GRAPH_RESERVE_BYTES = 1 * GiB  # CUDA-graph private pools and cuBLAS workspaces, kept free for capture
 SNAPSHOT_SHARE = 0.25  # at most this share of the memory after live slots goes to snapshot slots
 
 
@@ -26,7 +29,7 @@ class StateBytes:
     """Bytes of one unit of each pool (this rank's shapes)."""
 
     kv_page: int  # one KV page over all attention layers: L_attn * 2 * page_size * Hkv * Dh * elem
-    mamba_slot: int  # one Mamba slot over all Mamba layers: L_mamba * (conv_dim * (K-1) * elem + H*P*N * 4)
+    mamba_slot: int  # one Mamba slot over all Mamba layers: L_mamba * (conv_dim * (K-1) * elem + H*P*N * ssm_elem)
 
 
 def state_bytes(
@@ -42,9 +45,12 @@ def state_bytes(
     mamba_heads: int,
     mamba_head_dim: int,
     state_size: int,
+    ssm_elem: int = 4,
 ) -> StateBytes:
+    """ssm_elem: bytes of one SSM state element (4 for fp32 states, 2 for bf16)."""
     kv = num_attn_layers * 2 * page_size * kv_heads * head_dim * kv_elem
-    slot = num_mamba_layers * (conv_dim * (conv_kernel - 1) * conv_elem + mamba_heads * mamba_head_dim * state_size * 4)
+    ssm = mamba_heads * mamba_head_dim * state_size * ssm_elem
+    slot = num_mamba_layers * (conv_dim * (conv_kernel - 1) * conv_elem + ssm)
     return StateBytes(kv, slot)
 
 
@@ -183,6 +189,15 @@ def profile_activation_bytes(model, model_cfg, cfg, max_model_len: int, new_pool
     return peak
 
 
+def graph_reserve_bytes(cfg, model_cfg) -> int:
+    """What the decode CUDA graphs will keep (`cuda_graph.graph_memory_bytes` of the buckets up to max_num_seqs);
+    0 when no graphs are captured (cuda_graphs off, or the torch kernels)."""
+    if not (cfg.cuda_graphs and cfg.kernel_backend == "triton"):
+        return 0
+    segments = len(layer_segments(model_cfg.num_layers))
+    return graph_memory_bytes(graph_buckets(cfg.max_num_seqs), model_cfg.vocab_size, model_cfg.hidden_size, segments)
+
+
 def plan_for(cfg, model_cfg, model, max_model_len: int, dtype: torch.dtype, new_pools) -> MemoryPlan:
     """The plan of this engine on its CUDA device: weights counted, activations profiled, pools sized."""
     m, s = model_cfg, model.shapes  # this rank's heads and groups
@@ -213,7 +228,7 @@ def plan_for(cfg, model_cfg, model, max_model_len: int, dtype: torch.dtype, new_
         cfg.gpu_memory_utilization,
         weights_bytes(model),
         activations,
-        GRAPH_RESERVE_BYTES if cfg.cuda_graphs else 0,
+        graph_reserve_bytes(cfg, model_cfg),
         sizes,
         cfg.num_mamba_slots or cfg.max_num_seqs,
         max_model_len,

@@ -165,7 +165,14 @@ class ModelRunner:
             self.device,
         )
         graphs.capture()
-        log.info("cuda graphs: captured decode buckets %s", graphs.buckets)
+        plan = self.memory_plan
+        reserve = "" if plan is None else f" (the memory plan reserved {plan.graph_bytes / 2**30:.2f} GiB)"
+        log.info(
+            "cuda graphs: captured decode buckets %s, keeping %.2f GiB%s",
+            graphs.buckets,
+            graphs.captured_bytes / 2**30,
+            reserve,
+        )
         return graphs
 
     def execute(self, plan: StepPlan) -> SamplerOutput | None:
