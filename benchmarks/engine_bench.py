@@ -113,7 +113,9 @@ def decode_tps(
     ceilings (bandwidth GB/s, bf16 TFLOP/s): also profile 4 steps and add their per-step time split and the step's
     bound (`step_split`) to the results and, as text, to notes."""
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True)
+    # the first requests decode while the last ones prefill: enough tokens that nobody ends before the timed steps
+    prefill_steps = -(-batch * prompt_len // engine.config.max_num_batched_tokens)
+    params = SamplingParams(max_tokens=prefill_steps + steps + 16, temperature=0.0, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in random_prompts(batch, prompt_len, vocab, seed)]
     while any(not engine.requests[i].output_token_ids for i in ids):  # prefill everyone
         engine.step()
@@ -135,6 +137,7 @@ def decode_tps(
         profile_steps(engine, os.path.join(trace_dir, f"trace_decode_b{batch}.json"))
     if ceilings is not None:
         phases.update(decode_split(engine, batch, prompt_len + steps + 8, ceilings, notes))
+    assert all(i in engine.requests for i in ids), "a decode request ended before the measurement did"
     for i in ids:
         engine.abort(i)
     return batch * steps / elapsed, phases
@@ -395,6 +398,13 @@ def main() -> None:
     if args.step_split and args.device.startswith("cuda"):
         bw = max(roofline.copy_gbs(args.device), roofline.read_gbs(args.device))
         ceilings = (bw, roofline.matmul_tflops(args.device))
+    # a decode request's prompt and output (`decode_tps`: prefill steps + timed steps + 16 tokens)
+    decode_len = (
+        args.prompt_len
+        + args.decode_steps
+        + 16
+        + -(-max(args.decode_batches) * args.prompt_len // args.max_batched_tokens)
+    )
     for fmt in [f for f in args.formats.split(",") if f]:
         model_dir = write_model_dir(args.config, fmt)
         base = dict(
@@ -407,7 +417,7 @@ def main() -> None:
             max_num_batched_tokens=args.max_batched_tokens,
             load_format="dummy",
             gpu_memory_utilization=args.gpu_memory_utilization,
-            max_model_len=max(args.isl + [args.prompt_len + args.decode_steps, args.tp_isl + args.tp_osl]) + 64,
+            max_model_len=max(args.isl + [decode_len, args.tp_isl + args.tp_osl]) + 64,
         )
         model_cfg = ModelConfig.from_model_path(model_dir)
         t0 = time.perf_counter()

@@ -7,6 +7,8 @@ import torch
 
 from service.engine.kernels import ssd
 from service.engine.kernels.triton_ssd import (
+    SSU_TILE_VARIANTS,
+    SsuTiles,
     selective_state_update,
     selective_state_update_slots,
     selective_state_update_slots_raw_dt,
@@ -269,3 +271,42 @@ def test_ssu_slots_raw_dt_rejects_bad_shapes():
 @pytest.mark.parametrize("clamp", CLAMPS)
 def test_ssu_slots_raw_dt_gpu_nano_shapes(clamp, dtype):
     _check_ssu_raw_dt(Bq=64, H=64, P=64, G=8, N=128, S=80, dtype=dtype, clamp=clamp, seed=9)
+
+
+# ---------------- state pools in bf16 / fp32 and the launch shapes of the decode step ----------------
+def _check_ssu_pool_dtype(Bq, H, P, G, N, S, state_dtype, tiles, seed):
+    """The pool in state_dtype: the kernel advances the state in fp32 and stores it rounded, as the reference does
+    (fp32: within fp32 rounding; bf16: every element within one bf16 step of the reference's, the fp32 sums before
+    the rounding may differ in their last bits); untouched slots keep their bits; y matches the reference's y."""
+    pool, slots, x, dt, A_log, Bm, Cm, D, dt_bias = _raw_dt_inputs(Bq, H, P, G, N, S, torch.bfloat16, seed)
+    pool = pool.to(state_dtype)
+    pool_ref = pool.clone()
+    clamp = (1e-3, float("inf"))
+    y = selective_state_update_slots_raw_dt(pool, slots, x, dt, A_log, Bm, Cm, D, dt_bias, clamp, tiles)
+    y_ref = ssd.selective_state_update_slots_raw_dt_ref(pool_ref, slots, x, dt, A_log, Bm, Cm, D, dt_bias, clamp)
+    assert pool.dtype == state_dtype and not torch.isnan(pool).any()
+    assert_close(y, y_ref, torch.float32, "y")
+    if state_dtype == torch.float32:
+        assert_close(pool[slots], pool_ref[slots], torch.float32, "pool[slots]")
+    else:
+        step = torch.finfo(state_dtype).eps * pool_ref[slots].float().abs().clamp(min=1e-6)
+        assert ((pool[slots].float() - pool_ref[slots].float()).abs() <= step).all()
+        if DEVICE != "cpu":  # round to nearest even, as torch does (Triton's CPU interpreter truncates instead)
+            assert (pool[slots] == pool_ref[slots]).float().mean() > 0.99
+    untouched = torch.ones(S, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert torch.equal(pool[untouched], pool_ref[untouched])
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tiles", [SsuTiles(), SsuTiles(8, 2)])
+def test_ssu_pool_dtypes_and_tiles_match_ref(state_dtype, tiles):
+    _check_ssu_pool_dtype(Bq=5, H=4, P=16, G=2, N=16, S=9, state_dtype=state_dtype, tiles=tiles, seed=12)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tiles", SSU_TILE_VARIANTS)
+def test_ssu_pool_dtypes_and_tiles_gpu_nano_shapes(state_dtype, tiles):
+    _check_ssu_pool_dtype(Bq=300, H=64, P=64, G=8, N=128, S=400, state_dtype=state_dtype, tiles=tiles, seed=13)

@@ -201,11 +201,12 @@ def selective_state_update_slots_ref(
     C: torch.Tensor,
     D: torch.Tensor,
 ) -> torch.Tensor:
-    """One decode step on the pool in place: ssm_pool [S, H, P, N] fp32, slot_ids [B] int64 (distinct, except that
-    padding rows may all name the scratch slot 0, whose content is then undefined). Rows as in
+    """One decode step on the pool in place: ssm_pool [S, H, P, N] fp32 (or bf16 / fp16: the state is advanced in
+    fp32 and stored rounded to the pool's dtype; y comes from the fp32 state), slot_ids [B] int64 (distinct, except
+    that padding rows may all name the scratch slot 0, whose content is then undefined). Rows as in
     `selective_state_update_ref`; ssm_pool[slot_ids] becomes the new state. Returns y [B, H, P] fp32."""
     y, new = selective_state_update_ref(ssm_pool[slot_ids], x, dt, A, B, C, D)
-    ssm_pool[slot_ids] = new
+    ssm_pool[slot_ids] = new.to(ssm_pool.dtype)
     return y
 
 

@@ -20,6 +20,8 @@ dt preprocessing (softplus(dt + dt_bias), clamp) and A = -exp(A_log) into it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -424,6 +426,19 @@ def ssd_varlen_tiled(
     return y, states
 
 
+@dataclass(frozen=True)
+class SsuTiles:
+    """Launch shape of `_ssu_kernel` on the pool: a program holds block_p rows of one (request, head) state [P, N]."""
+
+    block_p: int = 16  # state rows (of P) per program
+    warps: int = 4  # warps per program
+
+
+# Launch shapes benchmarks/ssu_bench.py compares at Nano's decode sizes (the GPU tests check each); the first is the
+# default.
+SSU_TILE_VARIANTS = (SsuTiles(16, 4), SsuTiles(32, 4), SsuTiles(64, 4), SsuTiles(64, 8), SsuTiles(8, 2))
+
+
 @triton.jit
 def _softplus(v):
     """torch's F.softplus (threshold 20) in fp32: max(v, 0) + log1p(exp(-|v|)). log1p(u), u in (0, 1], is a series
@@ -473,7 +488,9 @@ def _ssu_kernel(
     DT_CLAMP: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """HAS_SLOTS: state rows are pool slots slot_ptr[b] and new_ptr is the pool itself (in place).
+    """One program: request b, head h, BLOCK_P rows of the head's [P, N] state (read, advanced and read out into y in
+    fp32, stored in the state's dtype).
+    HAS_SLOTS: state rows are pool slots slot_ptr[b] and new_ptr is the pool itself (in place).
     RAW_DT: dt is in_proj's raw dt and A_ptr holds A_log: dt <- softplus(dt + dt_bias) (clamped to [dt_lo, dt_hi]
     if DT_CLAMP), A = -exp(A_log), all fp32."""
     b = tl.program_id(0).to(tl.int64)
@@ -492,7 +509,7 @@ def _ssu_kernel(
     if HAS_SLOTS:  # one base pointer for the in-place read and write
         row = tl.load(slot_ptr + b).to(tl.int64)
         dst_ptr = state_ptr
-    st = tl.load(state_ptr + row * s_st_b + h * s_st_h + st_off, mask=m2, other=0.0)
+    st = tl.load(state_ptr + row * s_st_b + h * s_st_h + st_off, mask=m2, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + b * s_x_b + h * s_x_h + offs_p, mask=mp, other=0.0).to(tl.float32)
     dt = tl.load(dt_ptr + b * s_dt_b + h * s_dt_h).to(tl.float32)
     if RAW_DT:
@@ -504,7 +521,8 @@ def _ssu_kernel(
     cv = tl.load(C_ptr + b * s_c_b + g * s_c_g + offs_n, mask=mn, other=0.0).to(tl.float32)
     pdl_release(PDL)
     new = st * tl.exp(dt * a) + (dt * x)[:, None] * bv[None, :]
-    tl.store(dst_ptr + row * s_st_b + h * s_st_h + st_off, new, mask=m2)
+    stored = new.to(dst_ptr.dtype.element_ty, fp_downcast_rounding="rtne")  # fp32 pool: unchanged
+    tl.store(dst_ptr + row * s_st_b + h * s_st_h + st_off, stored, mask=m2)
     y = tl.sum(new * cv[None, :], axis=1) + d_skip * x
     tl.store(y_ptr + b * s_y_b + h * s_y_h + offs_p, y, mask=mp)
 
@@ -590,11 +608,13 @@ def selective_state_update_slots(
     B: torch.Tensor,
     C: torch.Tensor,
     D: torch.Tensor,
+    tiles: SsuTiles = SsuTiles(),
 ) -> torch.Tensor:
     """One decode step on the pool in place (Triton), see `ssd.selective_state_update_slots_ref`.
-    ssm_pool [S, H, P, N] fp32 with unit-stride (P, N) rows, slot_ids [Bq] int64. Returns y [Bq, H, P] fp32."""
+    ssm_pool [S, H, P, N] fp32 (or bf16 / fp16: read into fp32, stored back rounded) with unit-stride (P, N) rows,
+    slot_ids [Bq] int64. Returns y [Bq, H, P] fp32."""
     _check_ssu_slots_args(ssm_pool, slot_ids, x, dt, A, B, C, D)
-    return _launch_ssu_slots(ssm_pool, slot_ids, x, dt, A, B, C, D, None, None)
+    return _launch_ssu_slots(ssm_pool, slot_ids, x, dt, A, B, C, D, None, None, tiles)
 
 
 def selective_state_update_slots_raw_dt(
@@ -608,6 +628,7 @@ def selective_state_update_slots_raw_dt(
     D: torch.Tensor,
     dt_bias: torch.Tensor,
     dt_clamp: tuple[float, float],
+    tiles: SsuTiles = SsuTiles(),
 ) -> torch.Tensor:
     """One decode step on the pool in place from the raw parameters, in one launch (Triton), see
     `ssd.selective_state_update_slots_raw_dt_ref`: dt [Bq, H] raw (any float dtype, rows may be strided, e.g. a split
@@ -617,21 +638,21 @@ def selective_state_update_slots_raw_dt(
     check_shape("dt_bias", dt_bias, (x.shape[1],))
     check_dtype("dt", dt, _FLOATS)
     check_same_device(x=x, dt_bias=dt_bias)
-    return _launch_ssu_slots(ssm_pool, slot_ids, x, dt, A_log, B, C, D, dt_bias, dt_clamp)
+    return _launch_ssu_slots(ssm_pool, slot_ids, x, dt, A_log, B, C, D, dt_bias, dt_clamp, tiles)
 
 
 def _check_ssu_slots_args(ssm_pool, slot_ids, x, dt, A, B, C, D) -> None:
     Bq, H, P, G, N = _check_ssu_args(x, dt, A, B, C, D)
     check_dim("ssm_pool", ssm_pool, 4)
     check_shape("ssm_pool", ssm_pool[:0], (0, H, P, N))
-    check_dtype("ssm_pool", ssm_pool, (torch.float32,))
+    check_dtype("ssm_pool", ssm_pool, _FLOATS)
     if ssm_pool.stride(3) != 1 or ssm_pool.stride(2) != N:
         raise ValueError(f"ssm_pool must have contiguous [P, N] rows, got strides {ssm_pool.stride()}")
     check_shape("slot_ids", slot_ids, (Bq,))
     check_same_device(ssm_pool=ssm_pool, slot_ids=slot_ids, x=x, dt=dt, A=A, B=B, C=C, D=D)
 
 
-def _launch_ssu_slots(ssm_pool, slot_ids, x, dt, A, B, C, D, dt_bias, dt_clamp) -> torch.Tensor:
+def _launch_ssu_slots(ssm_pool, slot_ids, x, dt, A, B, C, D, dt_bias, dt_clamp, tiles: SsuTiles) -> torch.Tensor:
     """dt_bias None: dt and A are final (fp32 dt, A); else dt is raw, A is A_log and dt_clamp = (lo, hi)."""
     Bq, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
@@ -642,7 +663,7 @@ def _launch_ssu_slots(ssm_pool, slot_ids, x, dt, A, B, C, D, dt_bias, dt_clamp) 
     lo, hi = dt_clamp if raw else (0.0, float("inf"))
     clamp = raw and (lo > 0.0 or hi != float("inf"))  # exactly when `ssd.dt_softplus_clamp` clamps
     hi = min(float(hi), torch.finfo(torch.float32).max)  # a finite scalar argument; same clamp on finite dt
-    bp = min(block_dim(P, 1), 16)
+    bp = min(block_dim(P, 1), tiles.block_p)
     _ssu_kernel[(Bq, H, triton.cdiv(P, bp))](
         ssm_pool,
         x,
@@ -678,7 +699,7 @@ def _launch_ssu_slots(ssm_pool, slot_ids, x, dt, A, B, C, D, dt_bias, dt_clamp) 
         HAS_SLOTS=True,
         RAW_DT=raw,
         DT_CLAMP=clamp,
-        num_warps=4,
+        num_warps=tiles.warps,
         **pdl_args(x),
     )
     return y
