@@ -2,6 +2,10 @@
 
 KV lives in a flat token-slot cache `[num_pages * page_size, Hkv, Dh]`; token t of request i sits at
 `page_table[i, t // page_size] * page_size + t % page_size`.
+
+A cache may hold its values scaled (an FP8 KV cache: float8_e4m3fn with one fp32 scale per layer for K and one
+for V): `k_scale` / `v_scale` (fp32 scalar tensors, None = 1) mean the cache stores k / k_scale, and into an FP8
+cache clamped to +-448 (saturated, never inf/nan); the attention reads back cache * k_scale.
 """
 
 from __future__ import annotations
@@ -9,13 +13,35 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from service.engine.kernels.fp8 import FP8_DTYPE, FP8_MAX
+
+
+def kv_stored(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """x [..] as a cache of cache_dtype stores it: x / scale (None: x), clamped to +-448 for FP8, cast."""
+    if scale is not None:
+        x = x.float() / scale
+    if cache_dtype == FP8_DTYPE:
+        x = x.float().clamp(-FP8_MAX, FP8_MAX)
+    return x.to(cache_dtype)
+
+
+def kv_loaded(stored: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Cache values [..] back as fp32: stored * scale (None: stored)."""
+    return stored.float() if scale is None else stored.float() * scale
+
 
 def write_kv_ref(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """k/v [T, Hkv, Dh] written to caches [S, Hkv, Dh] at slot_mapping [T]."""
-    k_cache[slot_mapping] = k.to(k_cache.dtype)
-    v_cache[slot_mapping] = v.to(v_cache.dtype)
+    """k/v [T, Hkv, Dh] written to caches [S, Hkv, Dh] at slot_mapping [T] (`kv_stored`: / k_scale, v_scale)."""
+    k_cache[slot_mapping] = kv_stored(k, k_cache.dtype, k_scale)
+    v_cache[slot_mapping] = kv_stored(v, v_cache.dtype, v_scale)
 
 
 def _gather_kv(
@@ -41,6 +67,8 @@ def _decode_rows_ref(
     tokens: list[int],
     prefix: list[int],
     reqs: list[int],
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
 ) -> None:
     """out[tokens] = attention of the one-query requests `reqs` (query at flat row tokens[j], context
     prefix[j] + 1), batched and padded to the longest context."""
@@ -48,8 +76,8 @@ def _decode_rows_ref(
     rows = torch.tensor(reqs, device=q.device)
     ctx = [p + 1 for p in prefix]
     kmax = max(ctx)
-    keys = _gather_kv(k_cache, page_table, kmax, page_size, rows).float()  # [b, L, Hkv, Dh]
-    vals = _gather_kv(v_cache, page_table, kmax, page_size, rows).float()
+    keys = kv_loaded(_gather_kv(k_cache, page_table, kmax, page_size, rows), k_scale)  # [b, L, Hkv, Dh]
+    vals = kv_loaded(_gather_kv(v_cache, page_table, kmax, page_size, rows), v_scale)
     mask = torch.arange(kmax, device=q.device)[None, :] < torch.tensor(ctx, device=q.device)[:, None]
     o = F.scaled_dot_product_attention(
         q[tokens].float()[:, :, None, :],
@@ -81,8 +109,11 @@ def paged_attention_ref(
     max_seq_len: int,
     page_size: int,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [T, Hq, Dh] for the new tokens; keys/values (already written) read from the caches.
+    """q [T, Hq, Dh] for the new tokens; keys/values (already written) read from the caches, times k_scale /
+    v_scale (fp32 scalar tensors; None = 1) when given.
     query_start_loc [B+1] int64 and prefix_lens [B] int64 (p_i) are tensors; max_query_len (max l_i) and
     max_seq_len (upper bound on p_i + l_i) are host ints that a fast kernel sizes its launch from; the reference
     reads the lengths back to the host and checks both bounds.
@@ -108,13 +139,15 @@ def paged_attention_ref(
             [query_start_loc[i] for i in dec[c : c + DECODE_REF_ROWS]],
             [prefix_lens[i] for i in dec[c : c + DECODE_REF_ROWS]],
             dec[c : c + DECODE_REF_ROWS],
+            k_scale,
+            v_scale,
         )
     for i in pre:
         s, e, p = query_start_loc[i], query_start_loc[i + 1], prefix_lens[i]
         L = p + (e - s)
         rows = torch.tensor([i], device=q.device)
-        keys = _gather_kv(k_cache, page_table, L, page_size, rows)[0].float()  # [L, Hkv, Dh]
-        vals = _gather_kv(v_cache, page_table, L, page_size, rows)[0].float()
+        keys = kv_loaded(_gather_kv(k_cache, page_table, L, page_size, rows)[0], k_scale)  # [L, Hkv, Dh]
+        vals = kv_loaded(_gather_kv(v_cache, page_table, L, page_size, rows)[0], v_scale)
         qpos = p + torch.arange(e - s, device=q.device)
         mask = torch.arange(L, device=q.device)[None, :] <= qpos[:, None]  # [l, L]
         o = F.scaled_dot_product_attention(

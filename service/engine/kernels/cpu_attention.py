@@ -7,6 +7,8 @@
   kernel accumulates in fp32).
 - Decode rows (one query) run in one call per group of `DECODE_ROWS` with a length mask; prefill requests with
   the same (cached prefix, new tokens) run in one call, causal without a mask when nothing is cached.
+- Scaled caches (an FP8 KV cache with k_scale / v_scale): the gathered pages are dequantized to q's dtype
+  (cache * scale) before the call.
 """
 
 from __future__ import annotations
@@ -22,11 +24,22 @@ DECODE_ROWS = 64  # decode rows per call: bounds the gathered K/V ([rows, contex
 
 
 def _pages(
-    cache: torch.Tensor, page_table: torch.Tensor, rows: torch.Tensor, length: int, page_size: int
+    cache: torch.Tensor,
+    page_table: torch.Tensor,
+    rows: torch.Tensor,
+    length: int,
+    page_size: int,
+    scale: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """cache [S, Hkv, Dh] -> [len(rows), Hkv, length, Dh] (a strided view of the gathered pages)."""
+    """cache [S, Hkv, Dh] -> [len(rows), Hkv, length, Dh] (a strided view of the gathered pages); with a scale,
+    the pages times it in `dtype` (FP8 pages: in `dtype` also without one)."""
     n_pages = -(-length // page_size)
     blocks = cache.view(-1, page_size, *cache.shape[1:])[page_table[rows, :n_pages]]  # [b, n, ps, Hkv, Dh]
+    if scale is not None:
+        blocks = (blocks.float() * scale).to(dtype)
+    elif blocks.dtype == torch.float8_e4m3fn:
+        blocks = blocks.to(dtype)
     return blocks.flatten(1, 2)[:, :length].transpose(1, 2)
 
 
@@ -41,13 +54,14 @@ def _decode(
     tokens: list[int],
     ctx: list[int],
     reqs: list[int],
+    kv_scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> None:
     """out[tokens[j]] = attention of request reqs[j]'s one query over its ctx[j] keys."""
     dev = q.device
     rows = torch.tensor(reqs, device=dev)
     kmax = max(ctx)
-    keys = _pages(k_cache, page_table, rows, kmax, page_size)
-    vals = _pages(v_cache, page_table, rows, kmax, page_size)
+    keys = _pages(k_cache, page_table, rows, kmax, page_size, kv_scales[0], q.dtype)
+    vals = _pages(v_cache, page_table, rows, kmax, page_size, kv_scales[1], q.dtype)
     mask = None  # every row sees all kmax keys: no mask (the kernel's unmasked path)
     if min(ctx) < kmax:
         mask = (torch.arange(kmax, device=dev)[None, :] < torch.tensor(ctx, device=dev)[:, None])[:, None, None, :]
@@ -70,13 +84,14 @@ def _prefill(
     prefix: int,
     n: int,
     reqs: list[int],
+    kv_scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> None:
     """Requests reqs (each with `prefix` cached tokens and n new queries at flat rows starts[j] + [0, n))."""
     dev = q.device
     L = prefix + n
     rows = torch.tensor(reqs, device=dev)
-    keys = _pages(k_cache, page_table, rows, L, page_size)  # [b, Hkv, L, Dh]
-    vals = _pages(v_cache, page_table, rows, L, page_size)
+    keys = _pages(k_cache, page_table, rows, L, page_size, kv_scales[0], q.dtype)  # [b, Hkv, L, Dh]
+    vals = _pages(v_cache, page_table, rows, L, page_size, kv_scales[1], q.dtype)
     tok = (torch.tensor(starts, device=dev)[:, None] + torch.arange(n, device=dev)[None, :]).flatten()
     qt = q[tok].to(keys.dtype).view(len(reqs), n, *q.shape[1:]).transpose(1, 2)  # [b, Hq, n, Dh]
     gqa = q.shape[1] != keys.shape[1]
@@ -99,9 +114,11 @@ def paged_attention(
     max_seq_len: int,
     page_size: int,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`attention.paged_attention_ref`: q [T, Hq, Dh] (any strides), caches [S, Hkv, Dh], page_table [B, pages],
-    query_start_loc [B+1], prefix_lens [B] -> [T, Hq, Dh] in q's dtype."""
+    query_start_loc [B+1], prefix_lens [B] (k_scale, v_scale: fp32 scalars or None) -> [T, Hq, Dh] in q's dtype."""
     qsl, plens = query_start_loc.tolist(), prefix_lens.tolist()
     _check_bounds(qsl, plens, max_query_len, max_seq_len)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -126,7 +143,21 @@ def paged_attention(
             [qsl[i] for i in reqs],
             [plens[i] + 1 for i in reqs],
             reqs,
+            (k_scale, v_scale),
         )
     for (p, n), reqs in groups.items():
-        _prefill(out, q, k_cache, v_cache, page_table, page_size, scale, [qsl[i] for i in reqs], p, n, reqs)
+        _prefill(
+            out,
+            q,
+            k_cache,
+            v_cache,
+            page_table,
+            page_size,
+            scale,
+            [qsl[i] for i in reqs],
+            p,
+            n,
+            reqs,
+            (k_scale, v_scale),
+        )
     return out

@@ -10,8 +10,9 @@ decode step can be captured in a CUDA graph. Two paths:
     store an empty partial that the merge skips;
   * otherwise (prefill, cached prefix, mixed batches): `_prefill_kernel`, flash attention over the
     paged keys [0, p_i + m] per (query block, request, query head).
-Softmax in fp32 (exp2 with the scale folded in). `write_kv` stays the torch reference
-(`attention.write_kv_ref`): one index_put per cache.
+Softmax in fp32 (exp2 with the scale folded in). The caches may hold another dtype than q (an FP8 KV cache:
+float8_e4m3fn, with k_scale / v_scale): tiles are converted to q's dtype on load (exact from e4m3), k_scale is
+folded into the softmax scale and v_scale applied to the output (or to each split's partial).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from service.engine.kernels.triton_common import (
     pdl_release,
     pdl_wait,
 )
+from service.engine.kernels.triton_kv import check_kv_scales
 
 _LOG2E = 1.4426950408889634
 
@@ -75,6 +77,8 @@ def _decode_kernel(
     o_ptr,
     part_o_ptr,
     part_ml_ptr,
+    ks_ptr,
+    vs_ptr,
     qk_scale,
     Dh,
     page_size,
@@ -94,13 +98,18 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLIT: tl.constexpr,
+    SCALED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One program: request b, KV head kvh, keys [lo, hi) of split sp, the GROUP query heads of kvh as the rows of
-    one [BLOCK_G, BLOCK_D] x [BLOCK_D, BLOCK_N] dot per step. SPLIT: store the unnormalised partial and (m, l);
-    an empty split stores only m = -inf, l = 0."""
+    one [BLOCK_G, BLOCK_D] x [BLOCK_D, BLOCK_N] dot per step. SPLIT: store the unnormalised partial (times v_scale)
+    and (m, l); an empty split stores only m = -inf, l = 0. SCALED: the caches hold k / k_scale and v / v_scale."""
     pdl_wait(PDL)
+    v_scale = 1.0
+    if SCALED:
+        qk_scale = qk_scale * tl.load(ks_ptr)
+        v_scale = tl.load(vs_ptr)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -126,7 +135,7 @@ def _decode_kernel(
             mask=mn[None, :] & md[:, None],
             other=0.0,
         )
-        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+        s = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(mn[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
@@ -137,9 +146,10 @@ def _decode_kernel(
             mask=mn[:, None] & md[None, :],
             other=0.0,
         )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
         m_i = m_new
     pdl_release(PDL)
+    acc = acc * v_scale
     if SPLIT:
         row = (b * (GROUP * tl.num_programs(1)) + heads) * num_splits + sp  # [(b, head), split]
         nonempty = offs_g < tl.where(lo < hi, GROUP, 0)  # (a scalar & vector mask trips the interpreter)
@@ -213,7 +223,7 @@ def _attend_block(
 ):
     """One online-softmax step over the keys at offs_n (CAUSAL: mask keys after each row's position)."""
     kt = _load_kv_tile(k_ptr, pt_row, offs_n, kv_end, kvh, offs_d, s_k_slot, s_k_head, page_size, Dh, True)
-    s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+    s = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
     if CAUSAL:
         s = tl.where((offs_n[None, :] <= qpos[:, None]) & (offs_n < kv_end)[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -221,7 +231,7 @@ def _attend_block(
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(pr, axis=1)
     v = _load_kv_tile(v_ptr, pt_row, offs_n, kv_end, kvh, offs_d, s_v_slot, s_v_head, page_size, Dh, False)
-    acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(pr.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -234,6 +244,8 @@ def _prefill_kernel(
     qsl_ptr,
     prefix_ptr,
     o_ptr,
+    ks_ptr,
+    vs_ptr,
     qk_scale,
     Dh,
     page_size,
@@ -250,6 +262,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SCALED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     m0 = tl.program_id(0) * BLOCK_M
@@ -259,6 +272,10 @@ def _prefill_kernel(
     q_len = tl.load(qsl_ptr + b + 1) - q0
     if m0 >= q_len:
         return
+    v_scale = 1.0
+    if SCALED:  # the caches hold k / k_scale and v / v_scale
+        qk_scale = qk_scale * tl.load(ks_ptr)
+        v_scale = tl.load(vs_ptr)
     p = tl.load(prefix_ptr + b)
     kvh = h // GROUP
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -321,7 +338,7 @@ def _prefill_kernel(
             True,
             DOT_PRECISION,
         )
-    out = acc / l_i[:, None]
+    out = acc * v_scale / l_i[:, None]
     tl.store(
         o_ptr + rows[:, None] * s_o_t + h * s_o_h + offs_d[None, :],
         out.to(o_ptr.dtype.element_ty),
@@ -338,8 +355,12 @@ def _check(q, k_cache, v_cache, page_table, query_start_loc, prefix_lens, max_qu
         raise ValueError(f"head_dim of q ({q.shape[2]}) and k_cache ({k_cache.shape[2]}) differ")
     if q.shape[1] % k_cache.shape[1]:
         raise ValueError(f"query heads {q.shape[1]} not a multiple of KV heads {k_cache.shape[1]}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"q, k_cache, v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    cache_dtypes = (q.dtype, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+    if k_cache.dtype not in cache_dtypes or v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"k_cache and v_cache must share a dtype, q's ({q.dtype}), bfloat16, float16 or float8_e4m3fn; got "
+            f"{k_cache.dtype} and {v_cache.dtype}"
+        )
     check_dim("page_table", page_table, 2)
     check_dim("prefix_lens", prefix_lens, 1)
     B = prefix_lens.shape[0]
@@ -377,6 +398,8 @@ def paged_attention(
     max_seq_len: int,
     page_size: int,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged causal GQA attention (Triton), see `paged_attention_tiled`."""
     tiles = PrefillTiles() if q.element_size() <= 2 else PrefillTiles(64, 64, 4, 2)  # fp32 tiles: half the smem
@@ -392,6 +415,8 @@ def paged_attention(
         page_size,
         scale,
         tiles,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -408,22 +433,29 @@ def paged_attention_tiled(
     scale: float,
     tiles: PrefillTiles,
     decode: DecodeTiles = DECODE_TILE_VARIANTS[0],
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged causal GQA attention (Triton). q [T, Hq, Dh]; k/v_cache [S, Hkv, Dh] (new K/V already written);
     page_table [B, max_pages]; query_start_loc [B+1] int64 and prefix_lens [B] int64 (p_i) on q's device;
     max_query_len >= max l_i and max_seq_len >= max p_i + l_i (host ints, launch sizes).
     Request i's queries sit at positions p_i + [0, l_i) and see keys [0, pos]. Returns [T, Hq, Dh] in q's dtype.
-    `tiles` shapes the prefill path, `decode` the decode path (max_query_len == 1)."""
+    `tiles` shapes the prefill path, `decode` the decode path (max_query_len == 1). k_scale, v_scale: fp32
+    one-element tensors (both or neither) when the caches hold k / k_scale and v / v_scale."""
     _check(q, k_cache, v_cache, page_table, query_start_loc, prefix_lens, max_query_len, max_seq_len)
+    scaled = check_kv_scales(k_cache, k_scale, v_scale)
     T, Hq, Dh = q.shape
     B, Hkv = prefix_lens.shape[0], k_cache.shape[1]
     out = torch.empty_like(q)
     if T == 0:
         return out
-    common = dict(GROUP=Hq // Hkv, BLOCK_D=block_dim(Dh), DOT_PRECISION=dot_precision(q.dtype))
+    common = dict(GROUP=Hq // Hkv, BLOCK_D=block_dim(Dh), DOT_PRECISION=dot_precision(q.dtype), SCALED=scaled)
+    scales = (k_scale, v_scale) if scaled else (out, out)  # unread when not SCALED
     qk_scale = scale * _LOG2E
     if max_query_len == 1:
-        _decode(q, k_cache, v_cache, page_table, prefix_lens, max_seq_len, page_size, qk_scale, out, common, decode)
+        _decode(
+            q, k_cache, v_cache, page_table, prefix_lens, max_seq_len, page_size, qk_scale, out, scales, common, decode
+        )
         return out
     bm = 16 if max_query_len <= 16 else tiles.block_m
     _prefill_kernel[(triton.cdiv(max_query_len, bm), B, Hq)](
@@ -434,6 +466,7 @@ def paged_attention_tiled(
         query_start_loc,
         prefix_lens,
         out,
+        *scales,
         qk_scale,
         Dh,
         page_size,
@@ -456,9 +489,10 @@ def paged_attention_tiled(
 
 
 def _decode(
-    q, k_cache, v_cache, page_table, prefix_lens, max_seq_len, page_size, qk_scale, out, common, tiles: DecodeTiles
+    q, k_cache, v_cache, page_table, prefix_lens, max_seq_len, page_size, qk_scale, out, scales, common, tiles
 ) -> None:
-    """Split-KV decode: `_decode_kernel` over (request, KV head, split), then `_combine_kernel` when split."""
+    """Split-KV decode: `_decode_kernel` over (request, KV head, split), then `_combine_kernel` when split.
+    scales: (k_scale, v_scale) tensors (read when common["SCALED"]); tiles: the `DecodeTiles`."""
     B, Hq, Dh = q.shape
     Hkv = k_cache.shape[1]
     block_n = tiles.block_n if q.element_size() <= 2 else max(16, tiles.block_n // 2)
@@ -475,6 +509,7 @@ def _decode(
         out,
         part_o,
         part_ml,
+        *scales,
         qk_scale,
         Dh,
         page_size,

@@ -6,7 +6,9 @@ GEMVs). Its output is split by views, no copies: `paged_attention` reads q throu
 scatters k and v from their strided views. Checkpoints keep HF's `q_proj`/`k_proj`/`v_proj` names;
 `checkpoint_parts` tells the loader which segment of `qkv_proj` each fills.
 Under tp: query heads split; KV heads split too, or (tp > num_key_value_heads) the KV head of this rank's query
-heads replicated on the tp / num_key_value_heads ranks that hold them; `o_proj` row-parallel, one all-reduce."""
+heads replicated on the tp / num_key_value_heads ranks that hold them; `o_proj` row-parallel, one all-reduce.
+FP8 KV cache (float8_e4m3fn pages): K and V are stored divided by this layer's `k_scale` / `v_scale` (fp32 scalars
+from the checkpoint's `k_proj.k_scale` / `v_proj.v_scale`; without them, unit scales) and read back times them."""
 
 from __future__ import annotations
 
@@ -52,13 +54,21 @@ class Attention(nn.Module):
             qkv[:, q + kv :].view(T, self.hkv, self.dh),
         )
 
+    def kv_scales(self, k_cache: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(k_scale, v_scale) an FP8 cache is read and written with: the checkpoint's (parameters that
+        `quant.apply_quantization` adds), else None (unit scales); (None, None) for an unquantized cache."""
+        if k_cache.dtype != torch.float8_e4m3fn:
+            return None, None
+        return getattr(self, "k_scale", None), getattr(self, "v_scale", None)
+
     def forward(
         self, h: torch.Tensor, meta: AttentionMeta, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Kernels
     ) -> torch.Tensor:
         """h [T, hidden]; k_cache/v_cache [num_pages * page_size, Hkv, Dh] of this rank's KV heads (new K/V
         written in place). Returns [T, hidden], summed over the ranks."""
         q, key, value = self.split_qkv(project(k, self.qkv_proj, h))
-        k.write_kv(k_cache, v_cache, key, value, meta.kv_slot_mapping)
+        ks, vs = self.kv_scales(k_cache)
+        k.write_kv(k_cache, v_cache, key, value, meta.kv_slot_mapping, ks, vs)
         o = k.paged_attention(
             q,
             k_cache,
@@ -70,5 +80,7 @@ class Attention(nn.Module):
             meta.max_seq_len,
             meta.page_size,
             self.scale,
+            ks,
+            vs,
         )
         return self.parallel.all_reduce(project(k, self.o_proj, o.reshape(h.shape[0], self.hq * self.dh)))
