@@ -405,7 +405,9 @@ class EngineConfig:
     )
     kv_cache_dtype: str = setting(
         "auto",
-        "KV cache element type: auto (the model dtype) or bf16; fp8 is not implemented yet and is refused",
+        "KV cache element type: auto (fp8 when the checkpoint's kv_cache_quant_algo is FP8, else the model "
+        "dtype), bf16, or fp8 (float8_e4m3fn pages scaled by the checkpoint's per-layer k_scale / v_scale, "
+        "1.0 without them: twice the tokens per GiB of bf16)",
         choices=KV_CACHE_DTYPES,
     )
     gpu_memory_utilization: float = setting(
@@ -439,11 +441,6 @@ class EngineConfig:
             )
         if self.gpu_memory_utilization > 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.kv_cache_dtype == "fp8":
-            raise ValueError(
-                "kv_cache_dtype='fp8': an FP8 KV cache is not implemented yet; use 'auto' or 'bf16' "
-                "(the checkpoint's k_scale / v_scale are loaded and kept)"
-            )
         if self.ep not in (1, self.tp):
             raise ValueError(
                 f"ep must be 1 (experts split by tp) or equal to tp={self.tp} (whole experts spread "

@@ -1,15 +1,19 @@
 """Quantize an unquantized NemotronH checkpoint into NVIDIA ModelOpt's FP8 layout (per-tensor, static scales).
 
-`quantize_checkpoint(src, dst, exclude_modules, calibration)`:
+`quantize_checkpoint(src, dst, exclude_modules, calibration, kv_cache_fp8=False)`:
 1. calibration: our engine runs the source checkpoint (torch reference kernels) over the calibration token lists
    with a recording kernel bundle that keeps, for every linear, the largest |activation| entering it (per expert
-   for the routed experts: over the tokens routed to that expert);
+   for the routed experts: over the tokens routed to that expert), and for every attention layer the largest |K|
+   and |V| written to its KV cache;
 2. every linear not excluded gets weight = e4m3(W / weight_scale) with weight_scale = max|W| / 448 and
    input_scale = max|x| / 448, under the checkpoint's own names (`...q_proj.weight_scale`,
-   `...experts.{j}.up_proj.input_scale`, ...); every other tensor is copied unchanged;
-3. `dst` gets model.safetensors, hf_quant_config.json (quant_algo FP8, no KV-cache quantization), config.json and the
-   tokenizer / generation files of `src`.
-`hybrid-serve quantize-fp8 SRC OUT [--exclude PATTERN ...]` runs it with random-token calibration prompts.
+   `...experts.{j}.up_proj.input_scale`, ...); with kv_cache_fp8 every attention layer gets `k_proj.k_scale` =
+   max|K| / 448 and `v_proj.v_scale` = max|V| / 448 (the FP8 KV cache's per-layer scales); every other tensor is
+   copied unchanged;
+3. `dst` gets model.safetensors, hf_quant_config.json (quant_algo FP8; kv_cache_quant_algo FP8 with kv_cache_fp8,
+   else none), config.json and the tokenizer / generation files of `src`.
+`hybrid-serve quantize-fp8 SRC OUT [--exclude PATTERN ...] [--kv-cache-fp8]` runs it with random-token calibration
+prompts.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from service.engine.kernels import Kernels, norm, torch_kernels
+from service.engine.kernels import Kernels, attention, norm, torch_kernels
 from service.engine.kernels.fp8 import FP8_MAX, quantize_fp8
 from service.engine.kernels.moe import relu2
 from service.engine.model.quant import QuantConfig, fused_parts
@@ -67,6 +71,11 @@ class ActivationRecorder:
         normed, new_residual = norm.add_rms_norm_ref(x, residual, norm_weight, eps)
         return self.linear(normed, weight, bias), new_residual
 
+    def write_kv(self, k_cache, v_cache, k, v, slot_mapping, k_scale=None, v_scale=None):
+        self.see(k_cache, k)  # keyed by the layer's cache view
+        self.see(v_cache, v)
+        attention.write_kv_ref(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
+
     def gated_norm_linear(self, y, z, norm_weight, group_size, eps, weight, bias=None):
         return self.linear(
             norm.gated_group_rms_norm_ref(y, z, norm_weight, group_size, eps, weight.dtype), weight, bias
@@ -93,11 +102,14 @@ class ActivationRecorder:
             add_rms_norm_linear=self.add_rms_norm_linear,
             gated_norm_linear=self.gated_norm_linear,
             moe_experts=self.moe_experts,
+            write_kv=self.write_kv,
         )
 
 
 def calibrate(src: str, calibration: list[list[int]]) -> dict[str, float]:
-    """Checkpoint module name (`backbone.layers.3.mixer.in_proj`, `...experts.5.up_proj`) -> max |input| seen."""
+    """Checkpoint module name (`backbone.layers.3.mixer.in_proj`, `...experts.5.up_proj`) -> max |input| seen;
+    attention layer `backbone.layers.1.mixer` -> `...mixer.k_proj.k_scale` / `...mixer.v_proj.v_scale`: max |K| /
+    |V| written to its KV cache."""
     from service.engine import Engine, EngineConfig, SamplingParams
 
     engine = Engine(
@@ -114,6 +126,10 @@ def calibrate(src: str, calibration: list[list[int]]) -> dict[str, float]:
     model = engine.runner.model
     fused = {f"{name}.weight": parts for name, parts in fused_parts(model).items()}
     out: dict[str, float] = {}
+    kv = engine.runner.pools.kv  # [L_attn, 2, slots, Hkv, Dh]
+    for j, lid in enumerate(model.cfg.attention_layer_ids):
+        for i, name in enumerate(("k_proj.k_scale", "v_proj.v_scale")):
+            out[f"backbone.layers.{lid}.mixer.{name}"] = recorder.amax.get((kv[j, i].data_ptr(), -1), 0.0)
     for name, p in model.named_parameters():
         for (ptr, expert), amax in recorder.amax.items():
             if ptr != p.data_ptr():
@@ -164,9 +180,15 @@ def _quantized_modules(names: list[str], quant: QuantConfig) -> set[str]:
     return out
 
 
-def quantize_checkpoint(src: str, dst: str, exclude_modules: tuple[str, ...], calibration: list[list[int]]) -> str:
+def quantize_checkpoint(
+    src: str,
+    dst: str,
+    exclude_modules: tuple[str, ...],
+    calibration: list[list[int]],
+    kv_cache_fp8: bool = False,
+) -> str:
     """Writes the FP8 checkpoint of `src` into `dst` (see the module docstring); returns dst."""
-    quant = QuantConfig("FP8", None, tuple(exclude_modules))
+    quant = QuantConfig("FP8", "FP8" if kv_cache_fp8 else None, tuple(exclude_modules))
     amax = calibrate(src, calibration)
     tensors: dict[str, torch.Tensor] = {}
     for path in checkpoint_files(src):
@@ -190,6 +212,8 @@ def quantize_checkpoint(src: str, dst: str, exclude_modules: tuple[str, ...], ca
         out[raw] = quantize_fp8(t, w_scale).contiguous()
         out[f"{base}.weight_scale"] = w_scale.reshape(())
         out[f"{base}.input_scale"] = torch.tensor(max(amax[module], 1e-6) / FP8_MAX, dtype=torch.float32)
+    if kv_cache_fp8:
+        out.update(_kv_scales(tensors, canonical, amax))
     os.makedirs(dst, exist_ok=True)
     save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     for name in COPIED_FILES:
@@ -198,6 +222,19 @@ def quantize_checkpoint(src: str, dst: str, exclude_modules: tuple[str, ...], ca
     with open(os.path.join(dst, "hf_quant_config.json"), "w") as f:
         json.dump(quant.to_hf_quant_config(), f, indent=2)
     return dst
+
+
+def _kv_scales(
+    tensors: dict[str, torch.Tensor], canonical: dict[str, str], amax: dict[str, float]
+) -> dict[str, torch.Tensor]:
+    """`...k_proj.k_scale` / `...v_proj.v_scale` (named with the checkpoint's own prefix) = calibrated max / 448."""
+    out = {}
+    for raw in tensors:
+        for proj, scale in (("k_proj", "k_scale"), ("v_proj", "v_scale")):
+            if raw.endswith(f".{proj}.weight"):
+                key = f"{canonical[raw].rpartition('.')[0]}.{scale}"
+                out[f"{raw.rpartition('.')[0]}.{scale}"] = torch.tensor(max(amax[key], 1e-6) / FP8_MAX)
+    return out
 
 
 def random_calibration(vocab_size: int, num_prompts: int = 8, length: int = 64, seed: int = 0) -> list[list[int]]:
@@ -214,6 +251,7 @@ def _run_cli(args: argparse.Namespace) -> int:
             args.out,
             tuple(args.exclude),
             random_calibration(vocab, args.calibration_prompts, args.calibration_len),
+            args.kv_cache_fp8,
         )
     )
     return 0
@@ -229,6 +267,11 @@ def add_cli(subparsers: Any) -> None:
         action="append",
         default=["lm_head"],
         help="module-name pattern kept unquantized (repeat; default: lm_head)",
+    )
+    p.add_argument(
+        "--kv-cache-fp8",
+        action="store_true",
+        help="also calibrate per-layer k_scale / v_scale and mark the checkpoint's KV cache FP8",
     )
     p.add_argument("--calibration-prompts", type=int, default=8, help="random-token calibration prompts")
     p.add_argument("--calibration-len", type=int, default=64, help="tokens per calibration prompt")

@@ -198,8 +198,11 @@ def graph_reserve_bytes(cfg, model_cfg) -> int:
     return graph_memory_bytes(graph_buckets(cfg.max_num_seqs), model_cfg.vocab_size, model_cfg.hidden_size, segments)
 
 
-def plan_for(cfg, model_cfg, model, max_model_len: int, dtype: torch.dtype, new_pools) -> MemoryPlan:
-    """The plan of this engine on its CUDA device: weights counted, activations profiled, pools sized."""
+def plan_for(
+    cfg, model_cfg, model, max_model_len: int, dtype: torch.dtype, new_pools, kv_dtype: torch.dtype | None = None
+) -> MemoryPlan:
+    """The plan of this engine on its CUDA device: weights counted, activations profiled, pools sized (KV pages
+    in kv_dtype, default dtype; conv state in dtype)."""
     m, s = model_cfg, model.shapes  # this rank's heads and groups
     elem = torch.tensor([], dtype=dtype).element_size()
     sizes = state_bytes(
@@ -207,7 +210,7 @@ def plan_for(cfg, model_cfg, model, max_model_len: int, dtype: torch.dtype, new_
         cfg.page_size,
         s.kv_heads,
         m.head_dim,
-        elem,
+        torch.tensor([], dtype=kv_dtype or dtype).element_size(),
         len(m.mamba_layer_ids),
         s.conv_dim,
         m.conv_kernel,

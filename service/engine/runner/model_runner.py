@@ -16,6 +16,7 @@ from service.engine.distributed.step import LaunchLimits, SlotOps, StepPlan, Ste
 from service.engine.kernels import get_kernels
 from service.engine.model import loader
 from service.engine.model.nemotron_h import NemotronHForCausalLM
+from service.engine.model.quant import read_quant_config
 from service.engine.runner import memory_plan
 from service.engine.runner.batch import build_forward_batch, to_device_async
 from service.engine.runner.cuda_graph import DecodeGraphs, is_graphable
@@ -33,6 +34,16 @@ def resolve_dtype(cfg: EngineConfig, model_cfg: ModelConfig) -> torch.dtype:
     if not cfg.device.startswith("cuda"):
         return torch.float32
     return _DTYPES.get(model_cfg.torch_dtype, torch.bfloat16)
+
+
+def resolve_kv_dtype(cfg: EngineConfig, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: kv_cache_dtype fp8 -> float8_e4m3fn, bf16 -> bfloat16, auto -> float8_e4m3fn
+    when the checkpoint's kv_cache_quant_algo is FP8, else the model dtype `dtype`."""
+    if cfg.kv_cache_dtype == "fp8":
+        return torch.float8_e4m3fn
+    if cfg.kv_cache_dtype == "bf16":
+        return torch.bfloat16
+    return torch.float8_e4m3fn if read_quant_config(cfg.model_path).kv_cache_quant_algo == "FP8" else dtype
 
 
 def default_pool_sizes(cfg: EngineConfig, max_model_len: int) -> PoolSizes:
@@ -106,6 +117,7 @@ class ModelRunner:
         self.rank = parallel.rank
         self.device = torch.device(cfg.device)
         self.dtype = resolve_dtype(cfg, model_cfg)
+        self.kv_dtype = resolve_kv_dtype(cfg, self.dtype)
         if model is not None:  # a prebuilt model runs the configured backend (a bundle of that backend with
             if model.kernels.name != cfg.kernel_backend:  # some ops swapped, e.g. by a benchmark, is kept)
                 model.kernels = get_kernels(cfg.kernel_backend)
@@ -115,7 +127,7 @@ class ModelRunner:
         self.memory_plan = None
         if self.device.type == "cuda" and cfg.num_kv_pages is None:
             self.memory_plan = memory_plan.plan_for(
-                cfg, model_cfg, self.model, max_model_len, self.dtype, self._new_pools
+                cfg, model_cfg, self.model, max_model_len, self.dtype, self._new_pools, self.kv_dtype
             )
             log.info(self.memory_plan.log_line())
         self.pool_sizes = (
@@ -135,9 +147,8 @@ class ModelRunner:
         self._last: InFlightStep | None = None  # the last launched step: a carried plan's input tokens
 
     def _new_pools(self, sizes: PoolSizes) -> StateTensors:
-        return StateTensors(
-            sizes, self.cfg.page_size, state_shapes(self.model_cfg, self.model.shapes), self.dtype, self.device
-        )
+        shapes = state_shapes(self.model_cfg, self.model.shapes)
+        return StateTensors(sizes, self.cfg.page_size, shapes, self.dtype, self.device, self.kv_dtype)
 
     @property
     def limits(self) -> LaunchLimits:

@@ -26,13 +26,27 @@ class StateShapes:
 
 
 class StateTensors:
-    """kv [L_attn, 2, num_pages * page_size, Hkv, Dh]; conv [L_mamba, S, conv_dim, K-1]; ssm [L_mamba, S, H, P, N]
-    fp32 (S = all mamba slots, scratch slot 0 included)."""
+    """kv [L_attn, 2, num_pages * page_size, Hkv, Dh] in kv_dtype (default: dtype); conv [L_mamba, S, conv_dim, K-1]
+    in dtype; ssm [L_mamba, S, H, P, N] fp32 (S = all mamba slots, scratch slot 0 included)."""
 
-    def __init__(self, sizes: PoolSizes, page_size: int, shapes: StateShapes, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        sizes: PoolSizes,
+        page_size: int,
+        shapes: StateShapes,
+        dtype: torch.dtype,
+        device: torch.device,
+        kv_dtype: torch.dtype | None = None,
+    ):
         s = shapes
         self.kv = torch.zeros(
-            s.num_attn_layers, 2, sizes.num_kv_pages * page_size, s.kv_heads, s.head_dim, dtype=dtype, device=device
+            s.num_attn_layers,
+            2,
+            sizes.num_kv_pages * page_size,
+            s.kv_heads,
+            s.head_dim,
+            dtype=kv_dtype or dtype,
+            device=device,
         )
         self.conv = torch.zeros(
             s.num_mamba_layers, sizes.num_slots, s.conv_dim, s.conv_width - 1, dtype=dtype, device=device
