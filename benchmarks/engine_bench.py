@@ -370,6 +370,12 @@ def parse_args() -> argparse.Namespace:
         default=0.90,
         help="the engine's memory plan sizes KV pages and Mamba slots from this fraction of the GPU",
     )
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "bf16", "fp8"],
+        help="the engines' KV cache: fp8 = float8_e4m3fn pages (unit scales with dummy weights), auto = the model dtype",
+    )
     ap.add_argument("--out", default="")
     ap.add_argument("--trace-dir", default="", help="write CPU+CUDA chrome traces of 4 decode steps per batch here")
     ap.add_argument("--profile-out", default="", help="write a kernel profile of a batch-1 decode forward here")
@@ -417,6 +423,7 @@ def main() -> None:
             max_num_batched_tokens=args.max_batched_tokens,
             load_format="dummy",
             gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_dtype=args.kv_cache_dtype,
             max_model_len=max(args.isl + [decode_len, args.tp_isl + args.tp_osl]) + 64,
         )
         model_cfg = ModelConfig.from_model_path(model_dir)
