@@ -94,32 +94,39 @@ def max_concurrency(args: argparse.Namespace, model_dir: str, model, model_cfg: 
     return lo
 
 
-def closed_loop(engine: Engine, num_prompts: int, isl: int, osl: int, concurrency: int) -> dict[str, float]:
-    """At most `concurrency` requests in flight (the next sent when one finishes): output tok/s, TTFT / TPOT
-    medians (ms) and the most requests that ran in one step."""
+def closed_loop(
+    engine: Engine, num_prompts: int, isl: int, osl: int, concurrency: int, limit_s: float = math.inf
+) -> dict[str, float]:
+    """At most `concurrency` requests in flight (the next sent when one finishes), until all are done or limit_s
+    seconds have passed: output tok/s (tokens generated / elapsed), TTFT and TPOT medians (ms; a request still
+    running counts its tokens so far) and the most requests that ran in one step."""
     params = SamplingParams(max_tokens=osl, temperature=0.0, ignore_eos=True)
     pending = random_prompts(num_prompts, isl, engine.model_config.vocab_size, seed=7)[::-1]
-    sent, first, done, reached = {}, {}, {}, 0
+    sent, first, last, reached = {}, {}, {}, 0
+    tokens0 = engine.num_generation_tokens
     sync(engine.config.device)
     t0 = time.perf_counter()
-    while pending or len(done) < len(sent):
-        while pending and len(sent) - len(done) < concurrency:
+    while (pending or engine.has_unfinished()) and time.perf_counter() - t0 < limit_s:
+        while pending and len(engine.requests) < concurrency:
             sent[engine.add_request(pending.pop(), params)] = time.perf_counter()
         outs = engine.step()
         reached = max(reached, len(engine.scheduler.running))
         now = time.perf_counter()
         for o in outs:
             first.setdefault(o.request_id, now)
-            if o.finished:
-                done[o.request_id] = now
+            last[o.request_id] = (now, o.num_output_tokens)
     elapsed = time.perf_counter() - t0
-    ttft = sorted(first[r] - sent[r] for r in sent)
-    tpot = sorted((done[r] - first[r]) / max(osl - 1, 1) for r in sent)
+    ttft = sorted(first[r] - sent[r] for r in first)
+    tpot = sorted((last[r][0] - first[r]) / (last[r][1] - 1) for r in first if last[r][1] > 1)
+    finished = sum(1 for r in sent if r not in engine.requests)
+    for rid in list(engine.requests):
+        engine.abort(rid)
     return {
-        "output tok/s": num_prompts * osl / elapsed,
-        "TTFT median ms": 1e3 * ttft[len(ttft) // 2],
-        "TPOT median ms": 1e3 * tpot[len(tpot) // 2],
+        "output tok/s": (engine.num_generation_tokens - tokens0) / elapsed,
+        "TTFT median ms": 1e3 * ttft[len(ttft) // 2] if ttft else math.nan,
+        "TPOT median ms": 1e3 * tpot[len(tpot) // 2] if tpot else math.nan,
         "concurrency reached": float(reached),
+        "requests finished": float(finished),
         "seconds": elapsed,
     }
 
@@ -152,9 +159,11 @@ def load(args: argparse.Namespace, model_dir: str):
 def run(args: argparse.Namespace, model_dir: str) -> list[str]:
     lines: list[str] = []
 
-    def say(text: str) -> None:
+    def say(text: str) -> None:  # printed, and the report rewritten (a run cut short keeps its lines)
         lines.append(text)
         print(text, flush=True)
+        if args.out:
+            write_report(args, lines)
 
     model, model_cfg, load_lines = load(args, model_dir)
     for line in load_lines:
@@ -176,12 +185,20 @@ def run(args: argparse.Namespace, model_dir: str) -> list[str]:
         tps, _ = decode_tps(engine, b, args.prompt_len, args.decode_steps, 1000 + b)
         say(f"decode B={b}: {tps:.1f} tok/s ({1e3 * b / tps:.2f} ms/step)")
     closed_loop(engine, min(4, c), args.isl, 8, min(4, c))  # warm-up: the mixed prefill + decode step shapes
-    r = closed_loop(engine, args.prompts or c, args.isl, args.osl, c)
+    r = closed_loop(engine, args.prompts or c, args.isl, args.osl, c, args.limit_s)
     say(
-        f"{args.isl}/{args.osl} x {args.prompts or c} prompts at concurrency {c}: "
+        f"{args.isl}/{args.osl} x {args.prompts or c} prompts at concurrency {c}"
+        f"{f' (stopped after {args.limit_s:.0f} s)' if r['seconds'] >= args.limit_s else ''}: "
         + ", ".join(f"{k} {v:.1f}" for k, v in r.items())
     )
     return lines
+
+
+def write_report(args: argparse.Namespace, lines: list[str]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        f.write(f"# {args.config} FP8 (dummy weights, FP8 KV cache) on {args.device}\n\n")
+        f.write("".join(f"- {line}\n" for line in lines))
 
 
 def parse_args() -> argparse.Namespace:
@@ -197,6 +214,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--isl", type=int, default=1024)
     ap.add_argument("--osl", type=int, default=1024)
     ap.add_argument("--prompts", type=int, default=0, help="closed-loop prompts; 0: one per concurrency slot")
+    ap.add_argument("--limit-s", type=float, default=math.inf, help="stop the closed loop after this many seconds")
     ap.add_argument("--max-concurrency", type=int, default=512, help="upper bound of the search (CPU: the value)")
     ap.add_argument(
         "--shrink",
@@ -215,14 +233,9 @@ def main() -> None:
     model_dir = tempfile.mkdtemp(prefix="super_fp8_")
     try:
         make_model_dir(model_dir, args.config, "fp8", kv_cache_fp8=True, overrides=overrides)
-        lines = run(args, model_dir)
+        run(args, model_dir)
     finally:
         shutil.rmtree(model_dir, ignore_errors=True)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(f"# {args.config} FP8 (dummy weights, FP8 KV cache) on {args.device}\n\n")
-            f.write("".join(f"- {line}\n" for line in lines))
 
 
 if __name__ == "__main__":

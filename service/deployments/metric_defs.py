@@ -39,6 +39,23 @@ ENGINE_METRICS: tuple[MetricDef, ...] = (
     MetricDef(_P + "prompt_tokens_total", "counter", "Prompt tokens processed"),
     MetricDef(_P + "generation_tokens_total", "counter", "Tokens generated"),
 )
+# the engine's memory plan (runner/memory_plan.py; engines on CUDA that size their pools from it, none on CPU)
+MEMORY_PLAN_PARTS = (  # `part` label values: the plan's bytes
+    "total",  # the device's memory
+    "budget",  # total * gpu_memory_utilization
+    "weights",
+    "activations",  # peak of the profiling forward at the token budget
+    "cuda_graphs",  # reserve for the decode CUDA graphs
+    "kv",  # KV pages
+    "mamba_live",  # Mamba live slots (one per running request)
+    "mamba_snapshot",  # Mamba snapshot slots of the prefix cache
+    "free",  # budget left unplanned
+)
+MEMORY_PLAN_POOLS = ("kv_pages", "mamba_live_slots", "mamba_snapshot_slots")  # `pool` label values
+MEMORY_PLAN_METRICS: tuple[MetricDef, ...] = (
+    MetricDef(_P + "memory_plan_bytes", "gauge", "The engine's GPU memory plan in bytes, by part", ("part",)),
+    MetricDef(_P + "memory_plan_pool_size", "gauge", "Pool sizes the memory plan gives, by pool", ("pool",)),
+)
 ROUTER_METRICS: tuple[MetricDef, ...] = (
     MetricDef(_P + "router_decisions_total", "counter", "Routing decisions by reason", ("reason",), "router"),
     MetricDef(
@@ -93,7 +110,9 @@ INGRESS_METRICS: tuple[MetricDef, ...] = (  # `key`: the API key's id (a hash pr
     ),
     MetricDef(_P + "api_tokens_total", "counter", "Tokens used (prompt + generated) by key id", ("key",), "ingress"),
 )
-ALL_METRICS: tuple[MetricDef, ...] = ENGINE_METRICS + ROUTER_METRICS + CANARY_METRICS + INGRESS_METRICS
+ALL_METRICS: tuple[MetricDef, ...] = (
+    ENGINE_METRICS + MEMORY_PLAN_METRICS + ROUTER_METRICS + CANARY_METRICS + INGRESS_METRICS
+)
 
 
 def metric_names() -> frozenset[str]:

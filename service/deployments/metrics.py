@@ -19,7 +19,13 @@ from typing import Any
 
 from ray.serve import metrics as serve_metrics
 
-from service.deployments.metric_defs import CANARY_METRICS, ENGINE_METRICS, ROUTER_METRICS, MetricDef
+from service.deployments.metric_defs import (
+    CANARY_METRICS,
+    ENGINE_METRICS,
+    MEMORY_PLAN_METRICS,
+    ROUTER_METRICS,
+    MetricDef,
+)
 
 RAY_EXPORT_PREFIX = "ray_"  # Ray's metrics agent namespace, prepended to every application metric
 
@@ -50,6 +56,22 @@ _GAUGE_STATS: tuple[tuple[str, str], ...] = (
     ("num_requests_waiting", "hybrid_serve_num_requests_waiting"),
 )
 
+# engine.stats() key (`MemoryPlan.stats()`) -> (metric name, label); exported only when the engine has a plan
+_MEMORY_PLAN_STATS: tuple[tuple[str, str, tuple[str, str]], ...] = (
+    ("memory_plan_total_bytes", "hybrid_serve_memory_plan_bytes", ("part", "total")),
+    ("memory_plan_budget_bytes", "hybrid_serve_memory_plan_bytes", ("part", "budget")),
+    ("memory_plan_weights_bytes", "hybrid_serve_memory_plan_bytes", ("part", "weights")),
+    ("memory_plan_activation_bytes", "hybrid_serve_memory_plan_bytes", ("part", "activations")),
+    ("memory_plan_graph_bytes", "hybrid_serve_memory_plan_bytes", ("part", "cuda_graphs")),
+    ("memory_plan_kv_bytes", "hybrid_serve_memory_plan_bytes", ("part", "kv")),
+    ("memory_plan_mamba_live_bytes", "hybrid_serve_memory_plan_bytes", ("part", "mamba_live")),
+    ("memory_plan_mamba_snapshot_bytes", "hybrid_serve_memory_plan_bytes", ("part", "mamba_snapshot")),
+    ("memory_plan_free_bytes", "hybrid_serve_memory_plan_bytes", ("part", "free")),
+    ("memory_plan_num_kv_pages", "hybrid_serve_memory_plan_pool_size", ("pool", "kv_pages")),
+    ("memory_plan_num_live_slots", "hybrid_serve_memory_plan_pool_size", ("pool", "mamba_live_slots")),
+    ("memory_plan_num_snapshot_slots", "hybrid_serve_memory_plan_pool_size", ("pool", "mamba_snapshot_slots")),
+)
+
 
 def scraped_name(defn: MetricDef) -> str:
     """The sample name (histograms: the family name) as it appears on Ray's metrics endpoint."""
@@ -76,7 +98,9 @@ class EngineMetrics:
     """The engine replica's metrics: engine counters/gauges polled from `engine.stats()` and
     per-request timings observed by the deployment."""
 
-    live: dict[str, Any] = field(default_factory=lambda: {d.name: make_metric(d) for d in ENGINE_METRICS})
+    live: dict[str, Any] = field(
+        default_factory=lambda: {d.name: make_metric(d) for d in ENGINE_METRICS + MEMORY_PLAN_METRICS}
+    )
     last_counts: dict[str, float] = field(default_factory=dict)  # stats key -> last cumulative value exported
 
     def update_from_stats(self, stats: Mapping[str, Any]) -> None:
@@ -91,6 +115,9 @@ class EngineMetrics:
             self.last_counts[key] = value
         for key, name in _GAUGE_STATS:
             self.live[name].set(float(stats.get(key, 0.0)))
+        for key, name, (label, value) in _MEMORY_PLAN_STATS:
+            if key in stats:
+                self.live[name].set(float(stats[key]), tags={label: value})
 
     def observe_request(self, ttft_s: float | None, itl_s: list[float], e2e_s: float) -> None:
         """Timings of one finished (or aborted) request, in seconds."""

@@ -1,13 +1,21 @@
 """Every engine and router metric (docs/design.md: Metrics) on Ray's metrics endpoint, parsed with prometheus_client's
-text parser; prefix-cache hit tokens grow after repeated prompts."""
+text parser; prefix-cache hit tokens grow after repeated prompts; the memory plan's gauges equal the plan."""
 
 from __future__ import annotations
 
 import httpx
+import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.deployments.metric_defs import CANARY_METRICS, ENGINE_METRICS, ROUTER_METRICS
-from service.deployments.metrics import scraped_name
+from service.deployments.metric_defs import (
+    CANARY_METRICS,
+    ENGINE_METRICS,
+    MEMORY_PLAN_PARTS,
+    MEMORY_PLAN_POOLS,
+    ROUTER_METRICS,
+)
+from service.deployments.metrics import _MEMORY_PLAN_STATS, RAY_EXPORT_PREFIX, EngineMetrics, scraped_name
+from service.engine.runner.memory_plan import StateBytes, plan_memory
 from tests.deployments.serve_testkit import wait_until
 
 
@@ -90,3 +98,41 @@ def test_hit_tokens_grow_after_repeated_prompts(cluster, main_app, http):
         interval_s=1,
         what="hit-token counter to grow",
     )
+
+
+@ray.remote(num_cpus=0)
+class _ReplicaMetrics:
+    """The engine replica's `EngineMetrics` in a Ray worker, fed an `engine.stats()` snapshot (CPU engines have no
+    memory plan, so the plan comes from `plan_memory`'s arithmetic on an H200-sized device)."""
+
+    def __init__(self) -> None:
+        self.metrics = EngineMetrics()
+
+    def export(self, stats: dict[str, float]) -> None:
+        self.metrics.update_from_stats(stats)
+
+
+def test_memory_plan_metrics_equal_the_plan(cluster):
+    GiB = 1 << 30
+    sizes = StateBytes(kv_page=6 * 2 * 64 * 2 * 128 * 1, mamba_slot=23 * (12288 * 3 * 2 + 64 * 64 * 128 * 4))
+    plan = plan_memory(141 * GiB, 0.9, 32 * GiB, 5 * GiB + 123, 3 * GiB, sizes, 256, 8192, 64, 512, 1 << 20)
+    assert {key for key, _, _ in _MEMORY_PLAN_STATS} == set(plan.stats()), "every plan field has its metric"
+    actor = _ReplicaMetrics.remote()
+    ray.get(actor.export.remote({**plan.stats(), "num_requests_running": 3}))
+    by_label = {"hybrid_serve_memory_plan_bytes": "part", "hybrid_serve_memory_plan_pool_size": "pool"}
+
+    def exported() -> dict[tuple[str, str], float] | None:
+        got = {}
+        for name, label in by_label.items():
+            for s in scrape(cluster.metrics_url).get(RAY_EXPORT_PREFIX + name, []):
+                if label in s.labels and "application" not in s.labels:
+                    got[(name, s.labels[label])] = s.value
+        return got if len(got) == len(_MEMORY_PLAN_STATS) else None
+
+    got = wait_until(exported, timeout_s=60, interval_s=1, what="memory plan metrics")
+    want = {(name, value): float(plan.stats()[key]) for key, name, (_, value) in _MEMORY_PLAN_STATS}
+    assert got == want
+    assert {v for (n, v) in want if n.endswith("_bytes")} == set(MEMORY_PLAN_PARTS)
+    assert {v for (n, v) in want if n.endswith("_pool_size")} == set(MEMORY_PLAN_POOLS)
+    assert got[("hybrid_serve_memory_plan_pool_size", "kv_pages")] == plan.num_kv_pages > 0
+    ray.kill(actor)
