@@ -160,3 +160,58 @@ def test_unsupported_kv_schemes_are_refused(fp8kv, tmp_path, change, words):
     bad = _rewrite(fp8kv, str(tmp_path / "bad"), change)
     with pytest.raises(ValueError, match=words):
         engine(bad)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def cuda_engine(path: str, kv: str, strategy: str = "off", dtype: str = "bfloat16") -> Engine:
+    cfg = EngineConfig(
+        model_path=path,
+        device="cuda",
+        dtype=dtype,
+        max_num_seqs=8,
+        max_model_len=512,
+        page_size=4,
+        kv_cache_dtype=kv,
+        mamba_cache_strategy=strategy,
+        gpu_memory_utilization=0.3,
+    )
+    return Engine(cfg)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_fp8_kv_on_the_triton_path_with_graphs(fp8kv, hf_checkpoints):
+    """Triton write_kv + attention over FP8 pages, decode replayed from CUDA graphs: logits close to a bf16 pool,
+    greedy tokens equal on peaked prompts, a prefix-cache hit over FP8 pages equal to a cold FP8 engine (fp32
+    activations, unquantized weights: only the pool is FP8); the memory plan counts one byte per KV element."""
+    a, b = cuda_engine(fp8kv, "auto"), cuda_engine(fp8kv, "bf16")
+    assert a.runner.pools.kv.dtype == FP8 and a.runner.graphs is not None
+    m, plan, page = a.model_config, a.runner.memory_plan, a.config.page_size
+    per_page = len(m.attention_layer_ids) * 2 * page * m.num_key_value_heads * m.head_dim  # 1 byte per element
+    assert plan.kv_bytes == plan.num_kv_pages * per_page
+    for seed in range(3):
+        ids = random_ids(40, seed=300 + seed)
+        la, lb = full_prefill_logits(a, ids), full_prefill_logits(b, ids)
+        assert ((la - lb).norm() / lb.norm()).item() < 3e-2
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2)
+    prompts = [random_ids(24, seed=s) for s in range(24)]
+    ref = b.generate(prompts, params)
+    peaked = [
+        i
+        for i, o in enumerate(ref)
+        if all(sorted(d.values())[-1] - sorted(d.values())[-2] >= 0.05 for d in o.top_logprobs)
+    ]
+    assert len(peaked) >= 3, len(peaked)
+    got = a.generate([prompts[i] for i in peaked], params)
+    assert [o.token_ids for o in got] == [ref[i].token_ids for i in peaked]
+    del a, b
+    plain = hf_checkpoints["mixed_g2_c16"]
+    cached = cuda_engine(plain, "fp8", "extra_buffer", "float32")
+    cold = cuda_engine(plain, "fp8", "off", "float32")
+    shared = random_ids(70, seed=5)
+    prompts = [shared + random_ids(9, seed=10 + i) for i in range(4)]
+    outs = cached.generate(prompts[:1], greedy(6)) + cached.generate(prompts[1:], greedy(6))
+    assert all(o.num_cached_tokens >= 64 for o in outs[1:])
+    assert [o.token_ids for o in outs] == [o.token_ids for o in cold.generate(prompts, greedy(6))]
