@@ -115,6 +115,7 @@ def calibrate(src: str, calibration: list[list[int]]) -> dict[str, float]:
     engine = Engine(
         EngineConfig(
             model_path=src,
+            device="cpu",  # the torch kernels the recorder wraps, on any machine
             dtype="float32",
             max_num_seqs=max(1, len(calibration)),
             max_model_len=max(map(len, calibration)) + 8,
