@@ -215,7 +215,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--osl", type=int, default=1024)
     ap.add_argument("--prompts", type=int, default=0, help="closed-loop prompts; 0: one per concurrency slot")
     ap.add_argument("--limit-s", type=float, default=math.inf, help="stop the closed loop after this many seconds")
-    ap.add_argument("--max-concurrency", type=int, default=512, help="upper bound of the search (CPU: the value)")
+    ap.add_argument("--max-concurrency", type=int, default=256, help="upper bound of the search (CPU: the value)")
     ap.add_argument(
         "--shrink",
         default="",
