@@ -1,4 +1,7 @@
-"""The engine deployment: one Ray Serve replica wrapping one `AsyncEngine` (docs/design.md: Serving).
+"""The engine deployment: one Ray Serve replica driving one `EngineProcess` (docs/design.md: Serving).
+
+The replica streams, keeps metrics and runs the canary; the engine steps in its own child process (the engine
+core), so the two never share an interpreter lock. The replica never touches the device.
 
 The ingress calls `generate(prompt_token_ids, sampling_params, request_id)` through a streaming
 DeploymentHandle; the prefix-aware router reads `prompt_token_ids` (the first argument) to route.
@@ -8,8 +11,8 @@ failure). Cancelling the call (client disconnect) aborts the request in the engi
 
 Serve hooks: `record_replica_metadata` publishes the snapshot grid (the router's block size),
 `record_routing_stats` the prefix hashes the cache can resume from (the router's index
-correction), `check_health` fails when the engine cannot report or lost a rank process, `__del__` drains and shuts the
-engine down after Serve has waited for in-flight requests.
+correction), `check_health` fails when the engine core process (or one of its rank processes) is gone or does not
+answer, `__del__` drains and shuts the engine down after Serve has waited for in-flight requests.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from service.deployments.args import AppArgs
 from service.deployments.metrics import CanaryMetrics, EngineMetrics
 from service.deployments.placement import expose_rank_gpus
 from service.deployments.pool_audit import audit_pools, resident_memory_bytes
-from service.engine import AsyncEngine, SamplingParams
+from service.engine import SamplingParams
+from service.engine.core_process import EngineProcess
 from service.engine.canary import CanaryCheck, audit_hit, pinned_canary, pinned_prompts
 from service.evals.canary_set import PinnedQuestion, is_correct, pinned_questions
 
@@ -37,7 +41,7 @@ logger = logging.getLogger("ray.serve")
 
 STATS_INTERVAL_S = 1.0  # how often engine.stats() is exported to the metrics
 ROUTING_REPORT_MAX_BLOCKS = 4096  # cached prefix hashes sent per routing-stats report
-HEALTH_TIMEOUT_S = 10.0  # the engine thread must answer a health probe within this
+HEALTH_TIMEOUT_S = 10.0  # the engine core process must answer a health probe within this
 MAX_STREAM_INTERVAL_S = 0.25  # a running stream sends its new tokens at least this often
 
 
@@ -80,7 +84,7 @@ class EngineDeployment:
         config = self._args.engine_config()
         if config.tp > 1 and config.resolved().device.startswith("cuda"):  # before a rank process starts
             logger.info("tp=%d: rank GPUs %s", config.tp, expose_rank_gpus(config.tp))
-        self._engine = AsyncEngine(config)
+        self._engine = EngineProcess(config)  # the engine steps in its own process; this one streams
         self._metrics = EngineMetrics()
         self._canary_metrics = CanaryMetrics()
         self._report_seq = 0
@@ -178,8 +182,8 @@ class EngineDeployment:
         }
 
     async def check_health(self) -> None:
-        """A round trip through the engine thread's command queue: fails (or times out) if it is stuck or dead,
-        or if a tensor-parallel rank process has died (Serve then replaces the replica)."""
+        """A round trip through the engine core's step loop: fails (or times out) if it is stuck or dead, or if a
+        tensor-parallel rank process has died (Serve then replaces the replica)."""
         self._ensure_stats_loop()
         await asyncio.wait_for(self._engine.check_alive(), timeout=HEALTH_TIMEOUT_S)
 
@@ -212,8 +216,8 @@ class EngineDeployment:
     async def _canary_forever(self) -> None:
         """Every canary.interval_s: the pinned prompts, cached vs cold, on this replica. With a chat template they
         are the trained tasks' questions, and the share answered correctly is exported too."""
-        questions = pinned_questions(self._engine.engine.tokenizer) if self._engine.engine.tokenizer else []
-        prompts = [] if questions else pinned_prompts(self._engine.engine.model_config.vocab_size, self._grid_tokens)
+        questions = pinned_questions(self._engine.tokenizer) if self._engine.tokenizer else []
+        prompts = [] if questions else pinned_prompts(self._engine.model_config.vocab_size, self._grid_tokens)
         while True:
             await asyncio.sleep(self._args.canary.interval_s)
             await self._canary_round(questions, prompts)

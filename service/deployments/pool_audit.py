@@ -1,6 +1,6 @@
 """Who holds the engine's KV pages and mamba slots: the prefix cache, or requests (for leak checks).
 
-`audit_pools(engine)` runs on the engine thread (`AsyncEngine.inspect`). With no request in the engine,
+`audit_pools(engine)` runs between engine steps, where the engine lives (`inspect`). With no request in the engine,
 every allocated page and snapshot slot must belong to the prefix cache, no live slot may be in use and
 no cache node may be locked; anything else is a leak. The engine deployment returns it from
 `stats(audit=True)` together with `check_integrity`'s verdict and the replica's resident memory.
@@ -41,7 +41,7 @@ class PoolAudit:
 
 
 def audit_pools(engine: Engine) -> dict[str, Any]:
-    """`PoolAudit` of `engine` as a dict. Call on the engine thread only."""
+    """`PoolAudit` of `engine` as a dict. Call between steps only (through `inspect`)."""
     pools, tree = engine.cache.pools, engine.cache.tree
     try:
         engine.check_integrity()

@@ -32,6 +32,8 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, model=None):
         self.engine = Engine(config, model)
         self.tokenizer = self.engine.tokenizer
+        self.model_config = self.engine.model_config
+        self.dtype = self.engine.dtype  # torch.dtype of weights and KV state
         self.config = config
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _Sink] = {}  # request_id -> where its outputs go

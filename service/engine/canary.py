@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from service.engine.async_engine import AsyncEngine
+from service.engine.async_engine import AsyncEngine  # or EngineProcess: the same async API
 from service.engine.request import CapturedState, RequestOutput, SamplingParams
 
 
@@ -81,7 +81,7 @@ async def pinned_canary(
     ignore_eos: bool = True,
 ) -> CanaryCheck:
     """`ignore_eos=False` for questions: the reply ends at EOS (cached and cold must end at the same token)."""
-    state_tol, lp_tol = tolerances or default_tolerances(engine.engine.dtype)
+    state_tol, lp_tol = tolerances or default_tolerances(engine.dtype)
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos, logprobs=True)
     decoy = list(prompt[: len(prompt) // 2 + 3])[::-1]
     await asyncio.gather(_run(engine, decoy, greedy, bypass_cache=True), _run(engine, prompt, greedy))
@@ -112,6 +112,6 @@ async def audit_hit(
     engine: AsyncEngine, prompt: Sequence[int], captured: CapturedState, tolerances: tuple[float, float] | None = None
 ) -> CanaryCheck:
     """Recompute the prefix of a real request's hit cold and compare the state it resumed from."""
-    state_tol, _ = tolerances or default_tolerances(engine.engine.dtype)
+    state_tol, _ = tolerances or default_tolerances(engine.dtype)
     err = state_rel_error(captured, await cold_prefix_state(engine, prompt[: captured.num_tokens]))
     return CanaryCheck("audit", err > state_tol, err, 1.0, 0.0, captured.num_tokens)

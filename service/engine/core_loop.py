@@ -1,0 +1,148 @@
+"""The engine core process' loop: commands from the pipe between steps, one message out per step.
+
+Runs in the child that `EngineProcess` spawns (the message formats are in service/engine/core_process.py).
+The loop owns the `Engine`: it builds it, drains pending commands, steps while there is work, and sends every
+request's new tokens, text, logprobs and finish reason of that step in one pickled message."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from service.engine.config import EngineConfig
+from service.engine.core_process import IDLE_POLL_S, STATS_INTERVAL_S, CoreInfo, Delta
+from service.engine.engine import Engine
+from service.engine.request import CapturedState, RequestOutput
+
+log = logging.getLogger("hybrid_serve.engine")
+
+
+class CoreLoop:
+    def __init__(self, config: EngineConfig, conn: Connection):
+        self.conn = conn
+        self.engine = Engine(config)
+        self.sent: dict[str, tuple[int, str]] = {}  # request_id -> (tokens sent, text sent) of unfinished requests
+        self.running = True
+        self.stats_at = 0.0  # time.monotonic() of the last stats sent
+        e = self.engine
+        info = CoreInfo(os.getpid(), e.dtype, e.max_model_len, e.model_config.vocab_size, e.stats())
+        self._send(("ready", info))
+
+    def run(self) -> None:
+        engine = self.engine
+        while self.running:
+            busy = engine.has_unfinished()
+            handled = self._drain(0.0 if busy else IDLE_POLL_S)
+            if not engine.has_unfinished():
+                if handled:
+                    self._send(("stats", engine.stats()))
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as exc:  # noqa: BLE001 - one failing step must not end the engine
+                log.exception("engine step failed; aborting in-flight requests")
+                self._fail_all(f"{type(exc).__name__}: {exc}")
+                continue
+            self._send(("out", [self._delta(o) for o in outputs], self._stats_if_due()))
+        self._fail_all("the engine was shut down")
+        engine.shutdown()
+
+    # ---------- commands ----------
+    def _drain(self, timeout_s: float) -> bool:
+        """Handles every command already in the pipe (waiting up to timeout_s for the first); True if any."""
+        handled = False
+        while self.running and self.conn.poll(0.0 if handled else timeout_s):
+            self._command(pickle.loads(self.conn.recv_bytes()))
+            handled = True
+        return handled
+
+    def _command(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "add":
+            _, rid, ids, params, bypass_cache, capture_states = msg
+            try:
+                self.engine.add_request(ids, params, rid, bypass_cache, capture_states)
+                self.sent[rid] = (0, "")
+            except ValueError as exc:
+                self._send(("refused", rid, ValueError(str(exc))))
+        elif kind == "abort":
+            self._abort(msg[1])
+        elif kind == "call":
+            _, seq, name, args = msg
+            try:
+                self._send(("reply", seq, True, self._call(name, args)))
+            except Exception as exc:  # noqa: BLE001 - the caller gets the error; the loop lives on
+                self._send(("reply", seq, False, _portable(exc)))
+        elif kind == "stop":
+            self.running = False
+        else:
+            raise ValueError(f"unknown engine core command {kind!r}")
+
+    def _call(self, name: str, args: tuple) -> Any:
+        engine = self.engine
+        if name == "abort":
+            return self._abort(*args)
+        if name == "cached_prefix_hashes":
+            return engine.cached_prefix_hashes(*args)
+        if name == "pop_captured_states":
+            return {k: _on_cpu(v) for k, v in engine.pop_captured_states(*args).items()}
+        if name == "check_integrity":
+            return engine.check_integrity()
+        if name == "inspect":
+            return args[0](engine)
+        if name == "check_alive":
+            return engine.check_alive()
+        raise ValueError(f"unknown engine core call {name!r}")
+
+    def _abort(self, rid: str) -> None:
+        out = self.engine.abort(rid)
+        if out is not None:
+            self._send(("out", [self._delta(out)], self.engine.stats()))
+
+    def _fail_all(self, why: str) -> None:
+        for rid in list(self.engine.requests):
+            self.engine.abort(rid)
+            self.sent.pop(rid, None)
+            self._send(("failed", rid, why))
+
+    # ---------- outputs ----------
+    def _delta(self, out: RequestOutput) -> Delta:
+        """What `out` adds to what was already sent for its request."""
+        rid = out.request_id
+        num_sent, text_sent = self.sent.get(rid, (0, ""))
+        text = out.text[len(text_sent) :] if out.text.startswith(text_sent) else ""
+        token_ids, logprobs, top = out.tokens_since(num_sent)
+        if out.finished:
+            self.sent.pop(rid, None)
+        else:
+            self.sent[rid] = (out.num_output_tokens, text_sent + text)
+        return rid, token_ids, text, out.finish_reason, logprobs, top, out.num_cached_tokens
+
+    def _stats_if_due(self) -> dict[str, float] | None:
+        now = time.monotonic()
+        if now - self.stats_at < STATS_INTERVAL_S and self.engine.has_unfinished():
+            return None
+        self.stats_at = now
+        return self.engine.stats()
+
+    def _send(self, msg: tuple) -> None:
+        self.conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _on_cpu(state: CapturedState) -> CapturedState:
+    """A captured state the parent can unpickle without touching the device."""
+    return dataclasses.replace(state, conv=state.conv.cpu(), ssm=state.ssm.cpu())
+
+
+def _portable(exc: Exception) -> Exception:
+    """exc if it survives pickling, else a RuntimeError naming it."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any unpicklable error is reported by name
+        return RuntimeError(f"{type(exc).__name__}: {exc}")

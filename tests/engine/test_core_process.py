@@ -1,0 +1,182 @@
+"""EngineProcess: the engine in a child process gives the in-process engine's streams; abort, bad input,
+introspection, a dead child (streams fail, health fails, no orphans) and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from service.deployments.pool_audit import audit_pools
+from service.engine import EngineConfig, SamplingParams
+from service.engine.async_engine import EngineDeadError
+from service.engine.core_process import EngineProcess
+from tests.engine.helpers import greedy, make_engine, random_ids
+
+
+def _config(path: str) -> EngineConfig:
+    return EngineConfig(model_path=path, device="cpu", page_size=4, mamba_cache_strategy="extra_buffer")
+
+
+@pytest.fixture(scope="module")
+def core(hf_checkpoints):
+    engine = EngineProcess(_config(hf_checkpoints["mixed_g2_c16"]))
+    yield engine
+    engine.close()
+
+
+async def _collect(engine, prompt, params, rid=None, **kw):
+    return [out async for out in engine.generate(prompt, params, request_id=rid, **kw)]
+
+
+def _alive(pid: int) -> bool:
+    """pid exists and is not a zombie (from /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pid: int, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not _alive(pid)
+
+
+def test_streams_match_the_in_process_engine(core, hf_checkpoints):
+    prompts = [random_ids(10 + i, i) for i in range(4)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=2, ignore_eos=True)
+
+    async def main():
+        return await asyncio.gather(*[_collect(core, p, params) for p in prompts])
+
+    streams = asyncio.run(main())
+    ref = make_engine(hf_checkpoints["mixed_g2_c16"], mamba_cache_strategy="extra_buffer").generate(
+        prompts, [params] * 4
+    )
+    for outs, want in zip(streams, ref):
+        lengths = [len(o.token_ids) for o in outs]
+        assert lengths == sorted(set(lengths)) and lengths[-1] == 8
+        assert outs[-1].finish_reason == "length" and all(not o.finished for o in outs[:-1])
+        assert outs[-1].token_ids == want.token_ids
+        assert outs[-1].logprobs == pytest.approx(want.logprobs, abs=1e-5)
+        assert [sorted(t) for t in outs[-1].top_logprobs] == [sorted(t) for t in want.top_logprobs]
+        assert outs[-1].text == want.text
+    assert not _torch_cuda_initialised()
+
+
+def _torch_cuda_initialised() -> bool:
+    import torch
+
+    return torch.cuda.is_initialized()
+
+
+def test_abort_early_exit_and_pool_audit(core):
+    async def main():
+        stream = core.generate(random_ids(30, 1), greedy(200), request_id="a")
+        first = await stream.__anext__()
+        await stream.aclose()  # consumer goes away (client disconnect): the child aborts the request
+        task = asyncio.create_task(_collect(core, random_ids(30, 2), greedy(200), rid="b"))
+        await asyncio.sleep(0.3)
+        await core.abort("b")
+        outs = await task
+        await core.check_alive()
+        return first, outs, await core.inspect(audit_pools)
+
+    first, outs, audit = asyncio.run(main())
+    assert first.finish_reason is None and outs[-1].finish_reason == "abort"
+    assert audit["requests_in_engine"] == 0 and audit["live_slots_in_use"] == 0, audit
+    assert audit["kv_page_refs_outside_cache"] == 0 and audit["integrity_error"] is None, audit
+    stats = core.stats()
+    assert stats["num_requests_running"] == 0 and stats["num_requests_waiting"] == 0
+
+
+def test_bad_prompt_and_duplicate_id_are_refused(core):
+    async def main():
+        with pytest.raises(ValueError, match="empty"):
+            await _collect(core, [], greedy(4))
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await _collect(core, [10**9], greedy(4))
+        first = asyncio.create_task(_collect(core, random_ids(10, 4), greedy(100), rid="dup"))
+        await asyncio.sleep(0.05)
+        with pytest.raises(ValueError, match="already in use"):
+            await _collect(core, random_ids(10, 5), greedy(3), rid="dup")
+        return await first, await _collect(core, random_ids(5, 3), greedy(3))
+
+    first, after = asyncio.run(main())
+    assert len(first[-1].token_ids) == 100 and len(after[-1].token_ids) == 3
+
+
+def test_captured_states_cross_the_boundary_on_the_cpu(core):
+    async def main():
+        rid = "cap"
+        await _collect(core, random_ids(20, 7), greedy(1), rid=rid, bypass_cache=True, capture_states=True)
+        return await core.pop_captured_states(rid)
+
+    states = asyncio.run(main())
+    assert states["prompt"].num_tokens == 20 and states["prompt"].ssm.device.type == "cpu"
+
+
+def test_dead_child_fails_streams_and_health_and_leaves_no_process(hf_checkpoints):
+    engine = EngineProcess(_config(hf_checkpoints["mixed_g2_c16"]))
+    pid = engine.pid
+
+    async def main():
+        task = asyncio.create_task(_collect(engine, random_ids(20, 1), greedy(10_000)))
+        await asyncio.sleep(0.5)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="exited"):
+            await asyncio.wait_for(task, 20)
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(engine.check_alive(), 5)
+        with pytest.raises(EngineDeadError):
+            await _collect(engine, random_ids(5, 1), greedy(2))
+        await engine.shutdown(drain_timeout_s=1)
+
+    asyncio.run(main())
+    assert _wait_gone(pid)
+
+
+def test_shutdown_ends_the_child(hf_checkpoints):
+    engine = EngineProcess(_config(hf_checkpoints["mixed_g2_c16"]))
+    pid = engine.pid
+    assert _alive(pid)
+
+    async def main():
+        out = await _collect(engine, random_ids(5, 2), greedy(3))
+        await engine.shutdown(drain_timeout_s=5)
+        return out
+
+    assert len(asyncio.run(main())[-1].token_ids) == 3
+    assert _wait_gone(pid, 5)
+
+
+_PARENT = """
+import sys, time
+from service.engine import EngineConfig
+from service.engine.core_process import EngineProcess
+e = EngineProcess(EngineConfig(model_path=sys.argv[1], device="cpu", page_size=4))
+print(e.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_child_exits_when_its_parent_is_killed(hf_checkpoints):
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT, hf_checkpoints["mixed_g2_c16"]], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        child = int(parent.stdout.readline())
+        assert _alive(child)
+        parent.kill()
+        parent.wait(10)
+        assert _wait_gone(child, 10), f"engine core {child} outlived its parent"
+    finally:
+        parent.kill()
