@@ -65,9 +65,14 @@ def descendants(root: int) -> list[int]:
 
 
 def role_of(pid: int, root: int) -> str:
+    """The process' role in the report; a process a replica spawned (the engine core and its rank processes)
+    counts as "engine core" when its nearest Ray ancestor is an engine replica."""
     if pid == root:
         return "serve CLI (driver)"
     cmdline = (_read(f"/proc/{pid}/cmdline") or "").replace("\0", " ")
+    if "multiprocessing" in cmdline and (st := _stat(pid)) is not None and st[0] not in (0, 1, root):
+        parent = role_of(st[0], root)
+        return "engine core" if parent in ("engine replica", "engine core") else parent
     return next((role for needle, role in _ROLES if needle in cmdline), "other ray processes")
 
 

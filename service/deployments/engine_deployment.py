@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import time
 import uuid
@@ -150,14 +151,16 @@ class EngineDeployment:
         return {"max_model_len": self._max_model_len, "snapshot_grid_tokens": self._grid_tokens}
 
     async def stats(self, audit: bool = False) -> dict[str, Any]:
-        """The engine's counters and gauges (as of its last step), plus this replica's id, actor name and
-        resident memory; with `audit`, also who holds the pools and check_integrity's verdict (`pool_audit`)."""
+        """The engine's counters and gauges (as of its last step), plus this replica's id, actor name, resident
+        memory and the pids of the replica and its engine core process; with `audit`, also who holds the pools and check_integrity's verdict (`pool_audit`)."""
         replica = serve.get_replica_context().replica_id
         out = {
             **self._engine.stats(),
             "replica_id": replica.unique_id,
             "replica_actor_name": replica.to_full_id_str(),
             "rss_bytes": resident_memory_bytes(),
+            "replica_pid": os.getpid(),
+            "engine_core_pid": self._engine.pid,
         }
         if audit:
             out["pool_audit"] = await self._engine.inspect(audit_pools)

@@ -25,7 +25,7 @@ log = logging.getLogger("hybrid_serve.engine")
 class CoreLoop:
     def __init__(self, config: EngineConfig, conn: Connection):
         self.conn = conn
-        self.engine = Engine(config)
+        self.engine = Engine(config, detokenize=False)  # the parent detokenises requests without stop strings
         self.sent: dict[str, tuple[int, str]] = {}  # request_id -> (tokens sent, text sent) of unfinished requests
         self.running = True
         self.stats_at = 0.0  # time.monotonic() of the last stats sent
@@ -119,8 +119,8 @@ class CoreLoop:
         token_ids, logprobs, top = out.tokens_since(num_sent)
         if out.finished:
             self.sent.pop(rid, None)
-        else:
-            self.sent[rid] = (out.num_output_tokens, text_sent + text)
+        else:  # out.text == text_sent + text whenever text is not empty
+            self.sent[rid] = (out.num_output_tokens, out.text if text else text_sent)
         return rid, token_ids, text, out.finish_reason, logprobs, top, out.num_cached_tokens
 
     def _stats_if_due(self) -> dict[str, float] | None:

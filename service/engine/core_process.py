@@ -17,7 +17,9 @@ Messages (pickled tuples on one duplex pipe; the child answers in order):
                    ("failed", request_id, message)            a step failed; the request was aborted
                    ("stats", stats)                           after commands handled while idle
                    ("reply", seq, ok, value)
-Detokenisation and stop strings stay in the child's `Engine` (its `OutputProcessor`), exactly as in-process.
+Text: the child detokenises only requests with stop strings (it must see the text to stop them); for the others
+the parent detokenises each output's new ids when the reader takes it (one decode per output, not per token), so
+the step loop does not pay for text it does not need.
 
 Lifetime: `shutdown()` drains, stops the child and joins it; the child exits when its parent is gone (it watches
 the parent's pid) and ends its rank processes the same way. A child that dies fails every open stream and
@@ -35,6 +37,7 @@ import threading
 import time
 import traceback
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -44,7 +47,7 @@ from typing import Any
 from service.engine.async_engine import EngineDeadError
 from service.engine.config import EngineConfig, ModelConfig
 from service.engine.request import RequestOutput, SamplingParams
-from service.engine.tokenizer import Tokenizer
+from service.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("hybrid_serve.engine")
 
@@ -80,11 +83,11 @@ class EngineProcess:
         self.tokenizer = Tokenizer.from_model_path(config.model_path) if has_tok else None
         ctx = mp.get_context("spawn")
         self._conn, child_end = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(
-            target=_core_main, name="hybrid-serve-engine-core", daemon=True, args=(config, child_end, os.getpid())
-        )
+        # not a daemon: the child starts the rank processes (tp > 1), which a daemonic process may not
+        self._proc = ctx.Process(target=_core_main, name="hybrid-serve-engine-core", args=(config, child_end, os.getpid()))
         self._proc.start()
         child_end.close()
+        self._finalizer = weakref.finalize(self, _stop_child, self._proc, self._conn)  # also at interpreter exit
         self._send_lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}  # request_id -> its accumulated output (reader thread writes)
         self._calls: dict[int, Future] = {}  # seq -> caller waiting for the child's reply
@@ -121,7 +124,10 @@ class EngineProcess:
         rid = request_id or uuid.uuid4().hex
         if rid in self._streams:
             raise ValueError(f"request_id {rid!r} is already in use")
-        stream = _Stream(asyncio.get_running_loop(), rid, ids)
+        detok = None
+        if self.tokenizer is not None and not params.stop:  # the child leaves this request's text to us
+            detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
+        stream = _Stream(asyncio.get_running_loop(), rid, ids, detok)
         self._streams[rid] = stream
         finished = False
         try:
@@ -141,7 +147,10 @@ class EngineProcess:
                 self._send(("abort", rid))
 
     async def abort(self, request_id: str) -> None:
-        await self._call("abort", request_id)
+        """Aborts the request in the child (its stream ends with finish_reason "abort"); a no-op once the child
+        is gone (so is the request)."""
+        if not self._dead:
+            await self._call("abort", request_id)
 
     def stats(self) -> dict[str, float]:
         return dict(self._stats)
@@ -174,15 +183,8 @@ class EngineProcess:
     def close(self) -> None:
         """Stops the child now (open streams get EngineDeadError); waits up to STOP_TIMEOUT_S, then kills it."""
         self._stopping = True
-        try:
-            self._send(("stop",))
-        except (OSError, EngineDeadError):
-            pass
-        self._proc.join(STOP_TIMEOUT_S)
-        if self._proc.is_alive():
-            log.warning("engine core process %d did not stop within %.0f s: killing it", self._proc.pid, STOP_TIMEOUT_S)
-            self._proc.kill()
-            self._proc.join(5.0)
+        with self._send_lock:
+            self._finalizer()
         self._reader.join(5.0)
 
     # ---------- parent side ----------
@@ -300,10 +302,20 @@ class _Stream:
     newest cumulative output when woken (`take`)."""
 
     __slots__ = ("loop", "request_id", "prompt", "tokens", "logprobs", "top", "text", "finish_reason",
-                 "num_cached", "error", "wake_at", "signalled", "ready", "lock")  # fmt: skip
+                 "num_cached", "error", "wake_at", "signalled", "ready", "lock", "detok", "detok_text",
+                 "num_detok")  # fmt: skip
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, request_id: str, prompt: list[int]):
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        request_id: str,
+        prompt: list[int],
+        detok: IncrementalDetokenizer | None,
+    ):
         self.loop, self.request_id, self.prompt = loop, request_id, prompt
+        self.detok = detok  # None: the child's text is used (stop strings, or no tokenizer)
+        self.detok_text = ""  # text of tokens[:num_detok] (event loop only)
+        self.num_detok = 0
         self.tokens: list[int] = []  # append-only: outputs share it and read their own prefix
         self.logprobs: list[float] | None = None
         self.top: list[dict[int, float]] | None = None
@@ -361,22 +373,41 @@ class _Stream:
                 self.signalled = False
                 if self.error is not None:
                     return self.error
-                if self.tokens or self.finish_reason is not None:
-                    self.wake_at = time.monotonic() + interval
-                    return self._output()
+                if not self.tokens and self.finish_reason is None:
+                    continue
+                self.wake_at = time.monotonic() + interval
+                n, finish_reason, text, num_cached = len(self.tokens), self.finish_reason, self.text, self.num_cached
+            if self.detok is not None:
+                self.detok_text += self.detok.add_many(self.tokens[self.num_detok : n])
+                self.num_detok, text = n, self.detok_text
+            return self._output(n, finish_reason, text, num_cached)
 
-    def _output(self) -> RequestOutput:
+    def _output(self, n: int, finish_reason: str | None, text: str, num_cached: int) -> RequestOutput:
+        """The output after the first n tokens (the lists are append-only: the output reads its prefix)."""
         return RequestOutput(
             request_id=self.request_id,
             prompt_token_ids=self.prompt,
-            text=self.text,
-            finish_reason=self.finish_reason,
-            num_cached_tokens=self.num_cached,
-            num_output_tokens=len(self.tokens),
+            text=text,
+            finish_reason=finish_reason,
+            num_cached_tokens=num_cached,
+            num_output_tokens=n,
             output_token_ids=self.tokens,
             output_logprobs=self.logprobs,
             output_top_logprobs=self.top,
         )
+
+
+def _stop_child(proc: mp.process.BaseProcess, conn: Connection) -> None:
+    """Asks the child to stop; kills it if it has not exited after STOP_TIMEOUT_S."""
+    try:
+        conn.send_bytes(pickle.dumps(("stop",)))
+    except OSError:
+        pass
+    proc.join(STOP_TIMEOUT_S)
+    if proc.is_alive():
+        log.warning("engine core process %d did not stop within %.0f s: killing it", proc.pid, STOP_TIMEOUT_S)
+        proc.kill()
+        proc.join(5.0)
 
 
 def _wake_all(streams: list[_Stream]) -> None:

@@ -39,9 +39,10 @@ class InFlight:
 
 class Engine:
     """Scheduler, cache manager and requests (ids only cross to the ranks); `workers` run each step's plan:
-    in this process for tp == 1, one process per rank otherwise (`shutdown()` ends them)."""
+    in this process for tp == 1, one process per rank otherwise (`shutdown()` ends them).
+    detokenize=False: outputs carry text only for requests with stop strings (the caller detokenises the rest)."""
 
-    def __init__(self, config: EngineConfig, model=None):
+    def __init__(self, config: EngineConfig, model=None, detokenize: bool = True):
         config = config.resolved()
         config.validate()
         self.config = config
@@ -69,7 +70,7 @@ class Engine:
             self.workers.limits if config.async_scheduling else None,
         )
         eos = self.tokenizer.eos_token_ids if self.tokenizer else self.model_config.eos_token_id
-        self.output = OutputProcessor(self.tokenizer, tuple(eos), self.max_model_len)
+        self.output = OutputProcessor(self.tokenizer, tuple(eos), self.max_model_len, detokenize)
         self.requests: dict[str, Request] = {}  # request_id -> unfinished request
         self.captured: dict[str, dict[str, CapturedState]] = {}  # request_id -> "hit"|"prompt" -> state copy
         self._order = itertools.count()

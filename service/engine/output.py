@@ -15,8 +15,13 @@ class _TextState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...], max_model_len: int):
+    """detokenize=False: only requests with stop strings get text (the caller detokenises the others)."""
+
+    def __init__(
+        self, tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...], max_model_len: int, detokenize: bool = True
+    ):
         self.tokenizer = tokenizer
+        self.detokenize = detokenize
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.text: dict[str, _TextState] = {}  # request_id -> detokenizer state
@@ -25,6 +30,8 @@ class OutputProcessor:
         if self.tokenizer is None:
             if req.params.stop:
                 raise ValueError("stop strings need a tokenizer; this model folder has none (use stop_token_ids)")
+            return
+        if not self.detokenize and not req.params.stop:
             return
         detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=req.params.skip_special_tokens)
         self.text[req.request_id] = _TextState(detok, max((len(s) for s in req.params.stop), default=0))

@@ -250,6 +250,17 @@ class IncrementalDetokenizer:
         self._advance(delta)
         return delta
 
+    def add_many(self, token_ids: Sequence[int]) -> str:
+        """The text `add` would return over one call per id, with one decode when the ids end on a complete
+        character (token by token otherwise, so text that a per-id call would emit is not held back)."""
+        state = (len(self._token_ids), self._prefix_offset, self._read_offset, len(self._text_parts))
+        text = self.add(token_ids)
+        if text or len(token_ids) <= 1 or self._read_offset == len(self._token_ids):
+            return text
+        num_ids, self._prefix_offset, self._read_offset, num_parts = state
+        del self._token_ids[num_ids:], self._text_parts[num_parts:]
+        return "".join(self.add([i]) for i in token_ids)
+
     def _pending_delta(self) -> str:
         """Text of the ids after `read_offset`, decoded with the ids from `prefix_offset` as context."""
         decode = self._tokenizer.decode

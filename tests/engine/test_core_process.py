@@ -4,6 +4,7 @@ introspection, a dead child (streams fail, health fails, no orphans) and shutdow
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import subprocess
@@ -70,6 +71,31 @@ def test_streams_match_the_in_process_engine(core, hf_checkpoints):
         assert [sorted(t) for t in outs[-1].top_logprobs] == [sorted(t) for t in want.top_logprobs]
         assert outs[-1].text == want.text
     assert not _torch_cuda_initialised()
+
+
+def test_text_equals_the_in_process_engine_with_and_without_stop_strings(tiny_model_dir):
+    """Text of requests without stop strings is detokenised in this process, with stop strings in the child:
+    both equal the in-process engine's text, chunk by chunk as a prefix, and exactly at the end."""
+    prompts = [random_ids(12, 20 + i, vocab=200) for i in range(3)]
+    plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    engine = make_engine(tiny_model_dir)
+    stop = engine.generate(prompts[:1], plain)[0].text[3:5]  # a stop string the greedy output contains
+    assert len(stop) == 2
+    cases = [(p, plain) for p in prompts] + [(prompts[0], dataclasses.replace(plain, stop=(stop,)))]
+    want = engine.generate([p for p, _ in cases], [sp for _, sp in cases])
+    core = EngineProcess(EngineConfig(model_path=tiny_model_dir, device="cpu", page_size=4))
+    try:
+        streams = asyncio.run(_gather(core, cases))
+    finally:
+        core.close()
+    for outs, ref in zip(streams, want):
+        assert all(ref.text.startswith(o.text) for o in outs)
+        assert (outs[-1].text, outs[-1].token_ids, outs[-1].finish_reason) == (ref.text, ref.token_ids, ref.finish_reason)
+    assert want[-1].finish_reason == "stop" and stop not in want[-1].text
+
+
+async def _gather(engine, cases):
+    return await asyncio.gather(*[_collect(engine, p, sp) for p, sp in cases])
 
 
 def _torch_cuda_initialised() -> bool:

@@ -236,3 +236,15 @@ def test_chat_prompt_tokens_match_transformers(tok, hf_tok):
 def test_missing_tokenizer_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         Tokenizer.from_model_path(tmp_path)
+
+
+@pytest.mark.parametrize("batch", [2, 3, 7])
+def test_add_many_gives_the_text_of_one_add_per_id(tok, batch):
+    """Batches that end inside a character (the unicorn's byte pieces) emit what per-id calls emit: a stream cut
+    there (ids[:k]) has the same text either way."""
+    ids = tok.encode("ok 🦄 héllo 東京 🦄🦄 done <|im_end|>")
+    for k in range(1, len(ids) + 1):
+        one, many = tok.detokenizer(), tok.detokenizer()
+        want = "".join(one.add([i]) for i in ids[:k])
+        got = "".join(many.add_many(ids[i : min(i + batch, k)]) for i in range(0, k, batch))
+        assert got == want, (k, got, want)
