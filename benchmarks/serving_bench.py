@@ -33,7 +33,13 @@ import httpx
 if __package__ in (None, ""):  # run as a script: the repository root is the import root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.serving_procs import ServeProcess, cpu_delta_by_role, cpu_seconds_by_pid, own_cpu_seconds  # noqa: E402
+from benchmarks.serving_procs import (  # noqa: E402
+    ServeProcess,
+    cpu_delta_by_role,
+    cpu_seconds_by_pid,
+    gpu_process_roles,
+    own_cpu_seconds,
+)
 from loadtests.bench_client import RequestResult, Summary, stream_request, summarize  # noqa: E402
 from loadtests.workloads import random_token_prompts  # noqa: E402
 
@@ -184,6 +190,7 @@ async def _closed_loop_http(base_url: str, model: str, case: Case, timeout_s: fl
 
 def run_served(args: argparse.Namespace, model_path: str, cases: list[Case]) -> dict[str, dict]:
     out: dict[str, dict] = {}
+    gpu_roles: dict[str, int] | str = "not a CUDA run"
     with ServeProcess(model_path, args.serve_args, log_path=args.serve_log) as server:
         print(f"server up in {server.startup_s:.1f} s ({server.base_url})", flush=True)
         for case in cases:
@@ -195,6 +202,8 @@ def run_served(args: argparse.Namespace, model_path: str, cases: list[Case]) -> 
             summary, _ = asyncio.run(_closed_loop_http(server.base_url, server.model, case, args.timeout_s))
             cpu = cpu_delta_by_role(cpu0, cpu_seconds_by_pid(server.pid))
             cpu["client (this process)"] = own_cpu_seconds() - own0
+            if args.device.startswith("cuda"):
+                gpu_roles = gpu_process_roles(server.pid)
             out[_key(case)] = {"summary": asdict(summary), "cpu_s": cpu}
             print(
                 f"  served {_key(case)}: {summary.output_tokens_per_s:.0f} tok/s, errors {summary.num_errors}",
@@ -205,6 +214,7 @@ def run_served(args: argparse.Namespace, model_path: str, cases: list[Case]) -> 
         out["_warnings"] = {
             "queue_length_warnings": server.count_log("Failed to get queue length"),
             "serve_log_dir": server.serve_log_dir,
+            "gpu_processes": gpu_roles,
         }
     return out
 
@@ -399,6 +409,7 @@ def report(served: dict, inproc: dict, cases: list[Case]) -> list[str]:
         lines.append(
             f"\nqueue-length warnings in the serve logs: {warn['queue_length_warnings']} ({warn['serve_log_dir']})"
         )
+        lines.append(f"server processes holding a CUDA context, by role: {warn.get('gpu_processes')}")
     return lines
 
 

@@ -94,6 +94,26 @@ def cpu_delta_by_role(before: dict[int, tuple[str, float]], after: dict[int, tup
     return out
 
 
+def gpu_process_roles(root: int) -> dict[str, int] | str:
+    """Role -> number of processes of the tree under `root` that hold a CUDA context (nvidia-smi's compute apps),
+    or why that is unknown."""
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"nvidia-smi failed: {exc}"
+    pids = [int(p) for p in done.stdout.split() if p.strip().isdigit()]
+    if not pids:
+        return f"nvidia-smi lists no compute processes (exit {done.returncode}; a container may hide their pids)"
+    tree = set(descendants(root))
+    out: dict[str, int] = {}
+    for pid in pids:
+        role = role_of(pid, root) if pid in tree else "outside the server"
+        out[role] = out.get(role, 0) + 1
+    return out
+
+
 def own_cpu_seconds() -> float:
     t = os.times()
     return t.user + t.system

@@ -222,7 +222,13 @@ class EngineProcess:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self._conn.poll(1.0):
-                kind, *rest = pickle.loads(self._conn.recv_bytes())
+                try:
+                    kind, *rest = pickle.loads(self._conn.recv_bytes())
+                except (EOFError, OSError):
+                    self._proc.join(10.0)
+                    raise RuntimeError(
+                        f"engine core process exited during start (exit code {self._proc.exitcode}); its stderr says why"
+                    ) from None
                 if kind == "ready":
                     return rest[0]
                 self._proc.join(10.0)
