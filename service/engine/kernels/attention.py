@@ -25,6 +25,11 @@ def kv_stored(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor | N
     return x.to(cache_dtype)
 
 
+def raw_kv(cache: torch.Tensor) -> torch.Tensor:
+    """An FP8 cache as its bytes (a uint8 view: indexing it works on every device), any other cache as is."""
+    return cache.view(torch.uint8) if cache.dtype == FP8_DTYPE else cache
+
+
 def kv_loaded(stored: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """Cache values [..] back as fp32: stored * scale (None: stored)."""
     return stored.float() if scale is None else stored.float() * scale
@@ -40,8 +45,8 @@ def write_kv_ref(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """k/v [T, Hkv, Dh] written to caches [S, Hkv, Dh] at slot_mapping [T] (`kv_stored`: / k_scale, v_scale)."""
-    k_cache[slot_mapping] = kv_stored(k, k_cache.dtype, k_scale)
-    v_cache[slot_mapping] = kv_stored(v, v_cache.dtype, v_scale)
+    raw_kv(k_cache)[slot_mapping] = raw_kv(kv_stored(k, k_cache.dtype, k_scale))
+    raw_kv(v_cache)[slot_mapping] = raw_kv(kv_stored(v, v_cache.dtype, v_scale))
 
 
 def _gather_kv(
@@ -50,7 +55,7 @@ def _gather_kv(
     """cache [S, Hkv, Dh] -> [len(rows), length, Hkv, Dh] for page_table rows."""
     pos = torch.arange(length, device=cache.device)
     slots = page_table[rows][:, pos // page_size] * page_size + pos % page_size
-    return cache[slots]
+    return raw_kv(cache)[slots].view(cache.dtype)
 
 
 DECODE_REF_ROWS = 32  # decode rows per batched reference call: bounds its fp32 GQA-expanded K/V copy

@@ -18,7 +18,7 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
-from service.engine.kernels.attention import _check_bounds
+from service.engine.kernels.attention import _check_bounds, raw_kv
 
 DECODE_ROWS = 64  # decode rows per call: bounds the gathered K/V ([rows, context, Hkv, Dh] each)
 
@@ -35,7 +35,8 @@ def _pages(
     """cache [S, Hkv, Dh] -> [len(rows), Hkv, length, Dh] (a strided view of the gathered pages); with a scale,
     the pages times it in `dtype` (FP8 pages: in `dtype` also without one)."""
     n_pages = -(-length // page_size)
-    blocks = cache.view(-1, page_size, *cache.shape[1:])[page_table[rows, :n_pages]]  # [b, n, ps, Hkv, Dh]
+    pages = raw_kv(cache).view(-1, page_size, *cache.shape[1:])[page_table[rows, :n_pages]]  # [b, n, ps, Hkv, Dh]
+    blocks = pages.view(cache.dtype)
     if scale is not None:
         blocks = (blocks.float() * scale).to(dtype)
     elif blocks.dtype == torch.float8_e4m3fn:
