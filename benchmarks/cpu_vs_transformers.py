@@ -4,7 +4,9 @@ The checkpoint is a random NemotronH written by transformers' own `save_pretrain
 M*EM-ME*MEM*E, 16 experts top-4, 8 mamba heads x 32, vocab 2048). Both sides get the same equal-length random
 prompts, fp32, greedy, exactly `new` tokens (eos ignored); the greedy tokens must agree. Each side runs N times per
 shape (alternating, so machine noise hits both alike) and its best wall time counts; the engine's prefix cache is
-off, so a repeat recomputes everything.
+off, so a repeat recomputes everything. Each side's best process CPU time is printed too: on a shared machine the
+wall time includes the time other processes held the cores, the CPU time does not (with `--threads 1` it is the
+work of the one thread, so its ratio is the steadier one under load).
 
     PYTHONPATH=. python benchmarks/cpu_vs_transformers.py [--shapes 16x96/32,32x256/64,1x64/64] [--repeats 3]
     PYTHONPATH=. python benchmarks/cpu_vs_transformers.py --profile 16x96/32   # torch.profiler table of the engine
@@ -104,8 +106,24 @@ def prompts_for(shape: Shape, vocab: int, seed: int) -> torch.Tensor:
     return torch.randint(3, vocab, (shape.batch, shape.prompt), generator=g)
 
 
-def run_transformers(model, prompts: torch.Tensor, new: int) -> tuple[float, list[list[int]]]:
-    t0 = time.perf_counter()
+@dataclass(frozen=True)
+class Timing:
+    wall_s: float  # wall-clock seconds
+    cpu_s: float  # this process's CPU seconds (user + system, all threads): what the load does not inflate
+    #               as much as the wall time when the side runs on one thread
+
+
+def _clock() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def _since(start: tuple[float, float]) -> Timing:
+    wall, cpu = _clock()
+    return Timing(wall - start[0], cpu - start[1])
+
+
+def run_transformers(model, prompts: torch.Tensor, new: int) -> tuple[Timing, list[list[int]]]:
+    t0 = _clock()
     with torch.inference_mode():
         out = model.generate(
             prompts,
@@ -115,15 +133,15 @@ def run_transformers(model, prompts: torch.Tensor, new: int) -> tuple[float, lis
             do_sample=False,
             pad_token_id=0,
         )
-    return time.perf_counter() - t0, out[:, prompts.shape[1] :].tolist()
+    return _since(t0), out[:, prompts.shape[1] :].tolist()
 
 
-def run_engine(engine: Engine, prompts: torch.Tensor, new: int) -> tuple[float, list[list[int]]]:
+def run_engine(engine: Engine, prompts: torch.Tensor, new: int) -> tuple[Timing, list[list[int]]]:
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     rows = prompts.tolist()
-    t0 = time.perf_counter()
+    t0 = _clock()
     outs = engine.generate(rows, params)
-    return time.perf_counter() - t0, [list(o.token_ids) for o in outs]
+    return _since(t0), [list(o.token_ids) for o in outs]
 
 
 def make_engine(path: str, shape: Shape, reference: bool = False) -> Engine:
@@ -153,19 +171,24 @@ def compare(path: str, shape: Shape, repeats: int, seed: int, reference: bool) -
     warm = Shape(shape.batch, min(shape.prompt, 8), 2)  # first-call costs (allocator, lazy init) off the clock
     run_transformers(hf, prompts[:, : warm.prompt], warm.new)
     run_engine(engine, prompts[:, : warm.prompt], warm.new)
-    hf_best = eng_best = float("inf")
+    hf_times, eng_times = [], []
     hf_tokens = eng_tokens = None
     for _ in range(repeats):
         t, hf_tokens = run_transformers(hf, prompts, shape.new)
-        hf_best = min(hf_best, t)
+        hf_times.append(t)
         t, eng_tokens = run_engine(engine, prompts, shape.new)
-        eng_best = min(eng_best, t)
+        eng_times.append(t)
     mismatched = [i for i, (a, b) in enumerate(zip(hf_tokens, eng_tokens)) if a != b]
+    hf_s, eng_s = min(t.wall_s for t in hf_times), min(t.wall_s for t in eng_times)
+    hf_cpu, eng_cpu = min(t.cpu_s for t in hf_times), min(t.cpu_s for t in eng_times)
     return dict(
         shape=shape,
-        hf_s=hf_best,
-        engine_s=eng_best,
-        speedup=hf_best / eng_best,
+        hf_s=hf_s,
+        engine_s=eng_s,
+        speedup=hf_s / eng_s,
+        hf_cpu_s=hf_cpu,
+        engine_cpu_s=eng_cpu,
+        cpu_speedup=hf_cpu / eng_cpu,
         mismatched_rows=mismatched,
         experts_impl=getattr(hf.config, "_experts_implementation", None),
         attn_impl=getattr(hf.config, "_attn_implementation", None),
@@ -197,11 +220,11 @@ def profile_engine(path: str, shape: Shape, seed: int, rows: int) -> None:
     run_engine(engine, prompts, shape.new)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         t, _ = run_engine(engine, prompts, shape.new)
-    print(f"engine {shape}: {t:.3f} s under the profiler")
+    print(f"engine {shape}: {t.wall_s:.3f} s under the profiler")
     averages = prof.key_averages()
     ranges = [e for e in averages if e.key.startswith("op::")]
     total = sum(e.cpu_time_total for e in ranges)
-    print(f"bundle ops: {total / 1e3:.1f} ms of {t * 1e3:.1f} ms wall")
+    print(f"bundle ops: {total / 1e3:.1f} ms of {t.wall_s * 1e3:.1f} ms wall")
     for e in sorted(ranges, key=lambda e: -e.cpu_time_total):
         print(f"  {e.key:40s} {e.cpu_time_total / 1e3:9.1f} ms {e.count:7d} calls")
     print(averages.table(sort_by="self_cpu_time_total", row_limit=rows))
@@ -240,12 +263,19 @@ def main() -> None:
         f"engine kernels: {bundle}; torch {torch.__version__}, {torch.get_num_threads()} threads, best of {args.repeats}, "
         f"transformers experts={results[0]['experts_impl']} attention={results[0]['attn_impl']}"
     )
-    print("| batch x prompt / new | transformers generate (s) | engine (s) | engine speed-up | greedy tokens |")
-    print("|---|---:|---:|---:|---|")
+    print(f"load average (1, 5, 15 min): {', '.join(f'{v:.1f}' for v in os.getloadavg())} on {os.cpu_count()} cores")
+    print(
+        "| batch x prompt / new | transformers generate (s) | engine (s) | engine speed-up "
+        "| transformers CPU (s) | engine CPU (s) | CPU-time speed-up | greedy tokens |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
     bad = []
     for r in results:
         ok = "equal" if not r["mismatched_rows"] else f"DIFFER in rows {r['mismatched_rows']}"
-        print(f"| {r['shape']} | {r['hf_s']:.3f} | {r['engine_s']:.3f} | {r['speedup']:.2f}x | {ok} |")
+        print(
+            f"| {r['shape']} | {r['hf_s']:.3f} | {r['engine_s']:.3f} | {r['speedup']:.2f}x "
+            f"| {r['hf_cpu_s']:.3f} | {r['engine_cpu_s']:.3f} | {r['cpu_speedup']:.2f}x | {ok} |"
+        )
         if r["mismatched_rows"]:
             bad.append(str(r["shape"]))
     if bad:

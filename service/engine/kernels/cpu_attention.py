@@ -5,8 +5,12 @@
   contiguous block per page (no per-token slot arithmetic), in the cache's dtype, and handed to
   `F.scaled_dot_product_attention` as strided [b, Hkv, L, Dh] views (no transpose copy, no fp32 upcast copy: the CPU
   kernel accumulates in fp32).
-- Decode rows (one query) run in one call per group of `DECODE_ROWS` with a length mask; prefill requests with
-  the same (cached prefix, new tokens) run in one call, causal without a mask when nothing is cached.
+- Decode rows (one query) run in one call per group of `DECODE_ROWS` with a length mask; their pages are gathered
+  by one `index_select` per cache (rows of page_size * Hkv * Dh values), and the query heads that share a KV head
+  are the query rows of that KV head ([b, Hkv, Hq / Hkv, Dh]), so the kernel runs Hkv heads of several rows each
+  instead of Hq heads of one row with the K/V broadcast (about half the time at B=32, context 300).
+- Prefill requests with the same (cached prefix, new tokens) run in one call, causal without a mask when nothing is
+  cached.
 - Scaled caches (an FP8 KV cache with k_scale / v_scale): the gathered pages are dequantized to q's dtype
   (cache * scale) before the call.
 """
@@ -37,11 +41,16 @@ def _pages(
     n_pages = -(-length // page_size)
     pages = raw_kv(cache).view(-1, page_size, *cache.shape[1:])[page_table[rows, :n_pages]]  # [b, n, ps, Hkv, Dh]
     blocks = pages.view(cache.dtype)
+    return _dequant(blocks, scale, dtype).flatten(1, 2)[:, :length].transpose(1, 2)
+
+
+def _dequant(blocks: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor:
+    """Gathered pages times scale in `dtype` (FP8 pages: in `dtype` also without one); else blocks as they are."""
     if scale is not None:
-        blocks = (blocks.float() * scale).to(dtype)
-    elif blocks.dtype == torch.float8_e4m3fn:
-        blocks = blocks.to(dtype)
-    return blocks.flatten(1, 2)[:, :length].transpose(1, 2)
+        return (blocks.float() * scale).to(dtype)
+    if blocks.dtype == torch.float8_e4m3fn:
+        return blocks.to(dtype)
+    return blocks
 
 
 def _decode(
@@ -59,18 +68,26 @@ def _decode(
 ) -> None:
     """out[tokens[j]] = attention of request reqs[j]'s one query over its ctx[j] keys."""
     dev = q.device
-    rows = torch.tensor(reqs, device=dev)
+    b, (Hq, Dh), Hkv = len(reqs), q.shape[1:], k_cache.shape[1]
     kmax = max(ctx)
-    keys = _pages(k_cache, page_table, rows, kmax, page_size, kv_scales[0], q.dtype)
-    vals = _pages(v_cache, page_table, rows, kmax, page_size, kv_scales[1], q.dtype)
+    n_pages = -(-kmax // page_size)
+    pages = page_table[torch.tensor(reqs, device=dev), :n_pages].flatten()
+    keys, vals = (
+        _dequant(raw_kv(c).view(-1, page_size * Hkv * Dh).index_select(0, pages).view(c.dtype), s, q.dtype)
+        .view(b, n_pages * page_size, Hkv, Dh)[:, :kmax]
+        .transpose(1, 2)  # [b, Hkv, kmax, Dh]
+        for c, s in zip((k_cache, v_cache), kv_scales)
+    )
     mask = None  # every row sees all kmax keys: no mask (the kernel's unmasked path)
     if min(ctx) < kmax:
         mask = (torch.arange(kmax, device=dev)[None, :] < torch.tensor(ctx, device=dev)[:, None])[:, None, None, :]
-    qt = q[torch.tensor(tokens, device=dev)].to(keys.dtype)[:, :, None, :]  # [b, Hq, 1, Dh]
-    o = F.scaled_dot_product_attention(
-        qt, keys, vals, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
-    )
-    out[tokens] = o[:, :, 0, :].to(out.dtype)
+    all_rows = tokens == list(range(q.shape[0]))
+    qt = (q if all_rows else q[torch.tensor(tokens, device=dev)]).to(keys.dtype)
+    o = F.scaled_dot_product_attention(qt.reshape(b, Hkv, Hq // Hkv, Dh), keys, vals, attn_mask=mask, scale=scale)
+    if all_rows:
+        out.copy_(o.view(b, Hq, Dh))
+    else:
+        out[tokens] = o.view(b, Hq, Dh).to(out.dtype)
 
 
 def _prefill(
