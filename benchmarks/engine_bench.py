@@ -376,6 +376,12 @@ def parse_args() -> argparse.Namespace:
         choices=["auto", "bf16", "fp8"],
         help="the engines' KV cache: fp8 = float8_e4m3fn pages (unit scales with dummy weights), auto = the model dtype",
     )
+    ap.add_argument(
+        "--mamba-ssm-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="the engine's mamba_ssm_cache_dtype (auto: the checkpoint's, float32 for Nano and Super)",
+    )
     ap.add_argument("--out", default="")
     ap.add_argument("--trace-dir", default="", help="write CPU+CUDA chrome traces of 4 decode steps per batch here")
     ap.add_argument("--profile-out", default="", help="write a kernel profile of a batch-1 decode forward here")
@@ -409,7 +415,7 @@ def main() -> None:
         args.prompt_len
         + args.decode_steps
         + 16
-        + -(-max(args.decode_batches) * args.prompt_len // args.max_batched_tokens)
+        + -(-max(args.decode_batches, default=1) * args.prompt_len // args.max_batched_tokens)
     )
     for fmt in [f for f in args.formats.split(",") if f]:
         model_dir = write_model_dir(args.config, fmt)
@@ -424,6 +430,7 @@ def main() -> None:
             load_format="dummy",
             gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_dtype=args.kv_cache_dtype,
+            mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
             max_model_len=max(args.isl + [decode_len, args.tp_isl + args.tp_osl]) + 64,
         )
         model_cfg = ModelConfig.from_model_path(model_dir)
@@ -513,6 +520,7 @@ def report(
         "decode_steps": args.decode_steps,
         "max_num_batched_tokens": args.max_batched_tokens,
         "page_size": args.page_size,
+        "mamba_ssm_cache_dtype": args.mamba_ssm_cache_dtype,
         "throughput": f"{args.tp_prompts} prompts, {args.tp_isl} in / {args.tp_osl} out, "
         f"concurrency {args.tp_concurrency}, ignore_eos",
     }

@@ -158,6 +158,7 @@ class ModelConfig:
     num_nextn_predict_layers: int
     mtp_layer_types: tuple[str, ...]
     torch_dtype: str
+    mamba_ssm_cache_dtype: str = "float32"  # the SSM state dtype the checkpoint asks for
 
     # ---- derived ----
     @property
@@ -245,6 +246,7 @@ class ModelConfig:
             num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers", 0)),
             mtp_layer_types=mtp_types if mtp_types is not None else (ATTENTION, MOE),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
+            mamba_ssm_cache_dtype=str(cfg.get("mamba_ssm_cache_dtype") or "float32"),
         )
         c.validate()
         return c
@@ -341,6 +343,7 @@ CACHE_STRATEGIES = ("off", "no_buffer", "extra_buffer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
+SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 
 def setting(default: Any, help: str, **checks: Any) -> Any:  # noqa: A002  (the metadata key is "help")
@@ -409,6 +412,14 @@ class EngineConfig:
         "dtype), bf16, or fp8 (float8_e4m3fn pages scaled by the checkpoint's per-layer k_scale / v_scale, "
         "1.0 without them: twice the tokens per GiB of bf16)",
         choices=KV_CACHE_DTYPES,
+    )
+    mamba_ssm_cache_dtype: str = setting(
+        "auto",
+        "element type of the Mamba SSM states (live and snapshot slots): auto (the checkpoint's "
+        "mamba_ssm_cache_dtype, float32 when it names none, as transformers reads it), float32, or bfloat16 (half the state memory and "
+        "decode traffic; the recurrence runs in fp32 and the state is rounded where it is stored: after every "
+        "decode token, at every chunk end of a prefill and at the end of each prefill step)",
+        choices=SSM_CACHE_DTYPES,
     )
     gpu_memory_utilization: float = setting(
         0.90,

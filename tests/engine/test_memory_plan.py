@@ -19,6 +19,8 @@ def test_state_bytes_by_hand():
     s = nano_state_bytes()
     assert s.kv_page == 6 * 2 * 64 * 2 * 128 * 2 == 393_216  # 384 KiB per 64-token page
     assert s.mamba_slot == 23 * (6144 * 3 * 2 + 64 * 64 * 128 * 4) == 23 * (36_864 + 2_097_152) == 49_082_368
+    half = state_bytes(6, 64, 2, 128, 2, 23, 6144, 4, 2, 64, 64, 128, ssm_elem=2)  # mamba_ssm_cache_dtype bfloat16
+    assert half.mamba_slot == 23 * (36_864 + 1_048_576) == 24_965_120 and half.kv_page == s.kv_page
 
 
 def test_plan_by_hand():

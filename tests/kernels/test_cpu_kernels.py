@@ -62,6 +62,27 @@ def test_ssd_varlen(lens, groups, dtype):
     close(states, states_ref, torch.float32)
 
 
+@pytest.mark.parametrize("lens", SSD_BATCHES)
+def test_ssd_varlen_bf16_states(lens):
+    """bf16 initial states (the mamba_ssm_cache_dtype bfloat16 pools): every chunk-end state is rounded to bf16,
+    as the reference does."""
+    torch.manual_seed(3)
+    ql, pl = lens
+    H, P, N, C = 4, 8, 16, 16
+    layout = ssd.build_chunk_layout(ql, pl, C)
+    T = sum(ql)
+    x, B, Cm = torch.randn(T, H, P), torch.randn(T, 2, N), torch.randn(T, 2, N)
+    dt = ssd.dt_softplus_clamp(torch.randn(T, H), torch.randn(H), (0.0, math.inf))
+    A, D = -torch.rand(H) - 0.2, torch.randn(H)
+    init = torch.randn(len(ql), H, P, N).to(torch.bfloat16)
+    y, states = cpu_ssd.ssd_varlen(x, dt, A, B, Cm, D, init, layout)
+    y_ref, states_ref = ssd.ssd_varlen_ref(x, dt, A, B, Cm, D, init, layout)
+    assert torch.equal(states, states.to(torch.bfloat16).float())
+    close(y, y_ref, torch.bfloat16)
+    close(states, states_ref, torch.bfloat16)
+    assert (states == states_ref).float().mean() > 0.95
+
+
 @pytest.mark.parametrize("slots", [[2, 3, 4, 5], [6, 1, 3, 2], [0, 4, 0, 0]])  # one run, scattered, padding on 0
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_selective_state_update_slots(slots, dtype):
@@ -80,6 +101,23 @@ def test_selective_state_update_slots(slots, dtype):
     close(pool[written], pool_ref[written], torch.float32)
     untouched = [s for s in range(8) if s not in slots]
     assert torch.equal(pool[untouched], pool_ref[untouched])
+
+
+@pytest.mark.parametrize("slots", [[2, 3, 4, 5], [6, 1, 3, 2]])
+def test_selective_state_update_slots_bf16_pool(slots):
+    """A bf16 state pool: advanced in fp32, stored rounded to nearest, as the reference does."""
+    torch.manual_seed(4)
+    H, P, G, N, Bt = 4, 8, 2, 16, len(slots)
+    pool = torch.randn(8, H, P, N).to(torch.bfloat16)
+    pool_ref = pool.clone()
+    ids = torch.tensor(slots)
+    args = (torch.randn(Bt, H, P), torch.randn(Bt, H), torch.randn(H), torch.randn(Bt, G, N))
+    args += (torch.randn(Bt, G, N), torch.randn(H), torch.randn(H), (0.001, 5.0))
+    y = cpu_ssd.selective_state_update_slots_raw_dt(pool, ids, *args)
+    y_ref = ssd.selective_state_update_slots_raw_dt_ref(pool_ref, ids, *args)
+    close(y, y_ref, torch.float32)
+    assert pool.dtype == torch.bfloat16 and (pool[ids] == pool_ref[ids]).float().mean() > 0.99
+    close(pool[ids].float(), pool_ref[ids].float(), torch.bfloat16)
 
 
 def test_ascending_run():

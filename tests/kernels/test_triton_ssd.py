@@ -291,8 +291,7 @@ def _check_ssu_pool_dtype(Bq, H, P, G, N, S, state_dtype, tiles, seed):
     else:
         step = torch.finfo(state_dtype).eps * pool_ref[slots].float().abs().clamp(min=1e-6)
         assert ((pool[slots].float() - pool_ref[slots].float()).abs() <= step).all()
-        if DEVICE != "cpu":  # round to nearest even, as torch does (Triton's CPU interpreter truncates instead)
-            assert (pool[slots] == pool_ref[slots]).float().mean() > 0.99
+        assert (pool[slots] == pool_ref[slots]).float().mean() > 0.99  # rounded to nearest even, as torch does
     untouched = torch.ones(S, dtype=torch.bool, device=DEVICE)
     untouched[slots] = False
     assert torch.equal(pool[untouched], pool_ref[untouched])
@@ -310,3 +309,34 @@ def test_ssu_pool_dtypes_and_tiles_match_ref(state_dtype, tiles):
 @pytest.mark.parametrize("tiles", SSU_TILE_VARIANTS)
 def test_ssu_pool_dtypes_and_tiles_gpu_nano_shapes(state_dtype, tiles):
     _check_ssu_pool_dtype(Bq=300, H=64, P=64, G=8, N=128, S=400, state_dtype=state_dtype, tiles=tiles, seed=13)
+
+
+def _check_ssd_bf16_states(qlens, plens, H, P, G, N, chunk, dtype, seed):
+    """bf16 initial states: every chunk-end state is a bf16 value (rounded where a snapshot may store it), in the
+    kernel as in the reference, and both agree within bf16 rounding; the first chunk of each request starts from
+    the bf16 state as given."""
+    x, dt, A, B, C, D, init, layout = _inputs(qlens, plens, H, P, G, N, chunk, dtype, seed)
+    init = init.to(torch.bfloat16)
+    y, states = ssd_varlen(x, dt, A, B, C, D, init, layout)
+    y_ref, states_ref = ssd.ssd_varlen_ref(x, dt, A, B, C, D, init, layout)
+    for name, t in (("kernel", states), ("reference", states_ref)):
+        assert torch.equal(t, t.to(torch.bfloat16).float()), f"{name} chunk states are not bf16 values"
+    assert_close(y, y_ref, torch.bfloat16, "y")
+    assert_close(states, states_ref, torch.bfloat16, "chunk_states")
+    assert (states == states_ref).float().mean() > 0.95
+    fp32_states = ssd.ssd_varlen_ref(x, dt, A, B, C, D, init.float(), layout)[1]
+    assert not torch.equal(fp32_states, states_ref)  # the rounding happened
+
+
+@pytest.mark.parametrize("case", range(len(CPU_CASES)))
+def test_ssd_varlen_bf16_states_match_ref(case):
+    qlens, plens = CPU_CASES[case]
+    _check_ssd_bf16_states(qlens, plens, H=4, P=8, G=2, N=16, chunk=C_SMALL, dtype=torch.float32, seed=20 + case)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_ssd_varlen_bf16_states_gpu_nano_shapes(dtype):
+    qlens, plens = GPU_CASES[1]
+    _check_ssd_bf16_states(qlens, plens, dtype=dtype, seed=30, **NANO)

@@ -31,13 +31,15 @@ def _chunked(t: torch.Tensor, layout: ChunkLayout, full: bool) -> torch.Tensor:
 def _inter_chunk(
     local: torch.Tensor, decay: torch.Tensor, initial: torch.Tensor, layout: ChunkLayout
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """local [Nc, H, P, N] chunk-local end states, decay [Nc, H] whole-chunk decays, initial [B, H, P, N] ->
-    (prev [Nc, H, P, N] state entering each chunk, states [Nc, H, P, N] state after each chunk)."""
+    """local [Nc, H, P, N] chunk-local end states, decay [Nc, H] whole-chunk decays, initial [B, H, P, N] fp32 or
+    bf16 -> (prev [Nc, H, P, N] state entering each chunk, states [Nc, H, P, N] state after each chunk), fp32;
+    bf16 initial states: every chunk-end state is rounded to bf16, as the reference does."""
     B = initial.shape[0]
     nch = layout.num_chunks.tolist()
     prev = torch.empty_like(local)
     states = torch.empty_like(local)
     carry = initial.to(torch.float32, copy=True)
+    lossy = initial.dtype != torch.float32
     if B and all(n == nch[0] for n in nch):  # every request has the same chunk count
         n = nch[0]
         lv, dv = local.view(B, n, *local.shape[1:]), decay.view(B, n, -1)
@@ -45,6 +47,8 @@ def _inter_chunk(
         for j in range(n):
             pv[:, j] = carry
             carry.mul_(dv[:, j, :, None, None]).add_(lv[:, j])
+            if lossy:
+                carry.copy_(carry.to(initial.dtype))
             sv[:, j] = carry
         return prev, states
     first = layout.first_chunk.tolist()
@@ -55,6 +59,8 @@ def _inter_chunk(
         cur = carry.index_select(0, rows)
         prev.index_copy_(0, cidx, cur)
         cur.mul_(decay.index_select(0, cidx)[:, :, None, None]).add_(local.index_select(0, cidx))
+        if lossy:
+            cur.copy_(cur.to(initial.dtype))
         states.index_copy_(0, cidx, cur)
         carry.index_copy_(0, rows, cur)
     return prev, states
@@ -133,22 +139,34 @@ def selective_state_update_slots_raw_dt(
     dt_bias: torch.Tensor,
     dt_clamp: tuple[float, float],
 ) -> torch.Tensor:
-    """`ssd.selective_state_update_slots_raw_dt_ref`: ssm_pool [S, H, P, N] fp32 updated in place at slot_ids [Bt];
-    x [Bt, H, P], raw dt [Bt, H], A_log/D/dt_bias [H], B/C [Bt, G, N]. Returns y [Bt, H, P] fp32."""
+    """`ssd.selective_state_update_slots_raw_dt_ref`: ssm_pool [S, H, P, N] fp32 updated in place at slot_ids [Bt]
+    (bf16: advanced on an fp32 copy, stored back rounded); x [Bt, H, P], raw dt [Bt, H], A_log/D/dt_bias [H],
+    B/C [Bt, G, N]. Returns y [Bt, H, P] fp32."""
+    if ssm_pool.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"ssm_pool must be float32 or bfloat16, got {ssm_pool.dtype}")
     if ssm_pool.dtype != torch.float32:
-        raise ValueError(f"ssm_pool must be float32, got {ssm_pool.dtype}")
+        state = ssm_pool.index_select(0, slot_ids).float()
+        y = _ssu_in_place(state, x, dt, A_log, B, C, D, dt_bias, dt_clamp)
+        ssm_pool.index_copy_(0, slot_ids, state.to(ssm_pool.dtype))
+        return y
+    first = ascending_run(slot_ids)
+    state = ssm_pool[first : first + x.shape[0]] if first is not None else ssm_pool.index_select(0, slot_ids)
+    y = _ssu_in_place(state, x, dt, A_log, B, C, D, dt_bias, dt_clamp)
+    if first is None:
+        ssm_pool.index_copy_(0, slot_ids, state)
+    return y
+
+
+def _ssu_in_place(state, x, dt, A_log, B, C, D, dt_bias, dt_clamp) -> torch.Tensor:
+    """One decode step on state [Bt, H, P, N] fp32 in place; returns y [Bt, H, P] fp32."""
     Bt, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     rep = H // G
     dt = dt_softplus_clamp(dt, dt_bias, dt_clamp)  # [Bt, H] fp32
     dA = torch.exp(dt * -torch.exp(A_log.float()))
-    first = ascending_run(slot_ids)
-    state = ssm_pool[first : first + Bt] if first is not None else ssm_pool.index_select(0, slot_ids)
     state.mul_(dA[:, :, None, None])
     dtx = (dt[:, :, None] * x.float()).view(Bt, G, rep * P, 1)
     sg = state.view(Bt, G, rep * P, N)
     sg.addcmul_(dtx, B.float().view(Bt, G, 1, N))
     y = torch.matmul(sg, C.float().view(Bt, G, N, 1)).view(Bt, H, P)
-    if first is None:
-        ssm_pool.index_copy_(0, slot_ids, state)
     return y.add_(D.float()[None, :, None] * x.float())

@@ -116,7 +116,9 @@ def ssd_varlen_ref(
     """Chunked SSD over a packed batch.
 
     x [T, H, P], dt [T, H] (already softplus'd and clamped, fp32), A [H] (negative), B/C [T, G, N],
-    D [H], initial_states [B, H, P, N] fp32 (per request, gathered from slots).
+    D [H], initial_states [B, H, P, N] fp32 or bf16 (per request, gathered from slots; bf16 states are rounded to
+    bf16 at every chunk end, where a snapshot may store them, so a state restored from a snapshot equals the one a
+    scan through the same chunk end carries on).
     Returns y [T, H, P] fp32 and chunk_states [Nc, H, P, N] fp32 (state after each chunk's last token).
     """
     T, H, P = x.shape
@@ -150,6 +152,7 @@ def ssd_varlen_ref(
         prev = carry[reqs]
         prev_states[cidx] = prev
         new = chunk_decay[cidx][:, :, None, None] * prev + local_states[cidx]
+        new = new.to(initial_states.dtype).float()  # bf16 states: rounded at the chunk end
         chunk_states[cidx] = new
         carry = carry.clone()
         carry[reqs] = new

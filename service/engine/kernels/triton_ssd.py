@@ -42,6 +42,7 @@ from service.engine.kernels.triton_common import (
 )
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_STATE_DTYPES = (torch.float32, torch.bfloat16)  # SSM states: exact fp32, or bf16 (rounded wherever stored)
 
 
 @triton.jit
@@ -134,6 +135,15 @@ def _chunk_state_kernel(
 
 
 @triton.jit
+def _round_to_bf16(v):
+    """fp32 v rounded to the nearest bfloat16 (ties to even), still as fp32: integer arithmetic on the bits, so the
+    GPU and the CPU interpreter (whose fp32 -> bf16 cast truncates) give the same bits as torch's cast."""
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _state_passing_kernel(
     states_ptr,
     prev_ptr,
@@ -148,14 +158,16 @@ def _state_passing_kernel(
     s_init_h,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
 ):
     """states[c] <- end state of chunk c (fp32, in place over the local states); prev[c] <- state entering
-    chunk c in the operands' dtype (what `_chunk_scan_kernel` multiplies by C)."""
+    chunk c in the operands' dtype (what `_chunk_scan_kernel` multiplies by C). ROUND_BF16 (bf16 initial states):
+    every chunk's end state is rounded to bf16 before it is stored and carried on."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     m = offs < PN
-    carry = tl.load(init_ptr + b.to(tl.int64) * s_init_b + h * s_init_h + offs, mask=m, other=0.0)
+    carry = tl.load(init_ptr + b.to(tl.int64) * s_init_b + h * s_init_h + offs, mask=m, other=0.0).to(tl.float32)
     c0 = tl.load(first_chunk_ptr + b)
     nc = tl.load(num_chunks_ptr + b)
     for j in range(nc):
@@ -165,6 +177,8 @@ def _state_passing_kernel(
         off = (c * H + h) * PN + offs
         tl.store(prev_ptr + off, carry.to(prev_ptr.dtype.element_ty), mask=m)
         carry = decay * carry + tl.load(states_ptr + off, mask=m, other=0.0)
+        if ROUND_BF16:
+            carry = _round_to_bf16(carry)
         tl.store(states_ptr + off, carry, mask=m)
 
 
@@ -276,7 +290,7 @@ def _check_ssd_args(x, dt, A, B, C, D, initial_states, layout) -> None:
     T, H, P, G, N = _check_scan_inputs(x, dt, A, B, C, D)
     check_dim("initial_states", initial_states, 4)
     check_shape("initial_states", initial_states, (initial_states.shape[0], H, P, N))
-    check_dtype("initial_states", initial_states, (torch.float32,))
+    check_dtype("initial_states", initial_states, _STATE_DTYPES)
     check_dtype("x", x, _FLOATS)
     for name, t in (("B", B), ("C", C)):
         if t.dtype != x.dtype:
@@ -305,7 +319,8 @@ def ssd_varlen(
     """Chunk-aligned varlen SSD (Triton).
 
     x [T, H, P] (rows may be strided), dt [T, H] fp32 (softplus'd, clamped), A [H] fp32 (negative),
-    B/C [T, G, N] (x's dtype), D [H], initial_states [Bq, H, P, N] fp32, layout for Bq requests.
+    B/C [T, G, N] (x's dtype), D [H], initial_states [Bq, H, P, N] fp32 or bf16 (bf16: every chunk-end state is
+    rounded to bf16, as `ssd.ssd_varlen_ref` does), layout for Bq requests.
     Returns y [T, H, P] fp32 and chunk_states [Nc, H, P, N] fp32 (state after each chunk's last token).
     """
     return ssd_varlen_tiled(x, dt, A, B, C, D, initial_states, layout, SsdTiles())
@@ -390,6 +405,7 @@ def ssd_varlen_tiled(
         init.stride(1),
         CHUNK=chunk,
         BLOCK=blk,
+        ROUND_BF16=init.dtype == torch.bfloat16,
         num_warps=4 if blk >= 512 else 2,
     )
     bm = min(block_dim(chunk), tiles.scan_block_m)
@@ -487,6 +503,7 @@ def _ssu_kernel(
     RAW_DT: tl.constexpr,
     DT_CLAMP: tl.constexpr,
     PDL: tl.constexpr,
+    STATE_BF16: tl.constexpr = False,
 ):
     """One program: request b, head h, BLOCK_P rows of the head's [P, N] state (read, advanced and read out into y in
     fp32, stored in the state's dtype).
@@ -521,7 +538,9 @@ def _ssu_kernel(
     cv = tl.load(C_ptr + b * s_c_b + g * s_c_g + offs_n, mask=mn, other=0.0).to(tl.float32)
     pdl_release(PDL)
     new = st * tl.exp(dt * a) + (dt * x)[:, None] * bv[None, :]
-    stored = new.to(dst_ptr.dtype.element_ty, fp_downcast_rounding="rtne")  # fp32 pool: unchanged
+    stored = new
+    if STATE_BF16:
+        stored = _round_to_bf16(new).to(tl.bfloat16)  # exact: the value is a bf16 already
     tl.store(dst_ptr + row * s_st_b + h * s_st_h + st_off, stored, mask=m2)
     y = tl.sum(new * cv[None, :], axis=1) + d_skip * x
     tl.store(y_ptr + b * s_y_b + h * s_y_h + offs_p, y, mask=mp)
@@ -611,7 +630,7 @@ def selective_state_update_slots(
     tiles: SsuTiles = SsuTiles(),
 ) -> torch.Tensor:
     """One decode step on the pool in place (Triton), see `ssd.selective_state_update_slots_ref`.
-    ssm_pool [S, H, P, N] fp32 (or bf16 / fp16: read into fp32, stored back rounded) with unit-stride (P, N) rows,
+    ssm_pool [S, H, P, N] fp32 (or bf16: read into fp32, stored back rounded to nearest) with unit-stride (P, N) rows,
     slot_ids [Bq] int64. Returns y [Bq, H, P] fp32."""
     _check_ssu_slots_args(ssm_pool, slot_ids, x, dt, A, B, C, D)
     return _launch_ssu_slots(ssm_pool, slot_ids, x, dt, A, B, C, D, None, None, tiles)
@@ -645,7 +664,7 @@ def _check_ssu_slots_args(ssm_pool, slot_ids, x, dt, A, B, C, D) -> None:
     Bq, H, P, G, N = _check_ssu_args(x, dt, A, B, C, D)
     check_dim("ssm_pool", ssm_pool, 4)
     check_shape("ssm_pool", ssm_pool[:0], (0, H, P, N))
-    check_dtype("ssm_pool", ssm_pool, _FLOATS)
+    check_dtype("ssm_pool", ssm_pool, _STATE_DTYPES)
     if ssm_pool.stride(3) != 1 or ssm_pool.stride(2) != N:
         raise ValueError(f"ssm_pool must have contiguous [P, N] rows, got strides {ssm_pool.stride()}")
     check_shape("slot_ids", slot_ids, (Bq,))
@@ -699,6 +718,7 @@ def _launch_ssu_slots(ssm_pool, slot_ids, x, dt, A, B, C, D, dt_bias, dt_clamp, 
         HAS_SLOTS=True,
         RAW_DT=raw,
         DT_CLAMP=clamp,
+        STATE_BF16=ssm_pool.dtype == torch.bfloat16,
         num_warps=tiles.warps,
         **pdl_args(x),
     )

@@ -64,8 +64,9 @@ class Mamba2Mixer(nn.Module):
     def forward(
         self, h: torch.Tensor, meta: MambaMeta, conv_pool: torch.Tensor, ssm_pool: torch.Tensor, k: Kernels
     ) -> torch.Tensor:
-        """h [T, hidden] (the layer's normed input); conv_pool [S, conv_dim, K-1]; ssm_pool [S, H, P, N] fp32, this
-        rank's channels and heads (updated in place). Returns [T, hidden], summed over the ranks."""
+        """h [T, hidden] (the layer's normed input); conv_pool [S, conv_dim, K-1]; ssm_pool [S, H, P, N] fp32 or bf16
+        (mamba_ssm_cache_dtype), this rank's channels and heads (updated in place). Returns [T, hidden], summed over
+        the ranks."""
         return self._mix(project(k, self.in_proj, h), meta, conv_pool, ssm_pool, k)
 
     def forward_add_norm(
@@ -118,10 +119,12 @@ class Mamba2Mixer(nn.Module):
             conv_pool[meta.slot_ids] = k.conv_windows(xbc, init_conv, meta.query_start_loc, all_reqs, query_lens)
             xbc = k.conv_varlen(xbc, weight, self.conv1d.bias, init_conv, meta.query_start_loc, meta.token_req)
             x, B, C = self._split(xbc, T)
+            # states in the pool's dtype (bf16 pools: the scan rounds every chunk-end state to bf16, so the stores
+            # below are exact and a snapshot equals the state a longer scan carries through the same chunk end)
             y, chunk_states = k.ssd_varlen(x, dt, A, B, C, self.D, ssm_pool[meta.slot_ids], meta.layout)
-            ssm_pool[meta.slot_ids] = chunk_states[final_chunk_indices(meta.layout)]
+            ssm_pool[meta.slot_ids] = chunk_states[final_chunk_indices(meta.layout)].to(ssm_pool.dtype)
             if not snaps.empty:
-                ssm_pool[snaps.dest_slots] = chunk_states[snaps.chunk_idx]
+                ssm_pool[snaps.dest_slots] = chunk_states[snaps.chunk_idx].to(ssm_pool.dtype)
         y = y.reshape(T, self.di)
         if self.shapes.group_ranks > 1:
             return self.parallel.all_reduce(self._cross_rank_norm_linear(y, z, k))

@@ -199,10 +199,17 @@ def graph_reserve_bytes(cfg, model_cfg) -> int:
 
 
 def plan_for(
-    cfg, model_cfg, model, max_model_len: int, dtype: torch.dtype, new_pools, kv_dtype: torch.dtype | None = None
+    cfg,
+    model_cfg,
+    model,
+    max_model_len: int,
+    dtype: torch.dtype,
+    new_pools,
+    kv_dtype: torch.dtype | None = None,
+    ssm_dtype: torch.dtype = torch.float32,
 ) -> MemoryPlan:
     """The plan of this engine on its CUDA device: weights counted, activations profiled, pools sized (KV pages
-    in kv_dtype, default dtype; conv state in dtype)."""
+    in kv_dtype, default dtype; conv state in dtype; SSM states in ssm_dtype)."""
     m, s = model_cfg, model.shapes  # this rank's heads and groups
     elem = torch.tensor([], dtype=dtype).element_size()
     sizes = state_bytes(
@@ -218,6 +225,7 @@ def plan_for(
         s.mamba_heads,
         m.mamba_head_dim,
         m.ssm_state_size,
+        torch.tensor([], dtype=ssm_dtype).element_size(),
     )
     activations = profile_activation_bytes(model, model_cfg, cfg, max_model_len, new_pools)
     total = torch.cuda.mem_get_info(torch.device(cfg.device))[1]

@@ -46,6 +46,23 @@ def resolve_kv_dtype(cfg: EngineConfig, dtype: torch.dtype) -> torch.dtype:
     return torch.float8_e4m3fn if read_quant_config(cfg.model_path).kv_cache_quant_algo == "FP8" else dtype
 
 
+_SSM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_ssm_dtype(cfg: EngineConfig, model_cfg: ModelConfig) -> torch.dtype:
+    """The SSM state dtype: mamba_ssm_cache_dtype, or for auto the checkpoint's own mamba_ssm_cache_dtype (float32
+    when it names none: exact states)."""
+    name = cfg.mamba_ssm_cache_dtype
+    if name == "auto":
+        name = model_cfg.mamba_ssm_cache_dtype
+        if name not in _SSM_DTYPES:
+            raise ValueError(
+                f"the checkpoint's config.json asks for mamba_ssm_cache_dtype {name!r}; supported: "
+                f"{sorted(_SSM_DTYPES)} (set mamba_ssm_cache_dtype explicitly to override it)"
+            )
+    return _SSM_DTYPES[name]
+
+
 def default_pool_sizes(cfg: EngineConfig, max_model_len: int) -> PoolSizes:
     pages_per_seq = math.ceil(min(max_model_len, 2048) / cfg.page_size)
     num_pages = cfg.num_kv_pages or max(2 * cfg.max_num_seqs * pages_per_seq, math.ceil(max_model_len / cfg.page_size))
@@ -118,6 +135,7 @@ class ModelRunner:
         self.device = torch.device(cfg.device)
         self.dtype = resolve_dtype(cfg, model_cfg)
         self.kv_dtype = resolve_kv_dtype(cfg, self.dtype)
+        self.ssm_dtype = resolve_ssm_dtype(cfg, model_cfg)
         if model is not None:  # a prebuilt model runs the configured backend (a bundle of that backend with
             if model.kernels.name != cfg.kernel_backend:  # some ops swapped, e.g. by a benchmark, is kept)
                 model.kernels = get_kernels(cfg.kernel_backend)
@@ -127,7 +145,7 @@ class ModelRunner:
         self.memory_plan = None
         if self.device.type == "cuda" and cfg.num_kv_pages is None:
             self.memory_plan = memory_plan.plan_for(
-                cfg, model_cfg, self.model, max_model_len, self.dtype, self._new_pools, self.kv_dtype
+                cfg, model_cfg, self.model, max_model_len, self.dtype, self._new_pools, self.kv_dtype, self.ssm_dtype
             )
             log.info(self.memory_plan.log_line())
         self.pool_sizes = (
@@ -148,7 +166,9 @@ class ModelRunner:
 
     def _new_pools(self, sizes: PoolSizes) -> StateTensors:
         shapes = state_shapes(self.model_cfg, self.model.shapes)
-        return StateTensors(sizes, self.cfg.page_size, shapes, self.dtype, self.device, self.kv_dtype)
+        return StateTensors(
+            sizes, self.cfg.page_size, shapes, self.dtype, self.device, self.kv_dtype, ssm_dtype=self.ssm_dtype
+        )
 
     @property
     def limits(self) -> LaunchLimits:

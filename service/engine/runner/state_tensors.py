@@ -27,7 +27,8 @@ class StateShapes:
 
 class StateTensors:
     """kv [L_attn, 2, num_pages * page_size, Hkv, Dh] in kv_dtype (default: dtype); conv [L_mamba, S, conv_dim, K-1]
-    in dtype; ssm [L_mamba, S, H, P, N] fp32 (S = all mamba slots, scratch slot 0 included)."""
+    in dtype; ssm [L_mamba, S, H, P, N] in ssm_dtype, fp32 unless mamba_ssm_cache_dtype says bf16 (S = all mamba
+    slots, scratch slot 0 included)."""
 
     def __init__(
         self,
@@ -37,6 +38,7 @@ class StateTensors:
         dtype: torch.dtype,
         device: torch.device,
         kv_dtype: torch.dtype | None = None,
+        ssm_dtype: torch.dtype = torch.float32,
     ):
         s = shapes
         self.kv = torch.zeros(
@@ -57,7 +59,7 @@ class StateTensors:
             s.mamba_heads,
             s.mamba_head_dim,
             s.state_size,
-            dtype=torch.float32,
+            dtype=ssm_dtype,
             device=device,
         )
 
@@ -77,5 +79,5 @@ class StateTensors:
             self.ssm[:, idx] = 0
 
     def read_slot(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of one slot's state: conv [L_mamba, conv_dim, K-1], ssm [L_mamba, H, P, N] fp32."""
+        """Copies of one slot's state: conv [L_mamba, conv_dim, K-1], ssm [L_mamba, H, P, N] (the pool's dtype)."""
         return self.conv[:, slot].clone(), self.ssm[:, slot].clone()
