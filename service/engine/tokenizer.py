@@ -252,24 +252,27 @@ class IncrementalDetokenizer:
 
     def add_many(self, token_ids: Sequence[int]) -> str:
         """The text `add` would return over one call per id, with one decode when the ids end on a complete
-        character (token by token otherwise, so text that a per-id call would emit is not held back)."""
-        state = (len(self._token_ids), self._prefix_offset, self._read_offset, len(self._text_parts))
+        character; otherwise the text up to the last id after which it is complete (a few more decodes)."""
         text = self.add(token_ids)
         if text or len(token_ids) <= 1 or self._read_offset == len(self._token_ids):
             return text
-        num_ids, self._prefix_offset, self._read_offset, num_parts = state
-        del self._token_ids[num_ids:], self._text_parts[num_parts:]
-        return "".join(self.add([i]) for i in token_ids)
+        for end in range(len(self._token_ids) - 1, self._read_offset, -1):
+            delta = self._pending_delta(end)
+            if delta and not delta.endswith(_REPLACEMENT_CHAR):
+                self._advance(delta, end)
+                return delta
+        return ""
 
-    def _pending_delta(self) -> str:
-        """Text of the ids after `read_offset`, decoded with the ids from `prefix_offset` as context."""
+    def _pending_delta(self, end: int | None = None) -> str:
+        """Text of the ids in [read_offset, end) (end: all), decoded with the ids from `prefix_offset` as context."""
         decode = self._tokenizer.decode
         context = decode(self._token_ids[self._prefix_offset : self._read_offset])
-        return decode(self._token_ids[self._prefix_offset :])[len(context) :]
+        return decode(self._token_ids[self._prefix_offset : end])[len(context) :]
 
-    def _advance(self, delta: str) -> None:
+    def _advance(self, delta: str, end: int | None = None) -> None:
+        """delta is the text of the ids up to `end` (all when None)."""
         self._prefix_offset = self._read_offset
-        self._read_offset = len(self._token_ids)
+        self._read_offset = len(self._token_ids) if end is None else end
         self._text_parts.append(delta)
 
     def finish(self) -> str:

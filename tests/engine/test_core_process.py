@@ -25,10 +25,17 @@ def _config(path: str) -> EngineConfig:
 
 
 @pytest.fixture(scope="module")
-def core(hf_checkpoints):
-    engine = EngineProcess(_config(hf_checkpoints["mixed_g2_c16"]))
+def core(tiny_model_dir):
+    """The tiny model (it has a tokenizer) in an engine core process."""
+    engine = EngineProcess(_config(tiny_model_dir))
     yield engine
     engine.close()
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_model_dir):
+    """The same engine in this process: the oracle for what the child streams."""
+    return make_engine(tiny_model_dir, mamba_cache_strategy="extra_buffer", debug_integrity=False)
 
 
 async def _collect(engine, prompt, params, rid=None, **kw):
@@ -51,7 +58,7 @@ def _wait_gone(pid: int, timeout_s: float = 20.0) -> bool:
     return not _alive(pid)
 
 
-def test_streams_match_the_in_process_engine(core, hf_checkpoints):
+def test_streams_match_the_in_process_engine(core, ref):
     prompts = [random_ids(10 + i, i) for i in range(4)]
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=2, ignore_eos=True)
 
@@ -59,10 +66,7 @@ def test_streams_match_the_in_process_engine(core, hf_checkpoints):
         return await asyncio.gather(*[_collect(core, p, params) for p in prompts])
 
     streams = asyncio.run(main())
-    ref = make_engine(hf_checkpoints["mixed_g2_c16"], mamba_cache_strategy="extra_buffer").generate(
-        prompts, [params] * 4
-    )
-    for outs, want in zip(streams, ref):
+    for outs, want in zip(streams, ref.generate(prompts, [params] * 4)):
         lengths = [len(o.token_ids) for o in outs]
         assert lengths == sorted(set(lengths)) and lengths[-1] == 8
         assert outs[-1].finish_reason == "length" and all(not o.finished for o in outs[:-1])
@@ -73,21 +77,16 @@ def test_streams_match_the_in_process_engine(core, hf_checkpoints):
     assert not _torch_cuda_initialised()
 
 
-def test_text_equals_the_in_process_engine_with_and_without_stop_strings(tiny_model_dir):
+def test_text_equals_the_in_process_engine_with_and_without_stop_strings(core, ref):
     """Text of requests without stop strings is detokenised in this process, with stop strings in the child:
     both equal the in-process engine's text, chunk by chunk as a prefix, and exactly at the end."""
     prompts = [random_ids(12, 20 + i, vocab=200) for i in range(3)]
     plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    engine = make_engine(tiny_model_dir)
-    stop = engine.generate(prompts[:1], plain)[0].text[3:5]  # a stop string the greedy output contains
+    stop = ref.generate(prompts[:1], plain)[0].text[3:5]  # a stop string the greedy output contains
     assert len(stop) == 2
     cases = [(p, plain) for p in prompts] + [(prompts[0], dataclasses.replace(plain, stop=(stop,)))]
-    want = engine.generate([p for p, _ in cases], [sp for _, sp in cases])
-    core = EngineProcess(EngineConfig(model_path=tiny_model_dir, device="cpu", page_size=4))
-    try:
-        streams = asyncio.run(_gather(core, cases))
-    finally:
-        core.close()
+    want = ref.generate([p for p, _ in cases], [sp for _, sp in cases])
+    streams = asyncio.run(_gather(core, cases))
     for outs, ref in zip(streams, want):
         assert all(ref.text.startswith(o.text) for o in outs)
         assert (outs[-1].text, outs[-1].token_ids, outs[-1].finish_reason) == (ref.text, ref.token_ids, ref.finish_reason)
@@ -130,14 +129,14 @@ def test_bad_prompt_and_duplicate_id_are_refused(core):
             await _collect(core, [], greedy(4))
         with pytest.raises(ValueError, match="outside the vocabulary"):
             await _collect(core, [10**9], greedy(4))
-        first = asyncio.create_task(_collect(core, random_ids(10, 4), greedy(100), rid="dup"))
+        first = asyncio.create_task(_collect(core, random_ids(10, 4), greedy(40), rid="dup"))
         await asyncio.sleep(0.05)
         with pytest.raises(ValueError, match="already in use"):
             await _collect(core, random_ids(10, 5), greedy(3), rid="dup")
         return await first, await _collect(core, random_ids(5, 3), greedy(3))
 
     first, after = asyncio.run(main())
-    assert len(first[-1].token_ids) == 100 and len(after[-1].token_ids) == 3
+    assert len(first[-1].token_ids) == 40 and len(after[-1].token_ids) == 3
 
 
 def test_captured_states_cross_the_boundary_on_the_cpu(core):
@@ -150,8 +149,8 @@ def test_captured_states_cross_the_boundary_on_the_cpu(core):
     assert states["prompt"].num_tokens == 20 and states["prompt"].ssm.device.type == "cpu"
 
 
-def test_dead_child_fails_streams_and_health_and_leaves_no_process(hf_checkpoints):
-    engine = EngineProcess(_config(hf_checkpoints["mixed_g2_c16"]))
+def test_dead_child_fails_streams_and_health_and_leaves_no_process(tiny_model_dir):
+    engine = EngineProcess(_config(tiny_model_dir))
     pid = engine.pid
 
     async def main():
@@ -170,8 +169,8 @@ def test_dead_child_fails_streams_and_health_and_leaves_no_process(hf_checkpoint
     assert _wait_gone(pid)
 
 
-def test_shutdown_ends_the_child(hf_checkpoints):
-    engine = EngineProcess(_config(hf_checkpoints["mixed_g2_c16"]))
+def test_shutdown_ends_the_child(tiny_model_dir):
+    engine = EngineProcess(_config(tiny_model_dir))
     pid = engine.pid
     assert _alive(pid)
 
@@ -194,9 +193,9 @@ time.sleep(600)
 """
 
 
-def test_child_exits_when_its_parent_is_killed(hf_checkpoints):
+def test_child_exits_when_its_parent_is_killed(tiny_model_dir):
     parent = subprocess.Popen(
-        [sys.executable, "-c", _PARENT, hf_checkpoints["mixed_g2_c16"]], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _PARENT, tiny_model_dir], stdout=subprocess.PIPE, text=True
     )
     try:
         child = int(parent.stdout.readline())
