@@ -54,9 +54,11 @@ class ParallelLMHead(nn.Linear):
         self.parallel, self.vocab_size = parallel, vocab_size
         set_loader(self.weight, vocab_loader(vocab_size, shapes))
 
-    def logits(self, x: torch.Tensor, k: Kernels) -> torch.Tensor:
-        """x [R, hidden] -> logits [R, vocab_size] fp32 on every rank."""
-        local = project(k, self, x).float()
+    def logits(self, x: torch.Tensor, k: Kernels, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [R, hidden] -> logits [R, vocab_size] fp32 on every rank; out: [R, vocab_size] fp32 to write them into
+        (at tp 1 the cast to fp32 writes it directly)."""
         if self.parallel.tp == 1:
-            return local
-        return self.parallel.all_gather(local, dim=-1)[:, : self.vocab_size]
+            local = project(k, self, x)
+            return local.float() if out is None else out.copy_(local)
+        full = self.parallel.all_gather(project(k, self, x).float(), dim=-1)[:, : self.vocab_size]
+        return full if out is None else out.copy_(full)

@@ -132,7 +132,7 @@ class NemotronHForCausalLM(nn.Module):
                 x, h = k.add_rms_norm(out, h, next_norm.weight, eps)
         return x, h
 
-    def logits(self, x: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+    def logits(self, x: torch.Tensor, logits_indices: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, hidden] after norm_f (row-wise, so norming every row equals norming the picked ones)
-        -> logits [len(logits_indices), vocab] fp32 (all-gathered over the ranks)."""
-        return self.lm_head.logits(x[logits_indices], self.kernels)
+        -> logits [len(logits_indices), vocab] fp32 (all-gathered over the ranks), written into out if given."""
+        return self.lm_head.logits(x[logits_indices], self.kernels, out)

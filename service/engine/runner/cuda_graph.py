@@ -49,8 +49,9 @@ def graph_buckets(max_num_seqs: int) -> tuple[int, ...]:
 
 def graph_memory_bytes(buckets: tuple[int, ...], vocab_size: int, hidden_size: int, num_segments: int) -> int:
     """Bytes the captured graphs keep (an upper estimate the memory plan reserves): the static logits [max bucket,
-    vocab] fp32, the largest bucket's transient peak (its logits in the model dtype and in fp32 before the copy into
-    the static buffer, plus a GRAPH_SLACK_BYTES allowance for the layers' activations and cuBLAS workspaces), and
+    vocab] fp32, the largest bucket's transient peak (its logits in the model dtype, and in fp32 at tp > 1 before
+    the copy into the static buffer, plus a GRAPH_SLACK_BYTES allowance for the layers' activations and cuBLAS
+    workspaces), and
     every bucket's segment outputs (x and the residual h, [b, hidden], up to 4 bytes each, at each segment end)."""
     top = max(buckets)
     logits = top * vocab_size * 4
@@ -143,8 +144,7 @@ class DecodeGraphs:
         x, h = m.run_layers(x, h, start, end, attn, mamba, p.kv, p.conv, p.ssm)
         if i < len(self.segments) - 1:
             return x, h
-        self.logits[:b].copy_(m.logits(x, self.arange[:b]))
-        return self.logits[:b]
+        return m.logits(x, self.arange[:b], out=self.logits[:b])
 
     def _forward(self, b: int) -> torch.Tensor:
         """The whole decode forward of bucket b, segment after segment (eager)."""
