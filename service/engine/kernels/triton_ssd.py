@@ -452,7 +452,7 @@ class SsuTiles:
 
 # Launch shapes benchmarks/ssu_bench.py compares at Nano's decode sizes (the GPU tests check each); the first is the
 # default.
-SSU_TILE_VARIANTS = (SsuTiles(16, 4), SsuTiles(32, 4), SsuTiles(64, 4), SsuTiles(64, 8), SsuTiles(8, 2))
+SSU_TILE_VARIANTS = tuple(SsuTiles(p, w) for p, w in ((16, 4), (32, 4), (64, 4), (64, 8), (32, 8), (16, 2), (8, 2)))
 
 
 @triton.jit
