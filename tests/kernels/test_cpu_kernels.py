@@ -127,7 +127,7 @@ def test_ascending_run():
 
 
 # ---------------------------------------------------------------- conv1d
-@pytest.mark.parametrize("query_lens", [[40, 7, 1, 33], [1], [5, 5]])
+@pytest.mark.parametrize("query_lens", [[40, 7, 1, 33], [1], [5, 5], [6, 6, 6]])  # unequal; equal lengths
 @pytest.mark.parametrize("kernel", [2, 4])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -141,6 +141,21 @@ def test_conv_varlen(query_lens, kernel, bias, dtype):
     states = torch.randn(Bq, Dm, kernel - 1, dtype=dtype)
     out = cpu_conv1d.causal_conv1d_varlen(x, w, b, states, qsl, token_req)
     close(out, conv1d.causal_conv1d_varlen_ref(x, w, b, states, qsl, token_req), dtype)
+
+
+@pytest.mark.parametrize("kernel", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_state_windows(kernel, dtype):
+    """States after 0, 1, some and all new tokens of each request, fewer and more tokens than K-1."""
+    torch.manual_seed(8)
+    query_lens, Dm = [6, 1, 9], 24
+    T, Bq = sum(query_lens), len(query_lens)
+    qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist())
+    x, states = torch.randn(T, Dm, dtype=dtype), torch.randn(Bq, Dm, kernel - 1, dtype=dtype)
+    req = torch.tensor([0, 0, 0, 0, 1, 1, 2, 2, 2])
+    new = torch.tensor([0, 1, 2, 6, 0, 1, 3, 8, 9])
+    out = cpu_conv1d.conv_state_windows(x, states, qsl, req, new)
+    assert torch.equal(out, conv1d.conv_state_windows_ref(x, states, qsl, req, new))
 
 
 @pytest.mark.parametrize("slots", [[1, 2, 3], [5, 1, 7]])
@@ -252,5 +267,6 @@ def test_torch_bundle_runs_the_fast_kernels():
     assert fast.selective_state_update_slots_raw_dt is cpu_ssd.selective_state_update_slots_raw_dt
     assert fast.conv_varlen is cpu_conv1d.causal_conv1d_varlen
     assert fast.conv_update_slots is cpu_conv1d.causal_conv1d_update_slots
+    assert fast.conv_windows is cpu_conv1d.conv_state_windows
     assert fast.paged_attention is cpu_attention.paged_attention
     assert fast.moe_experts is cpu_moe.moe_experts and ref.moe_experts is moe.moe_experts_ref

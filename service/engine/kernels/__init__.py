@@ -72,7 +72,8 @@ def torch_reference_kernels() -> Kernels:
 
 def torch_kernels() -> Kernels:
     """The "torch" bundle: the fast pure-torch kernels (cpu_attention, cpu_conv1d, cpu_moe, cpu_ssd) for the
-    prefill scan and conv, the decode recurrence, paged attention and the routed experts; references for the rest.
+    prefill scan, conv and conv state windows, the decode recurrence, paged attention and the routed experts;
+    references for the rest.
     cpu_moe.moe_experts runs `F.grouped_mm`, whose CUDA kernel takes bf16 only: off the CPU it is the reference."""
     return dataclasses.replace(
         torch_reference_kernels(),
@@ -80,6 +81,7 @@ def torch_kernels() -> Kernels:
         selective_state_update_slots_raw_dt=cpu_ssd.selective_state_update_slots_raw_dt,
         conv_varlen=cpu_conv1d.causal_conv1d_varlen,
         conv_update_slots=cpu_conv1d.causal_conv1d_update_slots,
+        conv_windows=cpu_conv1d.conv_state_windows,
         paged_attention=cpu_attention.paged_attention,
         moe_experts=cpu_moe.moe_experts,
     )
