@@ -200,7 +200,10 @@ class EngineProcess:
         with self._send_lock:
             if self._dead:
                 raise EngineDeadError(self._dead)
-            self._conn.send_bytes(payload)
+            try:
+                self._conn.send_bytes(payload)
+            except OSError as exc:  # the child is gone; the reader thread is about to notice
+                raise EngineDeadError(f"engine core process is unreachable: {exc}") from exc
 
     async def _call(self, name: str, *args: Any) -> Any:
         fut: Future = Future()
@@ -210,9 +213,6 @@ class EngineProcess:
             self._calls[seq] = fut
         try:
             self._send(("call", seq, name, args))
-        except OSError as exc:
-            self._calls.pop(seq, None)
-            raise EngineDeadError(f"engine core process is unreachable: {exc}") from exc
         except EngineDeadError:
             self._calls.pop(seq, None)
             raise
