@@ -216,8 +216,9 @@ def test_paged_attention_checks_bounds():
 
 # ---------------------------------------------------------------- MoE
 @pytest.mark.parametrize(
-    "tokens, k, shared", [(1, 4, True), (5, 2, True), (5, 4, False), (64, 2, False), (300, 4, True), (300, 4, False)]
-)  # 1200 pairs: the rows layout
+    "tokens, k, shared",
+    [(1, 4, True), (5, 2, True), (5, 4, False), (64, 2, False), (300, 4, True), (300, 4, False), (2100, 2, True)],
+)  # 1200 pairs: the rows layout; 2100 tokens: two blocks of it
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_moe_experts(tokens, k, shared, dtype):
     torch.manual_seed(6)

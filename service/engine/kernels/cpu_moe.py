@@ -21,9 +21,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from service.engine.kernels.moe import check_shared_expert, moe_experts_ref, relu2
+from service.engine.kernels.moe import check_shared_expert, moe_experts_ref
 
 ROWS_LAYOUT_MIN_PAIRS = 1024  # (token, slot) pairs from which the tokens-as-rows layout is used
+ROWS_BLOCK_TOKENS = 2048  # tokens per block of the rows layout: its gathered rows and outputs stay cache-sized
 GROUPED_MM_ALIGN = 16  # bytes: F.grouped_mm needs every operand's row stride a multiple of this
 
 
@@ -48,23 +49,74 @@ def moe_experts(
     ):
         return moe_experts_ref(x, up, down, topk_weights, topk_ids, shared_up=shared_up, shared_down=shared_down)
     n_shared = check_shared_expert(x, shared_up, shared_down)
-    T, k = topk_ids.shape
-    flat = topk_ids.flatten()
-    n = flat.numel()
-    order = torch.argsort(flat, stable=True)
-    offs = torch.cumsum(torch.bincount(flat, minlength=up.shape[0]), 0, dtype=torch.int32)
-    tok = order // k
-    if n >= ROWS_LAYOUT_MIN_PAIRS:
-        h = relu2(F.grouped_mm(x.index_select(0, tok), up.transpose(1, 2).contiguous(), offs=offs))  # [n, I]
-        routed = F.grouped_mm(h, down.transpose(1, 2).contiguous(), offs=offs)  # [n, d]
-    else:  # pairs as columns, padded to an aligned row stride; columns past offs[-1] are not computed
-        cols = -(-n * x.element_size() // GROUPED_MM_ALIGN) * GROUPED_MM_ALIGN // x.element_size()
-        xs = x.t().index_select(1, F.pad(tok, (0, cols - n)))  # [d, cols]
-        h = relu2(F.grouped_mm(up, xs, offs=offs))  # [I, cols]
-        routed = F.grouped_mm(down, h, offs=offs)[:, :n].t()  # [n, d]
+    T = x.shape[0]
     if n_shared:
-        out = F.linear(relu2(F.linear(x, shared_up)), shared_down).float()
+        out = F.linear(_relu2_(F.linear(x, shared_up)), shared_down).float()
     else:
         out = torch.zeros(T, d, dtype=torch.float32, device=x.device)
-    w = topk_weights.flatten()[order].float()
-    return out.index_add_(0, tok, routed.float() * w[:, None]).to(x.dtype)
+    if topk_ids.numel() < ROWS_LAYOUT_MIN_PAIRS:
+        _add_routed_columns(out, x, up, down, topk_weights, topk_ids)
+    else:
+        up_rows, down_rows = up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
+        for t0 in range(0, T, ROWS_BLOCK_TOKENS):
+            t1 = min(T, t0 + ROWS_BLOCK_TOKENS)
+            _add_routed_rows(out[t0:t1], x[t0:t1], up_rows, down_rows, topk_weights[t0:t1], topk_ids[t0:t1])
+    return out.to(x.dtype)
+
+
+def _relu2_(h: torch.Tensor) -> torch.Tensor:
+    """`moe.relu2` in place on a fresh activation."""
+    return h.relu_().square_()
+
+
+def _sorted_pairs(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_ids [T, k] -> (order [n]: pair index t * k + j of each expert-sorted position, tok [n]: its token,
+    offs [E] int32: end of each expert's run)."""
+    flat = topk_ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=num_experts), 0, dtype=torch.int32)
+    return order, order // topk_ids.shape[1], offs
+
+
+def _weighted(topk_weights: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """The pairs' routing weights [n, 1] fp32 in sorted order."""
+    return topk_weights.flatten()[order].float()[:, None]
+
+
+def _add_routed_rows(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    up_rows: torch.Tensor,
+    down_rows: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> None:
+    """out [T, d] fp32 += the routed experts of x [T, d], tokens as rows (up_rows [E, d, I], down_rows [E, I, d]).
+    fp32: the routing weight scales the activation before the down GEMM (linear, so equal up to rounding; the
+    weighted copy is [n, I], not [n, d]); other dtypes weight the fp32 output as the reference does."""
+    order, tok, offs = _sorted_pairs(topk_ids, up_rows.shape[0])
+    w = _weighted(topk_weights, order)
+    h = _relu2_(F.grouped_mm(x.index_select(0, tok), up_rows, offs=offs))  # [n, I]
+    if x.dtype == torch.float32:
+        out.index_add_(0, tok, F.grouped_mm(h.mul_(w), down_rows, offs=offs))
+    else:
+        out.index_add_(0, tok, F.grouped_mm(h, down_rows, offs=offs).float().mul_(w))
+
+
+def _add_routed_columns(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> None:
+    """out [T, d] fp32 += the routed experts, pairs as columns padded to an aligned row stride (columns past the
+    last pair are not computed)."""
+    order, tok, offs = _sorted_pairs(topk_ids, up.shape[0])
+    n = order.numel()
+    cols = -(-n * x.element_size() // GROUPED_MM_ALIGN) * GROUPED_MM_ALIGN // x.element_size()
+    xs = x.t().index_select(1, F.pad(tok, (0, cols - n)))  # [d, cols]
+    h = _relu2_(F.grouped_mm(up, xs, offs=offs))  # [I, cols]
+    routed = F.grouped_mm(down, h, offs=offs)[:, :n].t()  # [n, d]
+    out.index_add_(0, tok, routed.float() * _weighted(topk_weights, order))
