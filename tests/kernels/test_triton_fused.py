@@ -172,8 +172,9 @@ def _count_decode_forward(path: str) -> tuple[collections.Counter, collections.C
     model.register_forward_pre_hook(pre)
     model.register_forward_hook(post)
     with counter:
-        engine.generate([[5, 6, 7, 8, 9], [11, 12, 13]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
-    assert seen, "no decode-only forward ran"
+        # two tokens: one prefill forward, then the one decode-only forward counted
+        engine.generate([[5, 6, 7, 8, 9], [11, 12, 13]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    assert len(seen) == 1, f"{len(seen)} decode-only forwards ran, expected one"
     return seen[-1]
 
 
