@@ -99,7 +99,10 @@ def gpu_process_roles(root: int) -> dict[str, int] | str:
     or why that is unknown."""
     try:
         done = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
+            ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"nvidia-smi failed: {exc}"

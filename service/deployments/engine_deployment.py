@@ -34,8 +34,8 @@ from service.deployments.metrics import CanaryMetrics, EngineMetrics
 from service.deployments.placement import expose_rank_gpus
 from service.deployments.pool_audit import audit_pools, resident_memory_bytes
 from service.engine import SamplingParams
-from service.engine.core_process import EngineProcess
 from service.engine.canary import CanaryCheck, audit_hit, pinned_canary, pinned_prompts
+from service.engine.core_process import EngineProcess
 from service.evals.canary_set import PinnedQuestion, is_correct, pinned_questions
 
 logger = logging.getLogger("ray.serve")

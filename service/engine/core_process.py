@@ -84,7 +84,9 @@ class EngineProcess:
         ctx = mp.get_context("spawn")
         self._conn, child_end = ctx.Pipe(duplex=True)
         # not a daemon: the child starts the rank processes (tp > 1), which a daemonic process may not
-        self._proc = ctx.Process(target=_core_main, name="hybrid-serve-engine-core", args=(config, child_end, os.getpid()))
+        self._proc = ctx.Process(
+            target=_core_main, name="hybrid-serve-engine-core", args=(config, child_end, os.getpid())
+        )
         self._proc.start()
         child_end.close()
         self._finalizer = weakref.finalize(self, _stop_child, self._proc, self._conn)  # also at interpreter exit

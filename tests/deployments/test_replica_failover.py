@@ -9,7 +9,7 @@ import signal
 import ray
 from ray import serve
 
-from tests.deployments.serve_testkit import replica_stats, wait_until
+from tests.deployments.serve_testkit import process_alive, replica_stats, wait_until
 
 
 def _engine_running_replicas(app_name: str) -> int:
@@ -38,14 +38,6 @@ def test_killed_engine_replica_is_replaced(main_app, client):
         ).choices[0].finish_reason in ("stop", "length")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_dead_engine_core_fails_health_and_the_replica_is_replaced(main_app, client):
     """The engine core process of one replica is killed: the replica's health check fails, Serve replaces it (the
     old replica process and its engine core are gone, checked in /proc) and requests succeed again."""
@@ -53,17 +45,17 @@ def test_dead_engine_core_fails_health_and_the_replica_is_replaced(main_app, cli
     victim_id, victim = next(iter(before.items()))
     core_pid = victim["engine_core_pid"]
     replica_pid = victim["replica_pid"]
-    assert _alive(core_pid) and _alive(replica_pid)
+    assert process_alive(core_pid) and process_alive(replica_pid)
     os.kill(core_pid, signal.SIGKILL)
 
     def replaced() -> bool:
         return _engine_running_replicas(main_app.name) == 2 and victim_id not in replica_stats(main_app.name, 2)
 
     wait_until(replaced, timeout_s=120, interval_s=1, what="a replacement for the replica whose engine core died")
-    wait_until(lambda: not _alive(replica_pid), timeout_s=60, what="the old replica process to exit")
-    assert not _alive(core_pid)
+    wait_until(lambda: not process_alive(replica_pid), timeout_s=60, what="the old replica process to exit")
+    assert not process_alive(core_pid)
     after = replica_stats(main_app.name, 2)
-    assert all(_alive(s["engine_core_pid"]) for s in after.values())
+    assert all(process_alive(s["engine_core_pid"]) for s in after.values())
     for i in range(4):
         out = client.completions.create(model="tiny", prompt=f"after the core died {i}", max_tokens=3)
         assert out.choices[0].finish_reason in ("stop", "length")

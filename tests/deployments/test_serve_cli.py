@@ -1,6 +1,6 @@
 """`hybrid-serve serve` as a user runs it: it joins the session's Ray cluster (RAY_ADDRESS), deploys the app,
 prints how to call it, answers `curl` on /v1/chat/completions, and on Ctrl-C drains the request in flight,
-removes its app and exits."""
+removes its app and exits; the replica's processes (its engine core included) end with it."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 from ray import serve
 
 from service.deployments.serve_cli import APP_NAME
-from tests.deployments.serve_testkit import wait_until
+from tests.deployments.serve_testkit import process_alive, replica_stats, wait_until
 
 
 def _lines(proc: subprocess.Popen) -> queue.Queue[str]:
@@ -107,6 +107,7 @@ def test_serve_cli_answers_curl_and_stops_on_ctrl_c(cluster, tiny_model_path):
         answer = json.loads(curl.stdout)
         assert answer["object"] == "chat.completion" and answer["usage"]["completion_tokens"] >= 1, curl.stdout
 
+        replica = next(iter(replica_stats(APP_NAME, 1).values()))
         started, usage = threading.Event(), {}
         in_flight = threading.Thread(target=_long_stream, args=(cluster.http_port, started, usage), daemon=True)
         in_flight.start()
@@ -119,3 +120,7 @@ def test_serve_cli_answers_curl_and_stops_on_ctrl_c(cluster, tiny_model_path):
         if proc.poll() is None:
             proc.kill()
     wait_until(lambda: APP_NAME not in serve.status().applications, timeout_s=30, what="the CLI's app to be removed")
+    for pid in (replica["replica_pid"], replica["engine_core_pid"]):  # no process of the replica outlives it
+        wait_until(
+            lambda pid=pid: not process_alive(pid), timeout_s=60, what=f"process {pid} of the removed replica to end"
+        )

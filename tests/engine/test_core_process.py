@@ -89,7 +89,11 @@ def test_text_equals_the_in_process_engine_with_and_without_stop_strings(core, r
     streams = asyncio.run(_gather(core, cases))
     for outs, ref in zip(streams, want):
         assert all(ref.text.startswith(o.text) for o in outs)
-        assert (outs[-1].text, outs[-1].token_ids, outs[-1].finish_reason) == (ref.text, ref.token_ids, ref.finish_reason)
+        assert (outs[-1].text, outs[-1].token_ids, outs[-1].finish_reason) == (
+            ref.text,
+            ref.token_ids,
+            ref.finish_reason,
+        )
     assert want[-1].finish_reason == "stop" and stop not in want[-1].text
 
 
@@ -194,9 +198,7 @@ time.sleep(600)
 
 
 def test_child_exits_when_its_parent_is_killed(tiny_model_dir):
-    parent = subprocess.Popen(
-        [sys.executable, "-c", _PARENT, tiny_model_dir], stdout=subprocess.PIPE, text=True
-    )
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, tiny_model_dir], stdout=subprocess.PIPE, text=True)
     try:
         child = int(parent.stdout.readline())
         assert _alive(child)
