@@ -185,6 +185,8 @@ ATTN_BATCHES = [  # (query_lens, prefix_lens): decode only (unequal / equal cont
     ([1, 1], [17, 17]),
     ([9, 9, 4], [0, 0, 0]),
     ([1, 5, 9, 3, 5], [12, 3, 0, 30, 3]),
+    ([6, 6], [0, 0]),  # one group that is the whole step in order (views, no gather), without and with a prefix
+    ([5, 5, 5], [3, 3, 3]),
 ]
 
 

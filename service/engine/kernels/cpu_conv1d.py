@@ -7,8 +7,9 @@
   is K shifted multiply-adds over that buffer (no [T, K, D] window gather, no einsum).
   When every request has the same length the buffer is [B, K-1 + L, D] (slice copies, output in token order).
 - `conv_state_windows`: gathers only the rows of the states it returns.
-- `causal_conv1d_update_slots`: the K taps read the state in place and the state shifts in place, on a view of the
-  pool when the slots are one ascending run (else one gathered copy written back).
+- `causal_conv1d_update_slots`: one [B, D, K] window (state | x) gives the taps (`vecdot` with the weight) and the
+  shifted state (one copy back), on a view of the pool when the slots are one ascending run (else one gathered copy
+  written back).
 """
 
 from __future__ import annotations
@@ -96,15 +97,13 @@ def causal_conv1d_update_slots(
 ) -> torch.Tensor:
     """x [B, D], weight [D, K], conv_pool [S, D, K-1] updated in place at slot_ids [B] -> silu(conv) [B, D]."""
     Bt = x.shape[0]
-    K = weight.shape[1]
     first = ascending_run(slot_ids)
     state = conv_pool[first : first + Bt] if first is not None else conv_pool.index_select(0, slot_ids)
-    w = weight.float()
-    out = torch.addcmul(bias.float() if bias is not None else torch.zeros((), device=x.device), x.float(), w[:, K - 1])
-    out += (state.float() * w[:, : K - 1]).sum(-1)
-    if K > 2:
-        state[:, :, : K - 2] = state[:, :, 1:].clone()
-    state[:, :, K - 2] = x.to(state.dtype)
+    window = torch.cat([state, x[:, :, None].to(state.dtype)], 2)  # [B, D, K]: the taps, then the shifted state
+    out = torch.linalg.vecdot(window.float(), weight.float())
+    if bias is not None:
+        out += bias.float()
+    state.copy_(window[:, :, 1:])
     if first is None:
         conv_pool.index_copy_(0, slot_ids, state)
     return F.silu(out, inplace=True).to(x.dtype)
