@@ -8,7 +8,8 @@ matmul on random data). Inputs rotate over several sets when one set would sit i
 launch-shape variants of the Triton ops (no reference); `moe_tune` the MoE decode tile variants; `gemv` and
 `moe_tune` also run the batch-1 launch-shape sweeps of benchmarks/gemv_sweep.py (single-row GEMVs; the grouped
 expert GEMVs with the shared expert, as the engine calls them), a table of their own with a best-vs-default summary,
-before the main table (these three groups run only when named in --only). --tiny: only the sweeps, at shrunken
+before the main table (these three groups, and `fp8` (benchmarks/fp8_cases.py: the FP8 GEMVs, grouped GEMVs, W8A8 vs
+weight-only grouped GEMMs), run only when named in --only). --tiny: only the sweeps, at shrunken
 sizes with one or two variants each, on the CPU interpreter when there is no GPU (a smoke test).
 
     PYTHONPATH=. python benchmarks/kernels.py [--only ssd,moe,tune] [--out results.md] [--log kernels.log]
@@ -42,7 +43,8 @@ from service.engine.kernels.tiles import (
 )
 from service.engine.kernels.triton_attention import paged_attention, paged_attention_tiled
 from service.engine.kernels.triton_conv1d import causal_conv1d_update, causal_conv1d_varlen, causal_conv1d_varlen_tiled
-from service.engine.kernels.triton_moe import align_by_expert, moe_experts, moe_experts_tiled, moe_route
+from service.engine.kernels.triton_moe import moe_experts, moe_experts_tiled, moe_route
+from service.engine.kernels.triton_moe_align import align_by_expert
 from service.engine.kernels.triton_moe_gemv import MAX_GEMV_PAIRS, moe_experts_gemv
 from service.engine.kernels.triton_norm import gated_group_rms_norm, rms_norm
 from service.engine.kernels.triton_ssd import selective_state_update, ssd_varlen, ssd_varlen_tiled
@@ -53,7 +55,7 @@ DI, CONV_DIM, HIDDEN = H * P, H * P + 2 * G * N, 2688
 HQ, HKV, DH = 32, 2, 128  # Nano attention
 E, TOPK, INTER = 128, 6, 1856  # Nano MoE
 L2_BYTES = 60e6
-TUNING_GROUPS = ("tune", "gemv", "moe_tune")  # run only when named in --only
+TUNING_GROUPS = ("tune", "gemv", "moe_tune", "fp8")  # run only when named in --only
 SWEEP_GROUPS = ("gemv", "moe_tune")  # with a gemv_sweep part
 
 
@@ -327,7 +329,7 @@ def route_cases() -> list[Case]:
     variant of ROUTE_TILE_VARIANTS / ALIGN_TILE_VARIANTS (first of each = the default; each checked by the GPU
     tests); variant rows' rel err: the ids vs moe_route_ref's / sorted_pairs vs the oracle's, 0 when equal."""
     from service.engine.kernels.tiles import ALIGN_TILE_VARIANTS, ROUTE_TILE_VARIANTS
-    from service.engine.kernels.triton_moe import align_into
+    from service.engine.kernels.triton_moe_align import align_into
     from service.engine.kernels.triton_moe_route import moe_route_tiled
 
     out = [_moe_route_case(t) for t in (1, 256, 8192)] + [_align_case(t) for t in (1, 256, 8192)]
@@ -381,6 +383,12 @@ def route_cases() -> list[Case]:
     return out
 
 
+def _fp8_cases() -> list[Case]:
+    from benchmarks import fp8_cases  # imports this module's Case: loaded on use
+
+    return fp8_cases.cases()
+
+
 def all_cases(only: set[str]) -> list[Case]:
     groups = {
         "ssd": lambda: [_ssd_case([8192], [0]), _ssd_case([1024 + 37] * 7 + [1024 - 7 * 37], [91] * 8)],
@@ -399,6 +407,7 @@ def all_cases(only: set[str]) -> list[Case]:
         "tune": tune_cases,
         "gemv": lambda: [],  # only the sweep (gemv_sweep.gemv_case)
         "moe_tune": moe_tune_cases,
+        "fp8": _fp8_cases,
     }
     return [
         c for name, make in groups.items() if (not only and name not in TUNING_GROUPS) or name in only for c in make()
@@ -573,7 +582,10 @@ def compiled_kernel_report() -> list[str]:
     )
 
     out = []
-    for mod in (triton_ssd, triton_conv1d, triton_attention, triton_moe, triton_moe_route, triton_norm):
+    from service.engine.kernels import triton_gemv, triton_moe_align, triton_moe_gemv
+
+    mods = (triton_ssd, triton_conv1d, triton_attention, triton_moe, triton_moe_route, triton_norm)
+    for mod in mods + (triton_gemv, triton_moe_gemv, triton_moe_align):
         for name, fn in vars(mod).items():
             for cache in getattr(fn, "device_caches", {}).values():
                 kernels = cache[0] if isinstance(cache, tuple) and isinstance(cache[0], dict) else {}
@@ -592,7 +604,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--only",
         default="",
-        help="comma list of groups: ssd,ssu,conv,norm,attn,moe,route (run only when named: tune,gemv,moe_tune)",
+        help="comma list of groups: ssd,ssu,conv,norm,attn,moe,route (run only when named: tune,gemv,moe_tune,fp8)",
     )
     ap.add_argument("--out", default="", help="also write the tables to this file (rewritten after every sweep row)")
     ap.add_argument("--log", default="", help="write per-kernel device-time breakdowns and register use here")

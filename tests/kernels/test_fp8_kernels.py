@@ -1,5 +1,5 @@
-"""FP8 kernels vs their torch references: the _scaled_mm linear (CPU and Hopper), the Triton weight-only FP8 MoE
-(interpreter on CPU, GPU when present), and an FP8 dummy Nano slice through the Triton bundle with CUDA graphs."""
+"""FP8 kernels vs their torch references: the _scaled_mm linear (CPU and Hopper), and an FP8 dummy Nano slice through
+the Triton bundle with CUDA graphs. The Triton FP8 kernels themselves: test_triton_fp8.py."""
 
 from __future__ import annotations
 
@@ -48,34 +48,6 @@ def test_fp8_linear_rejects_bad_scales_and_dtypes():
         fp8.fp8_linear_ref(torch.zeros(2, 16), w.float(), torch.ones(()), torch.ones(()))
 
 
-def moe_fp8_inputs(T: int, E: int, k: int, d: int, inter: int, dtype: torch.dtype, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    up = torch.randn(E, inter, d, generator=g) / d**0.5
-    down = torch.randn(E, d, inter, generator=g) / inter**0.5
-    up_s = up.abs().amax(dim=(1, 2)) / FP8_MAX  # per-expert scales, all different
-    down_s = down.abs().amax(dim=(1, 2)) / FP8_MAX
-    up8 = (up / up_s[:, None, None]).to(FP8_DTYPE)
-    down8 = (down / down_s[:, None, None]).to(FP8_DTYPE)
-    x = torch.randn(T, d, generator=g)
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
-    w = torch.rand(T, k, generator=g)
-    return [
-        t.to(DEVICE) for t in (x.to(dtype), up8, down8, up_s, down_s, torch.tensor(0.05), torch.tensor(0.05), w, ids)
-    ]
-
-
-@pytest.mark.parametrize("T", [1, 5, 40])
-def test_triton_fp8_moe_equals_the_weight_only_reference(T):
-    from service.engine.kernels.fp8_moe import fp8_moe_experts
-
-    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-    args = moe_fp8_inputs(T, 8, 2, 64, 32, dtype, seed=T)
-    out = fp8_moe_experts(*args)
-    ref = fp8.fp8_moe_experts_ref(*args)
-    assert out.shape == args[0].shape and out.dtype == dtype
-    assert rel(out, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
-
-
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("T,N,K", [(1, 10304, 2688), (1, 2688, 4096), (256, 3712, 2688), (2048, 2688, 1856)])
@@ -90,26 +62,19 @@ def test_scaled_mm_on_hopper_nano_shapes(T, N, K):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("T", [1, 64, 1024])
-def test_triton_fp8_moe_on_nano_shapes(T):
-    from service.engine.kernels.fp8_moe import fp8_moe_experts
-
-    args = moe_fp8_inputs(T, 128, 6, 2688, 1856, torch.bfloat16, seed=T)
-    assert rel(fp8_moe_experts(*args), fp8.fp8_moe_experts_ref(*args)) < 1e-2
-
-
-@gpu
-@needs_cuda
-@pytest.mark.xfail(
-    strict=True,
-    reason="W8A8 with the dummy weights' fixed input scale is 0.158 relative from the weight-only torch bundle on the "
-    "H200 (bound 0.1): dummy FP8 layers need input scales drawn to match their activations (benchmarks/RESULTS.md)",
-)
 def test_fp8_dummy_nano_slice_triton_bundle_close_to_torch_bundle(tmp_path):
     """Nano-shaped slice (M M * E), FP8 with the published exclusions, dummy weights (same seed, same weights): the
-    Triton bundle (W8A8 _scaled_mm dense GEMMs, weight-only FP8 MoE) gives prefill logits within a few percent of
-    the torch bundle (weight-only everywhere), and generates through CUDA graphs with finite logprobs."""
+    Triton bundle's prefill logits (W8A8: `_scaled_mm` dense GEMMs, e4m3 grouped GEMMs for the experts) within 10 %
+    of the torch bundle running the same W8A8 math (`fp8_linear_ref`, `fp8_moe_experts_ref` with the activations
+    quantized), and within 35 % of the torch bundle's weight-only math: on this random slice the e4m3 rounding of
+    the Mamba projections' inputs alone moves the logits by ~11 % (measured on CPU with the torch references: in_proj
+    and out_proj ~8 % each; the inputs stay within the input scale's range, so no input scale does better). Then it
+    generates through CUDA graphs (batch-1 FP8 GEMVs, weight-only) with finite logprobs."""
+    import dataclasses
+    import functools
+
     from service.engine import Engine, EngineConfig, SamplingParams
+    from service.engine.kernels.triton_moe_gemv import TILED_FP8_W8A8
     from service.engine.model.quant import QuantConfig
     from service.testing.model_dir import fp8_exclusions, published_config
     from tests.engine.helpers import full_prefill_logits
@@ -132,8 +97,16 @@ def test_fp8_dummy_nano_slice_triton_bundle_close_to_torch_bundle(tmp_path):
     engines = {kb: Engine(EngineConfig(**base, kernel_backend=kb)) for kb in ("torch", "triton")}
     assert engines["triton"].runner.model.backbone.layers[0].mixer.in_proj.weight.dtype == FP8_DTYPE
     ids = list(range(5, 105))
-    a, b = (full_prefill_logits(engines[kb], ids) for kb in ("triton", "torch"))
-    assert torch.isfinite(a).all() and rel(a, b) < 0.1, rel(a, b)
+    a, weight_only = (full_prefill_logits(engines[kb], ids) for kb in ("triton", "torch"))
+    model = engines["torch"].runner.model
+    model.kernels = dataclasses.replace(
+        model.kernels,
+        fp8_linear=fp8.fp8_linear_ref,
+        fp8_moe_experts=functools.partial(fp8.fp8_moe_experts_ref, quantize_activations=TILED_FP8_W8A8),
+    )
+    w8a8 = full_prefill_logits(engines["torch"], ids)
+    assert torch.isfinite(a).all()
+    assert rel(a, w8a8) < 0.1 and rel(a, weight_only) < 0.35, (rel(a, w8a8), rel(a, weight_only))
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=True)
     outs = engines["triton"].generate([[5 + i for i in range(n)] for n in (3, 40, 100)], params)
     assert engines["triton"].runner.graphs is not None and engines["triton"].runner.graphs.num_replays > 0

@@ -9,7 +9,8 @@ import torch
 from service.engine.kernels import moe
 from service.engine.kernels.moe import align_by_expert_ref
 from service.engine.kernels.tiles import ALIGN_TILE_VARIANTS, ROUTE_TILE_VARIANTS, AlignTiles, RouteTiles, default_tiles
-from service.engine.kernels.triton_moe import align_by_expert, align_into, moe_experts, moe_route
+from service.engine.kernels.triton_moe import moe_experts, moe_route
+from service.engine.kernels.triton_moe_align import align_by_expert, align_into
 from service.engine.kernels.triton_moe_route import moe_route_tiled
 from tests.kernels.triton_test_util import DEVICE, assert_close, gpu, moe_inputs, needs_cuda
 

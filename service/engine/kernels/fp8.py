@@ -11,12 +11,15 @@ x ~= xq * input_scale. A linear is then (xq @ weight^T) * (input_scale * weight_
 - `fp8_linear_dequant_ref` (the torch bundle's op): the weight dequantized, the activation kept (weight-only math,
   W8A16): what the FP8 weights alone give, so an FP8 model on the torch bundle equals an unquantized model on the
   dequantized weights up to rounding.
-- `fp8_moe_experts_ref`: routed experts with per-expert weight scales [E] (one expert dequantized at a time), as
-  `moe.moe_experts_ref` otherwise; weight-only like the Triton kernel (`fp8_moe.py`) unless quantize_activations
-  (then x and the ReLU² output are fake-quantized with the GEMMs' input scales: the checkpoint's W8A8 math).
+- `fp8_moe_experts_ref`: routed experts with per-expert weight scales [E] (one expert dequantized at a time), plus
+  an optional FP8 shared expert (`Fp8Linear` up and down), as `moe.moe_experts_ref` otherwise; weight-only unless
+  quantize_activations (then x and the ReLU² output are fake-quantized with the GEMMs' input scales: the
+  checkpoint's W8A8 math). The Triton kernels (`triton_moe`, `triton_moe_gemv`) compute either.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +28,15 @@ from service.engine.kernels.moe import relu2
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
+
+
+@dataclass(frozen=True)
+class Fp8Linear:
+    """One FP8 linear's tensors (ModelOpt per-tensor scheme), handed to the experts ops as the shared expert."""
+
+    weight: torch.Tensor  # [N, K] float8_e4m3fn
+    weight_scale: torch.Tensor  # fp32, one element: W ~= weight * weight_scale
+    input_scale: torch.Tensor  # fp32, one element: x is quantized as x / input_scale (W8A8 GEMMs)
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -99,14 +111,31 @@ def fp8_linear(
 ) -> torch.Tensor:
     """`fp8_linear_ref` on FP8 tensor cores (`torch._scaled_mm`): x [T, K] -> [T, N] in x's dtype."""
     check_fp8_linear_args(x, weight, weight_scale, input_scale)
+    return scaled_mm(quantize_fp8(x, input_scale), weight, weight_scale, input_scale, bias, x.dtype)
+
+
+def scaled_mm(
+    xq: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """(xq @ weight^T) * input_scale * weight_scale (+ bias) by `torch._scaled_mm`: xq [T, K] and weight [N, K]
+    e4m3, the scales fp32 scalars -> [T, N] in out_dtype. K and N are zero-padded to multiples of 16 when needed."""
     N = weight.shape[0]
-    xq = _pad_to(quantize_fp8(x, input_scale), 1, 16)
+    xq = _pad_to(xq, 1, 16)
     w = _pad_to(_pad_to(weight, 1, 16), 0, 16)
     out = torch._scaled_mm(
-        xq, w.t(), scale_a=input_scale.float().reshape(()), scale_b=weight_scale.float().reshape(()), out_dtype=x.dtype
+        xq,
+        w.t(),
+        scale_a=input_scale.float().reshape(()),
+        scale_b=weight_scale.float().reshape(()),
+        out_dtype=out_dtype,
     )
     if w.shape[0] != N:
-        out = out[:, :N]
+        out = out[:, :N].contiguous()
     return out if bias is None else out + bias
 
 
@@ -154,12 +183,18 @@ def fp8_moe_experts_ref(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     quantize_activations: bool = False,
+    *,
+    shared_up: Fp8Linear | None = None,
+    shared_down: Fp8Linear | None = None,
 ) -> torch.Tensor:
     """x [T, d] (model dtype), up [E, I, d] / down [E, d, I] e4m3, up_scale / down_scale [E] fp32, input scales fp32
     scalars, topk_weights [T, k] fp32, topk_ids [T, k] -> sum_k w * down(q(relu(up(q(x)))^2)) [T, d] in x's dtype
     (fp32 math on dequantized experts, one at a time; q: fake quantization with the GEMM's input scale when
-    quantize_activations, else the identity; the ReLU² output rounds to x's dtype either way, as in the kernel)."""
+    quantize_activations, else the identity; the ReLU² output rounds to x's dtype either way, as in the kernel),
+    plus the shared expert down(q(relu(up(q(x)))^2)) when shared_up [S, d] and shared_down [d, S] are given (both or
+    neither; the math of a routed expert of weight 1, with its own per-tensor scales), summed in fp32, one rounding."""
     check_fp8_experts_args(x, up, down, up_scale, down_scale, up_input_scale, down_input_scale, topk_ids)
+    check_fp8_shared(x, shared_up, shared_down)
     quant = fake_quantize_fp8 if quantize_activations else (lambda t, s: t.float())
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     flat = topk_ids.flatten()
@@ -177,4 +212,29 @@ def fp8_moe_experts_ref(
         y = F.linear(quant(h, down_input_scale), down[e].float() * down_scale[e])
         out.index_add_(0, t, y * w[start : start + n, None])
         start += n
+    if shared_up is not None and shared_down is not None:  # the same math as one routed expert of weight 1
+        u, d = shared_up, shared_down
+        h = relu2(F.linear(quant(x, u.input_scale), u.weight.float() * u.weight_scale.float())).to(x.dtype)
+        out += F.linear(quant(h, d.input_scale), d.weight.float() * d.weight_scale.float())
     return out.to(x.dtype)
+
+
+def check_fp8_shared(x: torch.Tensor, shared_up: Fp8Linear | None, shared_down: Fp8Linear | None) -> int:
+    """The optional FP8 shared expert: both or neither, shared_up [S, d] and shared_down [d, S] e4m3 with scalar
+    scales (x [T, d]); returns S, 0 when neither is given."""
+    if (shared_up is None) != (shared_down is None):
+        raise ValueError("pass both shared_up and shared_down (the FP8 shared expert's linears) or neither")
+    if shared_up is None or shared_down is None:
+        return 0
+    up_w, down_w = shared_up.weight, shared_down.weight
+    S = up_w.shape[0]
+    if up_w.dim() != 2 or up_w.shape[1] != x.shape[-1] or tuple(down_w.shape) != (x.shape[-1], S):
+        raise ValueError(
+            f"shared_up must be [S, d] and shared_down [d, S] with d={x.shape[-1]}, got {tuple(up_w.shape)} and "
+            f"{tuple(down_w.shape)}"
+        )
+    check_fp8_linear_args(x.reshape(-1, x.shape[-1]), up_w, shared_up.weight_scale, shared_up.input_scale)
+    check_fp8_linear_args(
+        up_w.new_empty(0, S, dtype=x.dtype), down_w, shared_down.weight_scale, shared_down.input_scale
+    )
+    return S

@@ -5,6 +5,7 @@ launchers are in the `triton_*` modules; the pure-torch references in the others
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -145,13 +146,25 @@ GEMV_TILE_VARIANTS = MappingProxyType(
 )
 
 
-def default_gemv_tiles(n: int, k: int) -> GemvTiles:
-    """The first variant of a tuned shape; otherwise 8-row blocks, split over K up to 4 ways until there are about
-    TARGET_PROGRAMS programs."""
-    if (n, k) in GEMV_TILE_VARIANTS:
-        return GEMV_TILE_VARIANTS[(n, k)][0]
+def _fp8_gemv_variants(variants: tuple[GemvTiles, ...]) -> tuple[GemvTiles, ...]:
+    """FP8 weights (1 byte): each bf16 variant with twice the K elements per step (the same bytes per load), then
+    the first three bf16 variants as they are."""
+    doubled = [dataclasses.replace(v, block_k=2 * v.block_k) for v in variants]
+    return tuple(dict.fromkeys(doubled + list(variants[:3])))
+
+
+# Launch shapes the `gemv` benchmark compares for FP8 weights (the GPU tests check every one); first = default.
+GEMV_FP8_TILE_VARIANTS = MappingProxyType({shape: _fp8_gemv_variants(v) for shape, v in GEMV_TILE_VARIANTS.items()})
+
+
+def default_gemv_tiles(n: int, k: int, fp8: bool = False) -> GemvTiles:
+    """The first variant of a tuned shape (of the FP8 table for FP8 weights); otherwise 8-row blocks of 256 (FP8:
+    512) K elements per step, split over K up to 4 ways until there are about TARGET_PROGRAMS programs."""
+    table = GEMV_FP8_TILE_VARIANTS if fp8 else GEMV_TILE_VARIANTS
+    if (n, k) in table:
+        return table[(n, k)][0]
     blocks = triton.cdiv(max(n, 1), 8)
-    return GemvTiles(8, 256, 4, True, max(1, min(4, TARGET_PROGRAMS // blocks)))
+    return GemvTiles(8, 512 if fp8 else 256, 4, True, max(1, min(4, TARGET_PROGRAMS // blocks)))
 
 
 # ---- expert alignment and grouped GEMMs (triton_moe) ----
@@ -240,12 +253,14 @@ MOE_DECODE_TILE_VARIANTS = (
 
 def default_tiles(pairs_per_expert: float, element_size: int) -> MoeTiles:
     """Tiles for the average rows per expert: weight streaming (decode) vs matrix-bound (prefill);
-    4-byte operands get a smaller prefill tile so the pipeline fits in shared memory."""
+    4-byte operands get a smaller prefill tile so the pipeline fits in shared memory, 1-byte (e4m3) a longer K."""
     if pairs_per_expert <= 16:
         return MOE_DECODE_TILE_VARIANTS[0]
     if pairs_per_expert <= 48:
         return MoeTiles(32, 64, 128, 4, 4)
-    return MoeTiles(128, 256, 64, 8, 4) if element_size <= 2 else MoeTiles(64, 128, 64, 4, 3)
+    if element_size == 1:  # e4m3 operands (W8A8): twice the K per step, the same bytes
+        return MoeTiles(128, 256, 128, 8, 3)
+    return MoeTiles(128, 256, 64, 8, 4) if element_size == 2 else MoeTiles(64, 128, 64, 4, 3)
 
 
 # ---- grouped expert GEMVs (triton_moe_gemv) ----

@@ -11,9 +11,10 @@ Triton ops:  ssd_varlen, selective_state_update, selective_state_update_slots_ra
              linear (triton_gemv.linear: one-launch GEMV for single-row decode linears up to 32 M weights,
              cuBLAS otherwise); add_rms_norm_linear, gated_norm_linear (triton_norm_gemv: a single row runs the norm
              in the GEMV's prologue, one launch; other shapes the norm kernel, then linear);
-             fp8_linear (fp8: torch._scaled_mm, FP8 tensor cores), fp8_moe_experts (fp8_moe: grouped GEMMs over
-             FP8 expert weights).
-moe_route, linear and the norm + linear ops are bound to the bundle's `ArrivalCounters` (one persistent zeroed
+             fp8_linear (triton_gemv.fp8_linear: the FP8 GEMV for single-row decode linears, else
+             torch._scaled_mm on FP8 tensor cores), fp8_moe_experts (triton_moe_gemv.fp8_moe_experts_by_size: FP8
+             grouped GEMVs with the shared expert for <= 16 pairs, else triton_moe's grouped GEMMs, W8A8).
+moe_route, linear, fp8_linear and the norm + linear ops are bound to the bundle's `ArrivalCounters` (one persistent zeroed
 counter buffer per device for the multi-program router and split-K GEMVs: no memset per launch).
 Torch references used on purpose (each a single gather/scatter, no Python loop):
              conv_windows = conv1d.conv_state_windows_ref.
@@ -29,8 +30,6 @@ import torch
 from service.engine.kernels import (
     Kernels,
     conv1d,
-    fp8,
-    fp8_moe,
     triton_activation,
     triton_attention,
     triton_conv1d,
@@ -97,6 +96,17 @@ class ArrivalCounters:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`triton_gemv.linear` with these counters."""
         return triton_gemv.linear(x, weight, bias, counters=self.on(x.device))
+
+    def fp8_linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        input_scale: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`triton_gemv.fp8_linear` with these counters."""
+        return triton_gemv.fp8_linear(x, weight, weight_scale, input_scale, bias, counters=self.on(x.device))
 
     def moe_route(
         self,
@@ -177,7 +187,7 @@ def triton_kernels(counters: ArrivalCounters | None = None, fuse_norm_linear: bo
         linear=counters.linear,
         add_rms_norm_linear=counters.add_rms_norm_linear,
         gated_norm_linear=counters.gated_norm_linear,
-        fp8_linear=fp8.fp8_linear,
-        fp8_moe_experts=fp8_moe.fp8_moe_experts,
+        fp8_linear=counters.fp8_linear,
+        fp8_moe_experts=triton_moe_gemv.fp8_moe_experts_by_size,
     )
     return bundle if fuse_norm_linear else triton_norm_gemv.without_norm_fusion(bundle)

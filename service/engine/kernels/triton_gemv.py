@@ -15,6 +15,9 @@ launch, graph-capturable either way: no host sync); the triton bundle passes its
 bumped only after `pdl_wait` (in `dot_tiles`), so a PDL launch never touches it before its predecessor finished.
 On Hopper+ the launch uses PDL (triton_common): the first weight tile is loaded before waiting for the previous
 kernel, x after; the next kernel is released after the K loop.
+FP8 weights (float8_e4m3fn with an fp32 per-tensor scale; `fp8_linear`): the same kernel with FP8 set reads the
+weight's bytes (half of bf16's), turns them into fp32 in registers (`e4m3_bits_to_f16`, exact) and multiplies the
+row sums by the scale; x stays in its dtype (weight-only: the activation is not quantized).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from service.engine.kernels import fp8
 from service.engine.kernels.tiles import GemvTiles, default_gemv_tiles
 from service.engine.kernels.triton_common import (
     check_dim,
@@ -35,8 +39,71 @@ from service.engine.kernels.triton_common import (
     pdl_wait,
 )
 
+FP8_MAX: tl.constexpr = tl.constexpr(fp8.FP8_MAX)
 MAX_ROWS = 4  # rows of x one launch takes (one fp32 register tile per row)
 ACC_PER_THREAD = 64  # fp32 accumulator registers per thread over all rows before block_k is halved
+
+
+@triton.jit
+def e4m3_bits_to_f16(b):
+    """uint8 e4m3 bit patterns -> fp16 equal to value / 256, exactly (sign bit to bit 15, exponent and mantissa
+    into fp16's, whose exponent bias is 8 larger; subnormals map to fp16 subnormals). No NaN handling: weights are
+    finite. Bit operations only: the same on the GPU and in the Triton interpreter (which has no float8 loads)."""
+    b = b.to(tl.int16)
+    return (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def f32_to_e4m3_bits(v):
+    """fp32 values in [-448, 448] -> their float8_e4m3fn bit patterns (int32 in 0..255), rounded to nearest even
+    as torch's cast: integer operations on the fp32 bits (the same on the GPU and in the Triton interpreter, whose
+    float8 cast drops mantissa carries). Normal range: re-biased exponent and the mantissa's top 3 bits, rounded;
+    below 2^-6: the subnormal count of 2^-9 steps, rounded (8 steps carry into the smallest normal's pattern)."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    norm = mag - (120 << 23)  # exponent bias 127 -> 7
+    rn = (norm + 0x7FFFF + ((norm >> 20) & 1)) >> 20
+    m = (mag & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(141 - (mag >> 23), 31)  # |v| * 2^9 = m * 2^-shift
+    rs = (m + ((1 << (shift - 1)) - 1) + ((m >> shift) & 1)) >> shift
+    return sign | tl.where(mag >= (121 << 23), rn, rs)
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, scale_ptr, q_ptr, n_cols, s_x, s_q, BLOCK: tl.constexpr):
+    """Row program_id(0), columns of block program_id(1): q = e4m3 bits of clamp(x / scale, +-448)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n_cols
+    v = tl.load(x_ptr + row * s_x + offs, mask=m, other=0.0).to(tl.float32) / tl.load(scale_ptr)
+    v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
+    tl.store(q_ptr + row * s_q + offs, f32_to_e4m3_bits(v).to(tl.uint8), mask=m)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`fp8.quantize_fp8` in one launch: x [T, K] (unit stride in K), scale fp32 (one element) ->
+    float8_e4m3fn [T, K] contiguous, equal to torch's clamp(x / scale, +-448) cast bit for bit."""
+    check_dim("x", x, 2)
+    check_inner_contiguous("x", x)
+    if scale.numel() != 1 or scale.dtype != torch.float32:
+        raise ValueError(f"the input scale must be one fp32 element, got {scale.dtype} {tuple(scale.shape)}")
+    check_same_device(x=x, scale=scale)
+    q = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    if x.numel():
+        block = min(1024, triton.next_power_of_2(x.shape[1]))
+        _quantize_kernel[(x.shape[0], triton.cdiv(x.shape[1], block))](
+            x, scale, q, x.shape[1], x.stride(0), q.stride(0), BLOCK=block, num_warps=4
+        )
+    return q.view(fp8.FP8_DTYPE)
+
+
+@triton.jit
+def weight_f32(w, FP8: tl.constexpr):
+    """A weight tile in fp32: FP8 (uint8 e4m3 bytes) gives value / 256 (the caller's scale carries the 256)."""
+    if FP8:
+        return e4m3_bits_to_f16(w).to(tl.float32)
+    return w.to(tl.float32)
 
 
 @triton.jit
@@ -72,9 +139,9 @@ def _load_x(x_rows, s_x, k0, K, ROWS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _fma_step(acc0, acc1, acc2, acc3, w, x0, x1, x2, x3, ROWS: tl.constexpr):
-    """acc_m += w * x_m elementwise in fp32 (no reduction)."""
-    wf = w.to(tl.float32)
+def _fma_step(acc0, acc1, acc2, acc3, w, x0, x1, x2, x3, ROWS: tl.constexpr, FP8: tl.constexpr = False):
+    """acc_m += w * x_m elementwise in fp32 (no reduction); FP8: w holds e4m3 bytes (see `weight_f32`)."""
+    wf = weight_f32(w, FP8)
     acc0 += wf * x0.to(tl.float32)
     if ROWS > 1:
         acc1 += wf * x1.to(tl.float32)
@@ -174,11 +241,13 @@ def dot_tiles(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
+    FP8: tl.constexpr = False,
 ):
     """Weight rows at w_rows [BLOCK_N, 1] (unit stride along K) times the ROWS rows of x (row stride s_x) over
     [k_lo, k_hi): fp32 [BLOCK_N, BLOCK_K] partial-product tiles acc0..acc3 (rows >= ROWS stay zero); the caller
     reduces them over axis 1. k_hi - k_lo is a multiple of BLOCK_K unless k_hi == K (EVEN_K: BLOCK_K divides K).
-    PDL: the first weight tile is loaded before `pdl_wait`, x after it (x is the previous kernel's output)."""
+    PDL: the first weight tile is loaded before `pdl_wait`, x after it (x is the previous kernel's output).
+    FP8: the weights are e4m3 bytes and the products are 1/256 of the true ones (`weight_f32`)."""
     acc0 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     acc1 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
@@ -193,14 +262,14 @@ def dot_tiles(
             k_next = tl.minimum(k0 + BLOCK_K, k_last)
             nw = _load_w(w_rows, k_next, K, EVEN_K, BLOCK_K)
             n0, n1, n2, n3 = _load_x(x_rows, s_x, k_next, K, ROWS, EVEN_K, BLOCK_K)
-            acc0, acc1, acc2, acc3 = _fma_step(acc0, acc1, acc2, acc3, w, x0, x1, x2, x3, ROWS)
+            acc0, acc1, acc2, acc3 = _fma_step(acc0, acc1, acc2, acc3, w, x0, x1, x2, x3, ROWS, FP8)
             w, x0, x1, x2, x3 = nw, n0, n1, n2, n3
     else:
         pdl_wait(PDL)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             w = _load_w(w_rows, k0, K, EVEN_K, BLOCK_K)
             x0, x1, x2, x3 = _load_x(x_rows, s_x, k0, K, ROWS, EVEN_K, BLOCK_K)
-            acc0, acc1, acc2, acc3 = _fma_step(acc0, acc1, acc2, acc3, w, x0, x1, x2, x3, ROWS)
+            acc0, acc1, acc2, acc3 = _fma_step(acc0, acc1, acc2, acc3, w, x0, x1, x2, x3, ROWS, FP8)
     return acc0, acc1, acc2, acc3
 
 
@@ -208,6 +277,7 @@ def dot_tiles(
 def _gemv_kernel(
     x_ptr,
     w_ptr,
+    scale_ptr,
     b_ptr,
     y_ptr,
     part_ptr,
@@ -225,19 +295,28 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
+    FP8: tl.constexpr,
 ):
+    """FP8: w_ptr holds e4m3 bytes, every row sum is multiplied by 256 * the fp32 scale at scale_ptr (before the
+    bias); else scale_ptr is not read."""
     pid_n, pid_k, offs_n, mn, w_rows, k_lo = program_block(w_ptr, N, K, k_split, BLOCK_N)
     acc0, acc1, acc2, acc3 = dot_tiles(
-        w_rows, x_ptr, s_x, k_lo, tl.minimum(k_lo + k_split, K), K, ROWS, EVEN_K, PREFETCH, BLOCK_N, BLOCK_K, PDL
+        w_rows, x_ptr, s_x, k_lo, tl.minimum(k_lo + k_split, K), K, ROWS, EVEN_K, PREFETCH, BLOCK_N, BLOCK_K, PDL, FP8
     )
     pdl_release(PDL)  # after the loads: releasing at the start lets dependents launch and stall
-    _emit_row(tl.sum(acc0, axis=1), 0, pid_k, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS, HAS_BIAS, SPLIT_K)
+    sc = 1.0
+    if FP8:
+        sc = tl.load(scale_ptr) * 256.0
+    _emit_row(tl.sum(acc0, axis=1) * sc, 0, pid_k, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS, HAS_BIAS, SPLIT_K)
     if ROWS > 1:
-        _emit_row(tl.sum(acc1, axis=1), 1, pid_k, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS, HAS_BIAS, SPLIT_K)
+        r = tl.sum(acc1, axis=1) * sc
+        _emit_row(r, 1, pid_k, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS, HAS_BIAS, SPLIT_K)
     if ROWS > 2:
-        _emit_row(tl.sum(acc2, axis=1), 2, pid_k, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS, HAS_BIAS, SPLIT_K)
+        r = tl.sum(acc2, axis=1) * sc
+        _emit_row(r, 2, pid_k, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS, HAS_BIAS, SPLIT_K)
     if ROWS > 3:
-        _emit_row(tl.sum(acc3, axis=1), 3, pid_k, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS, HAS_BIAS, SPLIT_K)
+        r = tl.sum(acc3, axis=1) * sc
+        _emit_row(r, 3, pid_k, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS, HAS_BIAS, SPLIT_K)
     if SPLIT_K > 1:
         arrive_and_reduce(count_ptr, pid_n, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS, HAS_BIAS, SPLIT_K)
 
@@ -250,7 +329,7 @@ def _rows_block_k(t: GemvTiles, rows: int) -> int:
     return bk
 
 
-def _check_gemv_args(x, weight, bias, counters) -> None:
+def _check_gemv_args(x, weight, bias, counters, weight_scale) -> None:
     check_dim("x", x, 2)
     check_dim("weight", weight, 2)
     check_shape("weight", weight, (weight.shape[0], x.shape[1]))
@@ -258,8 +337,14 @@ def _check_gemv_args(x, weight, bias, counters) -> None:
         raise ValueError(f"gemv takes 1..{MAX_ROWS} rows of x, got {x.shape[0]}: use F.linear")
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"x must be fp32/fp16/bf16, got {x.dtype}")
-    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-        raise ValueError(f"weight and bias must have x's dtype {x.dtype}")
+    if weight.dtype == fp8.FP8_DTYPE:
+        if weight_scale is None or weight_scale.numel() != 1 or weight_scale.dtype != torch.float32:
+            raise ValueError("an FP8 weight needs its per-tensor weight_scale: an fp32 tensor of one element")
+        check_same_device(x=x, weight_scale=weight_scale)
+    elif weight.dtype != x.dtype:
+        raise ValueError(f"weight must have x's dtype {x.dtype} (or be {fp8.FP8_DTYPE} with a weight_scale)")
+    if bias is not None and bias.dtype != x.dtype:
+        raise ValueError(f"bias must have x's dtype {x.dtype}")
     check_inner_contiguous("x", x)
     if not weight.is_contiguous():
         raise ValueError("weight must be contiguous")
@@ -301,21 +386,24 @@ def gemv(
     tiles: GemvTiles | None = None,
     counters: torch.Tensor | None = None,
     pdl: bool | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = x @ weight^T (+ bias) with fp32 accumulation, one Triton launch (+ a counter memset for split-K
     without `counters`).
-    x [M, K] (1 <= M <= 4; fp32/fp16/bf16, unit stride in K), weight [N, K] contiguous, bias [N] or None (x's
-    dtype) -> y [M, N] in x's dtype. tiles None picks `default_gemv_tiles(N, K)`. counters: optional persistent
+    x [M, K] (1 <= M <= 4; fp32/fp16/bf16, unit stride in K), weight [N, K] contiguous in x's dtype, or
+    float8_e4m3fn with weight_scale (fp32, one element: W = weight * weight_scale), bias [N] or None (x's
+    dtype) -> y [M, N] in x's dtype. tiles None picks `default_gemv_tiles(N, K, fp8)`. counters: optional persistent
     int32 zeros of >= cdiv(N, block_n) elements for split-K (left zeroed; unused without a split); None allocates
     a zeroed one.
     pdl: programmatic dependent launch (triton_common); None = `use_pdl(x)`."""
-    _check_gemv_args(x, weight, bias, counters)
+    _check_gemv_args(x, weight, bias, counters, weight_scale)
     M, K = x.shape
     N = weight.shape[0]
     if N == 0 or K == 0:
         y = torch.zeros(M, N, dtype=x.dtype, device=x.device)
         return y + bias if bias is not None else y
-    t = tiles or default_gemv_tiles(N, K)
+    is_fp8 = weight.dtype == fp8.FP8_DTYPE
+    t = tiles or default_gemv_tiles(N, K, is_fp8)
     bk = _rows_block_k(t, M)
     k_split = triton.cdiv(triton.cdiv(K, max(1, t.split_k)), bk) * bk
     split = triton.cdiv(K, k_split)  # no empty slices
@@ -327,7 +415,8 @@ def gemv(
         cnt = arrival_counters(counters, x, blocks)
     _gemv_kernel[(blocks, split)](
         x,
-        weight,
+        weight.view(torch.uint8) if is_fp8 else weight,
+        weight_scale if is_fp8 else y,
         bias if bias is not None else y,
         y,
         part,
@@ -344,6 +433,7 @@ def gemv(
         PREFETCH=t.prefetch,
         BLOCK_N=t.block_n,
         BLOCK_K=bk,
+        FP8=is_fp8,
         num_warps=t.warps,
         num_stages=1,
         **pdl_args(x, pdl),
@@ -372,3 +462,26 @@ def linear(
     ):
         return gemv(x.reshape(1, K), weight, bias, counters=counters).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """An FP8 linear (`fp8.fp8_linear_ref` signature) for x [..., K]: a single row (batch-1 decode) on a weight of
+    <= MAX_GEMV_WEIGHT_ELEMENTS runs the FP8 `gemv` (weight-only: x is not quantized, input_scale is checked and
+    not used; one launch), every other case W8A8 on FP8 tensor cores: x quantized by `quantize_fp8` (one launch),
+    then `fp8.scaled_mm`. Chosen by shape alone."""
+    K = x.shape[-1]
+    if x.numel() == K and weight.numel() <= MAX_GEMV_WEIGHT_ELEMENTS and weight.is_contiguous():
+        fp8.check_fp8_linear_args(x.reshape(1, K), weight, weight_scale, input_scale)
+        y = gemv(x.reshape(1, K), weight, bias, counters=counters, weight_scale=weight_scale.float().reshape(1))
+        return y.view(*x.shape[:-1], weight.shape[0])
+    x2 = x.reshape(-1, K)
+    fp8.check_fp8_linear_args(x2, weight, weight_scale, input_scale)
+    xq = quantize_fp8(x2, input_scale.float().reshape(1))
+    return fp8.scaled_mm(xq, weight, weight_scale, input_scale, bias, x.dtype).view(*x.shape[:-1], -1)

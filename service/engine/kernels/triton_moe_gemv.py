@@ -14,6 +14,9 @@ before this step's FMAs (`triton_gemv.dot_tiles`, one reduction at the end; `Exp
 tuning knobs for more tiles in flight, off by default). `triton_moe.sum_slots` then sums each token's slots in fp32
 with one rounding: one MoE layer with its shared expert is route + up + down + sum = 4 launches at batch 1. PDL
 launches on Hopper+ (triton_common).
+FP8 experts (float8_e4m3fn, fp32 per-expert weight scales; the shared expert's per-tensor): the same kernels with FP8
+set read the weight bytes, make them fp32 in registers (`triton_gemv.weight_f32`) and multiply each row sum by its
+matrix's scale; x and h stay in x's dtype (weight-only, as `fp8.fp8_moe_experts_ref` without quantize_activations).
 Weight bytes are read once per pair, so the tiled path (one read per expert) wins as soon as pairs share experts:
 this path is for T * k up to MAX_GEMV_PAIRS.
 """
@@ -24,12 +27,13 @@ import torch
 import triton
 import triton.language as tl
 
-from service.engine.kernels import moe, triton_gemv, triton_moe
+from service.engine.kernels import fp8, moe, triton_gemv, triton_moe
+from service.engine.kernels.fp8 import Fp8Linear
 from service.engine.kernels.tiles import ExpertGemvTiles
 from service.engine.kernels.triton_activation import relu2
 from service.engine.kernels.triton_common import check_dtype, check_same_device, pdl_args, pdl_release, pdl_wait
-from service.engine.kernels.triton_gemv import _load_w, _load_x, dot_tiles
-from service.engine.kernels.triton_moe import check_experts_args, sum_slots
+from service.engine.kernels.triton_gemv import _load_w, _load_x, dot_tiles, weight_f32
+from service.engine.kernels.triton_moe import Fp8ExpertScales, check_experts_args, sum_slots
 
 MAX_GEMV_PAIRS = 16  # (token, slot) pairs up to which `moe_experts_gemv` accepts a batch
 
@@ -45,9 +49,10 @@ def _expert_dot(
     DEPTH: tl.constexpr,
     STAGES: tl.constexpr,
     PDL: tl.constexpr = False,
+    FP8: tl.constexpr = False,
 ):
     """Weight rows at w_rows [BLOCK_N, 1] (unit stride along K) times the x row at x_ptr over [0, K): the fp32
-    [BLOCK_N, BLOCK_K] partial products (the caller reduces axis 1). DEPTH 1-2 with STAGES 1 is `dot_tiles`
+    [BLOCK_N, BLOCK_K] partial products (the caller reduces axis 1; FP8: e4m3 weight bytes, products / 256). DEPTH 1-2 with STAGES 1 is `dot_tiles`
     (DEPTH 2: its register prefetch, the default); DEPTH 3-4 keeps DEPTH - 1 further tiles in registers (the last
     steps re-load the last tile, an L2 hit); STAGES > 1 is a plain loop that Triton software-pipelines.
     PDL: the first weight tiles are loaded before `pdl_wait` (STAGES > 1: it waits first), x after it."""
@@ -58,7 +63,7 @@ def _expert_dot(
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             w = _load_w(w_rows, k0, K, EVEN_K, BLOCK_K)
             x, _, _, _ = _load_x(x_rows, 0, k0, K, 1, EVEN_K, BLOCK_K)
-            acc += w.to(tl.float32) * x.to(tl.float32)
+            acc += weight_f32(w, FP8) * x.to(tl.float32)
     elif DEPTH > 2:
         acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
         x_rows = x_ptr + tl.zeros((BLOCK_N, 1), tl.int32)
@@ -80,28 +85,39 @@ def _expert_dot(
             k_next = tl.minimum(k0 + (DEPTH - 1) * BLOCK_K, k_last)
             nw = _load_w(w_rows, k_next, K, EVEN_K, BLOCK_K)
             nx, _, _, _ = _load_x(x_rows, 0, k_next, K, 1, EVEN_K, BLOCK_K)
-            acc += w0.to(tl.float32) * x0.to(tl.float32)
+            acc += weight_f32(w0, FP8) * x0.to(tl.float32)
             if DEPTH > 3:
                 w0, x0, w1, x1, w2, x2 = w1, x1, w2, x2, nw, nx
             else:
                 w0, x0, w1, x1 = w1, x1, nw, nx
     else:
-        acc, _, _, _ = dot_tiles(w_rows, x_ptr, 0, 0, K, K, 1, EVEN_K, DEPTH == 2, BLOCK_N, BLOCK_K, PDL)
+        acc, _, _, _ = dot_tiles(w_rows, x_ptr, 0, 0, K, K, 1, EVEN_K, DEPTH == 2, BLOCK_N, BLOCK_K, PDL, FP8)
     return acc
 
 
 @triton.jit
 def _slot_expert(q, ids_ptr, w_ptr, w_shared_ptr, s_w_e, top_k, n_routed, n_shared, SHARED: tl.constexpr):
     """Row q of the [T, k + SHARED] slot layout (slot k: the shared expert) -> its token t, its routed pair index
-    t * k + slot (not read for the shared slot), whether it is the shared slot, its expert's weight matrix
-    ([I, d_in] / [d_in, I], or the shared [S, d_in] / [d_in, S]) and its intermediate size (I or S)."""
+    t * k + slot (not read for the shared slot), whether it is the shared slot, its expert e (0 for the shared
+    slot), its expert's weight matrix ([I, d_in] / [d_in, I], or the shared [S, d_in] / [d_in, S]) and its
+    intermediate size (I or S)."""
     t = q // (top_k + SHARED)
     slot = q - t * (top_k + SHARED)
     p = t * top_k + slot
     shared = slot == top_k
     e = tl.load(ids_ptr + p, mask=slot < top_k, other=0).to(tl.int64)
     w = tl.where(shared, w_shared_ptr, w_ptr + e * s_w_e)
-    return t.to(tl.int64), p, shared, w, tl.where(shared, n_shared, n_routed)
+    return t.to(tl.int64), p, shared, e, w, tl.where(shared, n_shared, n_routed)
+
+
+@triton.jit
+def _slot_scale(shared, e, scale_ptr, shared_scale_ptr, FP8: tl.constexpr):
+    """The factor of a slot's row sums: 1, or with FP8 256 * its matrix's weight scale (the expert's, or the
+    shared expert's per-tensor one)."""
+    if FP8:
+        routed = tl.load(scale_ptr + e)
+        return tl.where(shared, tl.load(shared_scale_ptr), routed) * 256.0
+    return 1.0
 
 
 @triton.jit
@@ -122,6 +138,8 @@ def _expert_up_kernel(
     x_ptr,
     w_ptr,
     w_shared_ptr,
+    scale_ptr,
+    shared_scale_ptr,
     ids_ptr,
     h_ptr,
     top_k,
@@ -140,17 +158,18 @@ def _expert_up_kernel(
     DEPTH: tl.constexpr,
     STAGES: tl.constexpr,
     PDL: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """h[q, :n] = relu(W_q x_t)^2 for slot q's expert W_q [n, K] (n = I, or S for the shared slot).
     PDL: waits first (the expert ids are the router's output, usually the kernel just before)."""
     pdl_wait(PDL)
     q, j = _up_program(top_k, nb_routed, nb_shared, SHARED)
-    t, _, _, w, n_out = _slot_expert(q, ids_ptr, w_ptr, w_shared_ptr, s_w_e, top_k, n_routed, n_shared, SHARED)
+    t, _, shared, e, w, n_out = _slot_expert(q, ids_ptr, w_ptr, w_shared_ptr, s_w_e, top_k, n_routed, n_shared, SHARED)
     offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, n_out - 1).to(tl.int64)  # loads unmasked, stores masked
-    r = _expert_dot(w + rows[:, None] * K, x_ptr + t * s_x, K, EVEN_K, BLOCK_N, BLOCK_K, DEPTH, STAGES)
+    r = _expert_dot(w + rows[:, None] * K, x_ptr + t * s_x, K, EVEN_K, BLOCK_N, BLOCK_K, DEPTH, STAGES, False, FP8)
     pdl_release(PDL)
-    r = tl.maximum(tl.sum(r, axis=1), 0.0)
+    r = tl.maximum(tl.sum(r, axis=1) * _slot_scale(shared, e, scale_ptr, shared_scale_ptr, FP8), 0.0)
     tl.store(h_ptr + q.to(tl.int64) * s_h + offs_n, (r * r).to(h_ptr.dtype.element_ty), mask=offs_n < n_out)
 
 
@@ -159,6 +178,8 @@ def _expert_down_kernel(
     h_ptr,
     w_ptr,
     w_shared_ptr,
+    scale_ptr,
+    shared_scale_ptr,
     ids_ptr,
     topk_w_ptr,
     y_ptr,
@@ -177,6 +198,7 @@ def _expert_down_kernel(
     DEPTH: tl.constexpr,
     STAGES: tl.constexpr,
     PDL: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """y[q] = w_q * W_q h[q, :K] for slot q's expert W_q [n_out, K] (K = I, or S for the shared slot, weight 1);
     program -> (q, row block j), each slot's blocks consecutive.
@@ -185,13 +207,14 @@ def _expert_down_kernel(
     h, the up pass's output, after it."""
     q = tl.program_id(0) // nb_out
     j = tl.program_id(0) - q * nb_out
-    _, p, shared, w, K = _slot_expert(q, ids_ptr, w_ptr, w_shared_ptr, s_w_e, top_k, n_routed, n_shared, SHARED)
+    _, p, shared, e, w, K = _slot_expert(q, ids_ptr, w_ptr, w_shared_ptr, s_w_e, top_k, n_routed, n_shared, SHARED)
     q = q.to(tl.int64)
     offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, n_out - 1).to(tl.int64)
-    r = _expert_dot(w + rows[:, None] * K, h_ptr + q * s_h, K, EVEN_K, BLOCK_N, BLOCK_K, DEPTH, STAGES, PDL)
+    r = _expert_dot(w + rows[:, None] * K, h_ptr + q * s_h, K, EVEN_K, BLOCK_N, BLOCK_K, DEPTH, STAGES, PDL, FP8)
     pdl_release(PDL)
-    r = tl.sum(r, axis=1) * tl.load(topk_w_ptr + p, mask=~shared, other=1.0).to(tl.float32)
+    r = tl.sum(r, axis=1) * _slot_scale(shared, e, scale_ptr, shared_scale_ptr, FP8)
+    r = r * tl.load(topk_w_ptr + p, mask=~shared, other=1.0).to(tl.float32)
     tl.store(y_ptr + q * s_y + offs_n, r.to(y_ptr.dtype.element_ty), mask=offs_n < n_out)
 
 
@@ -228,19 +251,24 @@ def expert_up_pass(
     top_k: int,
     tiles: ExpertGemvTiles,
     shared_up: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    shared_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The up pass of `moe_experts_gemv` (arguments checked there): x [T, d_in], up [E, I, d_in], ids [T * k]
     contiguous, shared_up [S, d_in] or None -> h [T * slots, max(I, S)], row t * slots + j = relu(W x_t)^2 of
-    slot j (slot k: the shared expert)."""
+    slot j (slot k: the shared expert). FP8 up / shared_up: scale [E] and shared_scale (one element) fp32."""
     T, d_in = x.shape
     inter, n_shared = up.shape[1], 0 if shared_up is None else shared_up.shape[0]
     slots = top_k + (1 if n_shared else 0)
     h = torch.empty(T * slots, max(inter, n_shared), dtype=x.dtype, device=x.device)
     nb_routed, nb_shared = triton.cdiv(inter, tiles.block_n), triton.cdiv(n_shared, tiles.block_n)
+    is_fp8 = up.dtype == fp8.FP8_DTYPE
     _expert_up_kernel[(T * (top_k * nb_routed + nb_shared),)](
         x,
-        up,
-        shared_up if n_shared else up,
+        _bytes(up),
+        _bytes(shared_up if n_shared else up),
+        scale if is_fp8 else x,
+        shared_scale if is_fp8 and n_shared else x,
         ids,
         h,
         top_k,
@@ -254,6 +282,7 @@ def expert_up_pass(
         h.stride(0),
         SHARED=slots - top_k,
         EVEN_K=d_in % tiles.block_k == 0,
+        FP8=is_fp8,
         **_launch_args(tiles, x),
     )
     return h
@@ -267,19 +296,24 @@ def expert_down_pass(
     top_k: int,
     tiles: ExpertGemvTiles,
     shared_down: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    shared_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The down pass of `moe_experts_gemv`: h [T * slots, >= max(I, S)] from `expert_up_pass`, down [E, d_in, I],
     ids [T * k], weights [T * k] fp32 contiguous, shared_down [d_in, S] or None -> y [T * slots, d_in], row q =
-    the routing weight (1 for the shared slot) times W_q h[q]."""
+    the routing weight (1 for the shared slot) times W_q h[q]. FP8 down / shared_down: scale [E], shared_scale."""
     d_in, inter = down.shape[1], down.shape[2]
     n_shared = 0 if shared_down is None else shared_down.shape[1]
     slots = top_k + (1 if n_shared else 0)
     y = torch.empty(h.shape[0], d_in, dtype=h.dtype, device=h.device)
     nb_out = triton.cdiv(d_in, tiles.block_n)
+    is_fp8 = down.dtype == fp8.FP8_DTYPE
     _expert_down_kernel[(h.shape[0] * nb_out,)](
         h,
-        down,
-        shared_down if n_shared else down,
+        _bytes(down),
+        _bytes(shared_down if n_shared else down),
+        scale if is_fp8 else h,
+        shared_scale if is_fp8 and n_shared else h,
         ids,
         weights,
         y,
@@ -293,9 +327,15 @@ def expert_down_pass(
         y.stride(0),
         SHARED=slots - top_k,
         EVEN_K=inter % tiles.block_k == 0 and n_shared % tiles.block_k == 0,
+        FP8=is_fp8,
         **_launch_args(tiles, h),
     )
     return y
+
+
+def _bytes(w: torch.Tensor) -> torch.Tensor:
+    """An FP8 weight as its uint8 bytes (the kernels decode them), any other as it is."""
+    return w.view(torch.uint8) if w.dtype == fp8.FP8_DTYPE else w
 
 
 def moe_experts_gemv(
@@ -371,3 +411,115 @@ def moe_experts_by_size(
     if topk_ids.numel() <= MAX_GEMV_PAIRS:
         return moe_experts_gemv(x, up, down, topk_weights, topk_ids, shared_up=shared_up, shared_down=shared_down)
     return moe_experts_tiled_shared(x, up, down, topk_weights, topk_ids, shared_up=shared_up, shared_down=shared_down)
+
+
+def fp8_moe_experts_gemv(
+    x: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    up_scale: torch.Tensor,
+    down_scale: torch.Tensor,
+    up_input_scale: torch.Tensor,
+    down_input_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    tiles: ExpertGemvTiles | None = None,
+    *,
+    shared_up: Fp8Linear | None = None,
+    shared_down: Fp8Linear | None = None,
+    down_tiles: ExpertGemvTiles | None = None,
+) -> torch.Tensor:
+    """FP8 routed experts (+ an FP8 shared expert) as grouped GEMVs, weight-only, for T * k <= MAX_GEMV_PAIRS:
+    `fp8.fp8_moe_experts_ref` (without quantize_activations; the input scales are checked, not used) in two passes
+    + `sum_slots`, as `moe_experts_gemv`. up [E, I, d_in] / down [E, d_in, I] e4m3 contiguous, up_scale /
+    down_scale [E] fp32; x [T, d_in] unit stride in d_in; shared_up / shared_down `Fp8Linear`s or None."""
+    fp8.check_fp8_experts_args(x, up, down, up_scale, down_scale, up_input_scale, down_input_scale, topk_ids)
+    n_shared = fp8.check_fp8_shared(x, shared_up, shared_down)
+    T, top_k = x.shape[0], topk_ids.shape[1]
+    if T * top_k > MAX_GEMV_PAIRS:
+        raise ValueError(f"fp8_moe_experts_gemv takes up to {MAX_GEMV_PAIRS} (token, slot) pairs, got {T * top_k}")
+    if x.stride(-1) != 1 or not (up.is_contiguous() and down.is_contiguous()):
+        raise ValueError("fp8 experts: x needs unit stride in d_in and up/down must be contiguous")
+    if n_shared and not (shared_up.weight.is_contiguous() and shared_down.weight.is_contiguous()):
+        raise ValueError("the shared expert's FP8 weights must be contiguous")
+    check_same_device(x=x, up=up, down=down, up_scale=up_scale, down_scale=down_scale, topk_ids=topk_ids)
+    if T == 0:
+        return torch.empty(0, x.shape[1], dtype=x.dtype, device=x.device)
+    t = tiles or ExpertGemvTiles()
+    ids = topk_ids.reshape(-1).contiguous()
+    sh_up, sh_down = (shared_up, shared_down) if n_shared else (None, None)
+    h = expert_up_pass(
+        x,
+        up,
+        ids,
+        top_k,
+        t,
+        sh_up.weight if sh_up else None,
+        up_scale.float().contiguous(),
+        sh_up.weight_scale.float().reshape(1) if sh_up else None,
+    )
+    w = topk_weights.to(torch.float32).reshape(-1).contiguous()
+    y = expert_down_pass(
+        h,
+        down,
+        ids,
+        w,
+        top_k,
+        down_tiles or t,
+        sh_down.weight if sh_down else None,
+        down_scale.float().contiguous(),
+        sh_down.weight_scale.float().reshape(1) if sh_down else None,
+    )
+    return sum_slots(y, T, top_k + (1 if n_shared else 0))
+
+
+TILED_FP8_W8A8 = True  # FP8 experts above MAX_GEMV_PAIRS: W8A8 e4m3 tensor-core GEMMs (False: weight-only)
+
+
+def fp8_moe_experts_by_size(
+    x: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    up_scale: torch.Tensor,
+    down_scale: torch.Tensor,
+    up_input_scale: torch.Tensor,
+    down_input_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    shared_up: Fp8Linear | None = None,
+    shared_down: Fp8Linear | None = None,
+    w8a8: bool = TILED_FP8_W8A8,
+) -> torch.Tensor:
+    """FP8 routed experts (+ the FP8 shared expert), Triton, chosen by shape alone: `fp8_moe_experts_gemv`
+    (weight-only, the shared expert in the same launches) for T * k <= MAX_GEMV_PAIRS, else the sorted-token grouped
+    GEMMs (`triton_moe.moe_experts_tiled` with the FP8 scales; w8a8: activations quantized with the static input
+    scales, e4m3 tensor cores) plus the shared expert as two `triton_gemv.fp8_linear`s. Same shapes as
+    `fp8.fp8_moe_experts_ref` (which, with quantize_activations = w8a8 on the tiled path, is its oracle)."""
+    if topk_ids.numel() <= MAX_GEMV_PAIRS:
+        return fp8_moe_experts_gemv(
+            x,
+            up,
+            down,
+            up_scale,
+            down_scale,
+            up_input_scale,
+            down_input_scale,
+            topk_weights,
+            topk_ids,
+            shared_up=shared_up,
+            shared_down=shared_down,
+        )
+    n_shared = fp8.check_fp8_shared(x, shared_up, shared_down)
+    scales = Fp8ExpertScales(
+        up_scale.float().contiguous(),
+        down_scale.float().contiguous(),
+        up_input_scale.float().reshape(1),
+        down_input_scale.float().reshape(1),
+    )
+    routed = triton_moe.moe_experts_tiled(x, up, down, topk_weights, topk_ids, None, scales, w8a8)
+    if not n_shared:
+        return routed
+    u, d = shared_up, shared_down
+    h = relu2(triton_gemv.fp8_linear(x, u.weight, u.weight_scale, u.input_scale))
+    return routed + triton_gemv.fp8_linear(h, d.weight, d.weight_scale, d.input_scale)

@@ -13,6 +13,7 @@ from torch import nn
 from service.engine.config import ModelConfig
 from service.engine.distributed.parallel import ParallelContext, RankShapes
 from service.engine.kernels import Kernels
+from service.engine.kernels.fp8 import Fp8Linear
 from service.engine.layers.linear import (
     ColumnParallelLinear,
     ReplicatedLinear,
@@ -152,10 +153,26 @@ class MoE(nn.Module):
         return self.parallel.all_reduce(routed + self.shared_experts(h, k))
 
     def _forward_fp8(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, k: Kernels) -> torch.Tensor:
-        """This rank's partial output with FP8 routed experts (`k.fp8_moe_experts`, per-expert weight scales); the
-        shared expert and latent projections run as separate linears (each FP8 or not, as the checkpoint has them)."""
-        e = self.experts
-        x = project(k, self.fc1_latent_proj, h) if self.cfg.moe_latent_size else h
+        """This rank's partial output with FP8 routed experts (`k.fp8_moe_experts`, per-expert weight scales). An
+        FP8 shared expert without biases, in a MoE without latent projections, goes into the same op (the Triton
+        bundle folds it into its batch-1/2 launches); otherwise the shared expert and latent projections run as
+        separate linears (each FP8 or not, as the checkpoint has them)."""
+        e, c, sh = self.experts, self.cfg, self.shared_experts
+        if not c.moe_latent_size and not c.mlp_bias and is_fp8_linear(sh.up_proj) and is_fp8_linear(sh.down_proj):
+            return k.fp8_moe_experts(
+                h,
+                e.up_proj,
+                e.down_proj,
+                e.up_proj_weight_scale,
+                e.down_proj_weight_scale,
+                e.up_proj_input_scale,
+                e.down_proj_input_scale,
+                weights,
+                ids,
+                shared_up=Fp8Linear(sh.up_proj.weight, sh.up_proj.weight_scale, sh.up_proj.input_scale),
+                shared_down=Fp8Linear(sh.down_proj.weight, sh.down_proj.weight_scale, sh.down_proj.input_scale),
+            )
+        x = project(k, self.fc1_latent_proj, h) if c.moe_latent_size else h
         routed = k.fp8_moe_experts(
             x,
             e.up_proj,
