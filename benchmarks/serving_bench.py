@@ -99,9 +99,9 @@ class Case:
 
 
 # ---------------------------------------------------------------- model folders
-def write_model(kind: str, out_dir: str, nano_experts: int, device: str) -> str:
+def write_model(kind: str, out_dir: str, nano_experts: int, device: str, load_format: str = "auto") -> str:
     """The embedded tiny model, or a Nano-shaped 8-layer model with random bf16 weights and the embedded
-    tokenizer; an existing folder is reused."""
+    tokenizer (with load_format "dummy": no weights file, the engines draw them); an existing folder is reused."""
     from service.testing import tiny  # noqa: PLC0415
 
     if os.path.exists(os.path.join(out_dir, "config.json")):
@@ -115,7 +115,11 @@ def write_model(kind: str, out_dir: str, nano_experts: int, device: str) -> str:
             tiny.train_tokenizer(),
             **{**NANO_OVERRIDES, "n_routed_experts": nano_experts, "num_experts_per_tok": min(6, nano_experts)},
         )
-        save_file(nano_weights(config, device), os.path.join(partial, "model.safetensors"), metadata={"format": "pt"})
+        weights_path = os.path.join(partial, "model.safetensors")
+        if load_format == "dummy":
+            os.remove(weights_path)
+        else:
+            save_file(nano_weights(config, device), weights_path, metadata={"format": "pt"})
         with open(os.path.join(partial, "config.json"), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2)
     os.replace(partial, out_dir)
@@ -326,6 +330,7 @@ def engine_config(args: argparse.Namespace, model_path: str):
         max_num_batched_tokens=args.max_num_batched_tokens,
         kernel_backend=args.kernel_backend,
         mamba_cache_strategy=args.mamba_scheduler_strategy,
+        load_format=args.load_format,
     )
 
 
@@ -427,6 +432,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kernel-backend", default="torch")
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=("auto", "dummy"),
+        help="dummy: both engines draw the same random weights from config.json (no weights file written or read)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--page-size", type=int, default=64)
@@ -478,6 +489,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         str(args.page_size),
         "--mamba-scheduler-strategy",
         args.mamba_scheduler_strategy,
+        "--load-format",
+        args.load_format,
         "--replicas",
         "1",
         *args.serve_extra.split(),
@@ -489,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model_dir = args.model_dir or os.path.join("/tmp", "serving_bench", args.model)
     t0 = time.perf_counter()
-    model_path = write_model(args.model, model_dir, args.nano_experts, args.device)
+    model_path = write_model(args.model, model_dir, args.nano_experts, args.device, args.load_format)
     print(f"model {model_path} ready in {time.perf_counter() - t0:.1f} s", flush=True)
     cases = make_cases(model_path, args.workloads, args.endpoints, args.seed)
     served = {} if args.skip_served else run_served(args, model_path, cases)
