@@ -18,15 +18,15 @@ import torch
 from benchmarks.kernels import BF16, DEV, HIDDEN, INTER, TOPK, Case, E
 from service.engine.kernels import fp8, moe
 from service.engine.kernels.fp8 import FP8_DTYPE, FP8_MAX, Fp8Linear
-from service.engine.kernels.tiles import GEMV_FP8_TILE_VARIANTS, ExpertGemvTiles, MoeTiles
+from service.engine.kernels.tiles import EXPERT_GEMV_FP8_TILES, GEMV_FP8_TILE_VARIANTS, ExpertGemvTiles, MoeTiles
 from service.engine.kernels.triton_gemv import fp8_linear, gemv, quantize_fp8
 from service.engine.kernels.triton_moe import Fp8ExpertScales, moe_experts_tiled
 from service.engine.kernels.triton_moe_gemv import fp8_moe_experts_gemv
 
 SHARED = 3712  # Nano's shared-expert intermediate size
 EXPERT_GEMV_FP8_VARIANTS = (
+    EXPERT_GEMV_FP8_TILES,
     ExpertGemvTiles(),
-    ExpertGemvTiles(4, 1024, 4),
     ExpertGemvTiles(8, 512, 4),
     ExpertGemvTiles(8, 1024, 8),
     ExpertGemvTiles(2, 1024, 4),
@@ -35,10 +35,10 @@ EXPERT_GEMV_FP8_VARIANTS = (
 )
 W8A8_TILE_VARIANTS = {
     256: (
+        MoeTiles(16, 64, 256, 4, 4),
         MoeTiles(16, 64, 128, 4, 4),
         MoeTiles(16, 64, 256, 4, 3),
         MoeTiles(16, 128, 256, 4, 3),
-        MoeTiles(16, 64, 256, 4, 4),
         MoeTiles(32, 64, 256, 4, 3),
         MoeTiles(64, 64, 256, 4, 3),
     ),

@@ -164,6 +164,7 @@ TILED_CASES = [
     (9, torch.float16, False, MoeTiles(16, 32, 32, 4, 1)),
     (24, torch.float32, False, MoeTiles(32, 16, 32, 4, 1)),
     (1, torch.bfloat16, True, MoeTiles(16, 32, 32, 4, 1)),
+    (2, torch.float32, True, None),  # the default FP8 decode tiles (K 256 per step: d 48 is one masked step)
     (9, torch.float32, True, MoeTiles(16, 32, 32, 4, 1)),
     (24, torch.bfloat16, True, MoeTiles(32, 16, 32, 4, 1)),
 ]
@@ -230,8 +231,9 @@ def test_fp8_moe_gemv_gpu_nano(T):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("w8a8", [False, True])
-@pytest.mark.parametrize("T", [3, 64, 256, 1024])
+@pytest.mark.parametrize("T", [3, 64, 256, 1024, 2048])
 def test_fp8_grouped_gemms_gpu_nano(T, w8a8):
+    """Every default tile of both modes: decode (<= 16 pairs per expert), <= 48, prefill (T = 2048: 96)."""
     args, _ = _moe(T, 128, 6, 2688, 1856, 0, torch.bfloat16, seed=T)
     x, up8, down8, up_s, down_s, ui, di, w, ids = args
     out = moe_experts_tiled(

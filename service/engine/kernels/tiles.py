@@ -254,12 +254,14 @@ MOE_DECODE_TILE_VARIANTS = (
 def default_tiles(pairs_per_expert: float, element_size: int) -> MoeTiles:
     """Tiles for the average rows per expert: weight streaming (decode) vs matrix-bound (prefill);
     4-byte operands get a smaller prefill tile so the pipeline fits in shared memory, 1-byte (e4m3) a longer K."""
+    if element_size == 1:  # e4m3 operands (W8A8): twice the K per step of the bf16 tiles, the same bytes
+        if pairs_per_expert <= 16:
+            return MoeTiles(16, 64, 256, 4, 4)
+        return MoeTiles(32, 64, 256, 4, 4) if pairs_per_expert <= 48 else MoeTiles(128, 256, 128, 8, 3)
     if pairs_per_expert <= 16:
         return MOE_DECODE_TILE_VARIANTS[0]
     if pairs_per_expert <= 48:
         return MoeTiles(32, 64, 128, 4, 4)
-    if element_size == 1:  # e4m3 operands (W8A8): twice the K per step, the same bytes
-        return MoeTiles(128, 256, 128, 8, 3)
     return MoeTiles(128, 256, 64, 8, 4) if element_size == 2 else MoeTiles(64, 128, 64, 4, 3)
 
 
@@ -286,6 +288,8 @@ class ExpertGemvTiles:
             raise ValueError(f"stages > 1 pipelines the plain loop: needs depth 1, got {self}")
 
 
+# FP8 expert weights (1 byte): twice the K elements per step of the bf16 default, the same bytes per load.
+EXPERT_GEMV_FP8_TILES = ExpertGemvTiles(4, 1024, 4)
 EXPERT_GEMV_TILE_VARIANTS = (
     ExpertGemvTiles(),
     ExpertGemvTiles(8, 256, 4),

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from service.engine.kernels import fp8, moe, triton_gemv, triton_moe
 from service.engine.kernels.fp8 import Fp8Linear
-from service.engine.kernels.tiles import ExpertGemvTiles
+from service.engine.kernels.tiles import EXPERT_GEMV_FP8_TILES, ExpertGemvTiles
 from service.engine.kernels.triton_activation import relu2
 from service.engine.kernels.triton_common import check_dtype, check_same_device, pdl_args, pdl_release, pdl_wait
 from service.engine.kernels.triton_gemv import _load_w, _load_x, dot_tiles, weight_f32
@@ -432,7 +432,8 @@ def fp8_moe_experts_gemv(
     """FP8 routed experts (+ an FP8 shared expert) as grouped GEMVs, weight-only, for T * k <= MAX_GEMV_PAIRS:
     `fp8.fp8_moe_experts_ref` (without quantize_activations; the input scales are checked, not used) in two passes
     + `sum_slots`, as `moe_experts_gemv`. up [E, I, d_in] / down [E, d_in, I] e4m3 contiguous, up_scale /
-    down_scale [E] fp32; x [T, d_in] unit stride in d_in; shared_up / shared_down `Fp8Linear`s or None."""
+    down_scale [E] fp32; x [T, d_in] unit stride in d_in; shared_up / shared_down `Fp8Linear`s or None.
+    tiles None: `EXPERT_GEMV_FP8_TILES`."""
     fp8.check_fp8_experts_args(x, up, down, up_scale, down_scale, up_input_scale, down_input_scale, topk_ids)
     n_shared = fp8.check_fp8_shared(x, shared_up, shared_down)
     T, top_k = x.shape[0], topk_ids.shape[1]
@@ -445,7 +446,7 @@ def fp8_moe_experts_gemv(
     check_same_device(x=x, up=up, down=down, up_scale=up_scale, down_scale=down_scale, topk_ids=topk_ids)
     if T == 0:
         return torch.empty(0, x.shape[1], dtype=x.dtype, device=x.device)
-    t = tiles or ExpertGemvTiles()
+    t = tiles or EXPERT_GEMV_FP8_TILES
     ids = topk_ids.reshape(-1).contiguous()
     sh_up, sh_down = (shared_up, shared_down) if n_shared else (None, None)
     h = expert_up_pass(
