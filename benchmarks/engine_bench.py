@@ -152,8 +152,20 @@ def decode_split(
         path = os.path.join(tmp, "trace.json")
         profile_steps(engine, path)
         split = step_split.split_trace_file(path)
+        g = engine.runner.graphs
+        eager = None
+        if g is not None and split.kernels_per_step < 50:  # the profiler did not see inside the graph replays
+            eager = os.path.join(tmp, "eager.json")
+            profile_eager_forward(engine, g.bucket_for(batch), eager)
+            eager = step_split.split_trace_file(eager)
     bound = step_bound(engine, batch, context, ceilings)
     lines = step_split.split_lines(split, bound)
+    if eager is not None:
+        lines.append(
+            f"  kernels inside graph replays were not traced: device ms per family of one eager forward of the same "
+            f"inputs: {', '.join(f'{k} {v:.2f}' for k, v in eager.family_ms.items())} (busy {eager.busy_ms:.2f})"
+        )
+        split = dataclasses.replace(split, family_ms=eager.family_ms)
     print("\n".join(lines), flush=True)
     if notes is not None:
         notes.extend(lines)
@@ -264,12 +276,27 @@ def profile_steps(engine: Engine, path: str) -> None:
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(4):
-            with torch.profiler.record_function("engine.step"):
+            with torch.profiler.record_function(step_split.STEP_RANGE):
                 engine.step()
         sync(engine.config.device)
     prof.export_chrome_trace(path)
     with open(path + ".txt", "w", encoding="utf-8") as f:
         f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+
+
+def profile_eager_forward(engine: Engine, bucket: int, path: str) -> None:
+    """Chrome trace of 2 eager forwards of a graph bucket on its static inputs (the last replayed step's), each in a
+    `step_split.STEP_RANGE` range. It advances those requests' states again: run it only on requests about to end."""
+    g = engine.runner.graphs
+    g._forward(bucket)
+    sync(engine.config.device)
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(2):
+            with torch.profiler.record_function(step_split.STEP_RANGE):
+                g._forward(bucket)
+                sync(engine.config.device)
+    prof.export_chrome_trace(path)
 
 
 def profile_decode(engine: Engine, batch: int, path: str) -> None:
