@@ -4,9 +4,10 @@ Same signature and semantics as `attention.write_kv_ref` (token t's K/V land in 
 to the cache's dtype; with k_scale / v_scale divided by them (IEEE division); into an FP8 cache clamped to +-448).
 k and v may be strided views (heads and tokens; unit stride in the head dim), e.g. the column splits of the fused
 q/k/v projection's output. One program per token writes all its heads of K and of V.
-Into an FP8 cache the values are first rounded to the e4m3 grid in fp32 (round half to even, as torch's cast), so
-the cast itself is exact: the same bits on the GPU and in Triton's interpreter, whose fp32 -> fp8 cast does not
-carry a rounding into the exponent.
+Into an FP8 cache the kernel encodes the e4m3 bytes itself (round half to even, as torch's cast; subnormals kept)
+and stores them through a uint8 view of the cache: no fp32 -> fp8 conversion instruction is involved, so the bits
+are the same on every GPU and in Triton's interpreter (whose fp32 -> fp8 cast does not carry a rounding into the
+exponent).
 """
 
 from __future__ import annotations
@@ -34,25 +35,31 @@ def _pow2(k):
 
 
 @triton.jit
-def _round_e4m3(x):
-    """fp32 x with |x| <= 448 -> the nearest float8_e4m3fn value (ties to even), as fp32. The grid step is
-    2**(e - 3) for x's binary exponent e >= -6 (normal e4m3 numbers) and 2**-9 below (subnormals)."""
+def _e4m3_bytes(x):
+    """fp32 x with |x| <= 448 -> the float8_e4m3fn byte of its nearest value (ties to even), as int32. With x's
+    binary exponent e (at least -6) the grid step is 2**(e - 3): r = |x| / step rounded is 8..16 for normal numbers
+    (16: the rounding carried into the next exponent) and 0..8 below 2**-6 (subnormals, exponent field 0)."""
     bits = x.to(tl.int32, bitcast=True)
     e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
     y = tl.abs(x) * _pow2(3 - e)  # |x| in grid steps (exact: a power-of-two scaling)
     r = tl.floor(y + 0.5)
     odd = (r - 2.0 * tl.floor(r * 0.5)) == 1.0
-    r = tl.where((r - y == 0.5) & odd, r - 1.0, r)
-    return tl.where(bits < 0, -r, r) * _pow2(e - 3)
+    r = tl.where((r - y == 0.5) & odd, r - 1.0, r).to(tl.int32)
+    carry = r == 16
+    e = tl.where(carry, e + 1, e)
+    r = tl.where(carry, 8, r)
+    code = tl.where(r >= 8, ((e + 7) << 3) | (r - 8), r)  # normal: biased exponent e + 7, mantissa r - 8
+    return tl.where(bits < 0, code | 0x80, code)
 
 
 @triton.jit
 def _stored(x, scale_ptr, SCALED: tl.constexpr, FP8: tl.constexpr):
-    """x as the cache stores it: / scale when SCALED, rounded to the e4m3 grid (saturated at +-448) when FP8."""
+    """x as the cache stores it: / scale when SCALED; for an FP8 cache (viewed as uint8) its e4m3 bytes, saturated
+    at +-448."""
     if SCALED:
         x = tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr))
     if FP8:
-        x = _round_e4m3(tl.clamp(x.to(tl.float32), -448.0, 448.0))
+        x = _e4m3_bytes(tl.clamp(x.to(tl.float32), -448.0, 448.0))
     return x
 
 
@@ -127,6 +134,8 @@ def write_kv(
     check_dim("k_cache", k_cache, 3)
     S, H, D = k_cache.shape
     check_shape("v_cache", v_cache, (S, H, D))
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache and v_cache must share a dtype, got {k_cache.dtype} and {v_cache.dtype}")
     check_dim("k", k, 3)
     T = k.shape[0]
     check_shape("k", k, (T, H, D))
@@ -140,11 +149,12 @@ def write_kv(
     scaled = check_kv_scales(k_cache, k_scale, v_scale)
     if T == 0:
         return
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
     _write_kv_kernel[(T,)](
         k,
         v,
-        k_cache,
-        v_cache,
+        k_cache.view(torch.uint8) if fp8 else k_cache,
+        v_cache.view(torch.uint8) if fp8 else v_cache,
         slot_mapping.contiguous(),
         k_scale if scaled else slot_mapping,
         v_scale if scaled else slot_mapping,
@@ -161,7 +171,7 @@ def write_kv(
         BLOCK_H=block_dim(H, 1),
         BLOCK_D=block_dim(D, 1),
         SCALED=scaled,
-        FP8=k_cache.dtype == torch.float8_e4m3fn,
+        FP8=fp8,
         num_warps=1,
         **pdl_args(k),
     )
