@@ -206,13 +206,14 @@ def test_fp8_kv_on_the_triton_path_with_graphs(fp8kv, hf_checkpoints):
         la, lb = full_prefill_logits(a, ids), full_prefill_logits(b, ids)
         assert 1e-5 < ((la - lb).norm() / lb.norm()).item() < 3e-2
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2)
-    prompts = [random_ids(24, seed=s) for s in range(24)]
+    prompts = [random_ids(24, seed=s) for s in range(40)]
     ref = b.generate(prompts, params)
     peaked = [
         i
         for i, o in enumerate(ref)
-        if all(sorted(d.values())[-1] - sorted(d.values())[-2] >= 0.1 for d in o.top_logprobs)
+        if all(sorted(d.values())[-1] - sorted(d.values())[-2] >= 0.08 for d in o.top_logprobs)
     ]
+    assert len(peaked) >= 2, len(peaked)
     got = a.generate([prompts[i] for i in peaked], params)
     assert [o.token_ids for o in got] == [ref[i].token_ids for i in peaked]
     del a, b
