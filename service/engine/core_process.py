@@ -216,7 +216,7 @@ class EngineProcess:
             self._calls[seq] = fut
         try:
             self._send(("call", seq, name, args))
-        except EngineDeadError:
+        except BaseException:  # dead child, or arguments that do not pickle
             self._calls.pop(seq, None)
             raise
         return await asyncio.wrap_future(fut)
@@ -249,7 +249,10 @@ class EngineProcess:
             except (EOFError, OSError):
                 break
             due: dict[asyncio.AbstractEventLoop, list[_Stream]] = {}
-            self._handle(msg, due)
+            try:
+                self._handle(msg, due)
+            except Exception:  # noqa: BLE001 - the reader must outlive a bad message, or every stream would hang
+                log.exception("engine core message %r could not be handled", msg[0])
             for loop, streams in due.items():
                 try:
                     loop.call_soon_threadsafe(_wake_all, streams)

@@ -127,12 +127,15 @@ def test_abort_early_exit_and_pool_audit(core):
     assert stats["num_requests_running"] == 0 and stats["num_requests_waiting"] == 0
 
 
-def test_bad_prompt_and_duplicate_id_are_refused(core):
+def test_bad_prompt_duplicate_id_and_unpicklable_inspect_are_refused(core):
     async def main():
         with pytest.raises(ValueError, match="empty"):
             await _collect(core, [], greedy(4))
         with pytest.raises(ValueError, match="outside the vocabulary"):
             await _collect(core, [10**9], greedy(4))
+        with pytest.raises(Exception, match="pickle"):  # inspect needs a module-level function
+            await core.inspect(lambda engine: engine.stats())
+        await core.check_alive()
         first = asyncio.create_task(_collect(core, random_ids(10, 4), greedy(40), rid="dup"))
         await asyncio.sleep(0.05)
         with pytest.raises(ValueError, match="already in use"):
