@@ -60,10 +60,11 @@ def _fp8(w: torch.Tensor, dims=None) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _linear_make(T: int, N: int, K: int):
-    w8, ws = _fp8(torch.randn(N, K, device=DEV) * K**-0.5)
+    """make() of one input set: a fresh weight per set (the sets rotate, so no weight stays in L2)."""
     xs = torch.tensor(6.0 / FP8_MAX, device=DEV)
 
     def make():
+        w8, ws = _fp8(torch.randn(N, K, device=DEV) * K**-0.5)
         return torch.randn(T, K, device=DEV, dtype=BF16), w8, ws, xs
 
     return make
