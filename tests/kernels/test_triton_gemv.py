@@ -55,7 +55,9 @@ SMALL_TILES = [
     GemvTiles(4, 128, 4, False, 2),
     GemvTiles(2, 256, 1, True, 4),
 ]
-SMALL_SHAPES = [(1, 1), (37, 100), (64, 256), (5, 1000), (33, 17)]
+# (N, K): one element; N and K ragged; N and K even in every tile (no masks: N a multiple of 16, K of 256); K of
+# 16 steps of 64 with split-K slices past K; K below every block_k
+SMALL_SHAPES = [(1, 1), (37, 100), (16, 256), (5, 1000), (33, 17)]
 
 
 ROWS_DTYPES = [
