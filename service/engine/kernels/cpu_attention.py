@@ -85,9 +85,9 @@ def _decode(
     qt = (q if all_rows else q[torch.tensor(tokens, device=dev)]).to(keys.dtype)
     o = F.scaled_dot_product_attention(qt.reshape(b, Hkv, Hq // Hkv, Dh), keys, vals, attn_mask=mask, scale=scale)
     if all_rows:
-        out.copy_(o.view(b, Hq, Dh))
+        out.copy_(o.reshape(b, Hq, Dh))
     else:
-        out[tokens] = o.view(b, Hq, Dh).to(out.dtype)
+        out[tokens] = o.reshape(b, Hq, Dh).to(out.dtype)
 
 
 def _prefill(
