@@ -30,14 +30,15 @@ from tests.outputs import assert_same_outputs
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 EPS = 1e-5
 INTERPRETED = DEVICE == "cpu"  # bit-equality with the unfused kernels holds where the reductions match
-# (N, K, tiles): split-K over a K that BLOCK_K does not divide, no prefetch, K < BLOCK_K, default tiles with split-K,
+# (N, K, tiles): split-K over a K that BLOCK_K does not divide, no prefetch, K < BLOCK_K, default tiles with split-K
+# (8 x 256 x 4 for both default cases: ragged rows with K of 4 slices; whole row blocks with 3 slices past K),
 # rows longer than the prologue's 512-element chunk (its chunk sums added pairwise)
 ADD_CASES = [
     (50, 300, GemvTiles(8, 32, 4, True, 3)),
     (37, 256, GemvTiles(4, 64, 4, False)),
     (64, 100, GemvTiles(16, 32, 2, True, 2)),
-    (130, 1000, None),
-    (200, 64, None),
+    (34, 1000, None),
+    (72, 64, None),
     (33, 17, GemvTiles(2, 256, 1, True, 4)),
     (20, 2688, GemvTiles(8, 256, 4)),
 ]  # last: Nano's K
