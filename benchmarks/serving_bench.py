@@ -21,11 +21,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import resource
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 
 import httpx
@@ -192,6 +194,35 @@ async def _closed_loop_http(base_url: str, model: str, case: Case, timeout_s: fl
         return summarize(list(results), time.perf_counter() - start), list(results)
 
 
+def _client_results(base_url: str, model: str, case: Case, timeout_s: float) -> list[RequestResult]:
+    """One client process' share of a closed loop (run in a worker process)."""
+    return asyncio.run(_closed_loop_http(base_url, model, case, timeout_s))[1]
+
+
+def closed_loop_clients(base_url: str, model: str, case: Case, timeout_s: float, procs: int) -> tuple[Summary, float]:
+    """(summary, client CPU seconds) of the closed loop run by `procs` client processes (forked), each with every
+    procs-th request and its share of the concurrency, so that one client's event loop is not the limit."""
+    if procs == 1:
+        own0 = own_cpu_seconds()
+        summary, _ = asyncio.run(_closed_loop_http(base_url, model, case, timeout_s))
+        return summary, own_cpu_seconds() - own0
+    w = case.workload
+    parts = []
+    for i in range(procs):
+        bodies = case.bodies[i::procs]
+        conc = w.concurrency // procs + (i < w.concurrency % procs)
+        parts.append(Case(Workload(w.isl, w.osl, len(bodies), max(conc, 1)), case.endpoint, bodies, []))
+    children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("fork")) as pool:
+        start = time.perf_counter()
+        futures = [pool.submit(_client_results, base_url, model, part, timeout_s) for part in parts]
+        results = [r for f in futures for r in f.result()]
+        duration = time.perf_counter() - start
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = children.ru_utime + children.ru_stime - children0.ru_utime - children0.ru_stime
+    return summarize(results, duration), cpu
+
+
 def run_served(args: argparse.Namespace, model_path: str, cases: list[Case]) -> dict[str, dict]:
     out: dict[str, dict] = {}
     gpu_roles: dict[str, int] | str = "not a CUDA run"
@@ -202,10 +233,14 @@ def run_served(args: argparse.Namespace, model_path: str, cases: list[Case]) -> 
             asyncio.run(
                 _closed_loop_http(server.base_url, server.model, _shorter(warm, args.warmup_tokens), args.timeout_s)
             )
-            cpu0, own0 = cpu_seconds_by_pid(server.pid), own_cpu_seconds()
-            summary, _ = asyncio.run(_closed_loop_http(server.base_url, server.model, case, args.timeout_s))
+            cpu0 = cpu_seconds_by_pid(server.pid)
+            summary, client_cpu_s = closed_loop_clients(
+                server.base_url, server.model, case, args.timeout_s, args.client_procs
+            )
             cpu = cpu_delta_by_role(cpu0, cpu_seconds_by_pid(server.pid))
-            cpu["client (this process)"] = own_cpu_seconds() - own0
+            cpu[f"client ({args.client_procs} processes)" if args.client_procs > 1 else "client (this process)"] = (
+                client_cpu_s
+            )
             if args.device.startswith("cuda"):
                 gpu_roles = gpu_process_roles(server.pid)
             out[_key(case)] = {"summary": asdict(summary), "cpu_s": cpu}
@@ -456,6 +491,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="prompts of the untimed warm-up run before each workload (0: the workload's concurrency)",
     )
+    p.add_argument("--client-procs", type=int, default=1, help="client processes sharing the served closed loop (fork)")
     p.add_argument("--warmup-tokens", type=int, default=8)
     p.add_argument("--timeout-s", type=float, default=1200.0)
     p.add_argument("--seed", type=int, default=0)
