@@ -27,7 +27,7 @@ from benchmarks.engine_bench import decode_tps, random_prompts, sync
 from service.engine import Engine, EngineConfig, SamplingParams
 from service.engine.config import ModelConfig
 from service.engine.runner import memory_plan
-from service.engine.runner.model_runner import build_model, resolve_kv_dtype, state_shapes
+from service.engine.runner.model_runner import build_model, resolve_kv_dtype, resolve_ssm_dtype, state_shapes
 from service.engine.runner.state_tensors import StateTensors
 from service.testing.model_dir import make_model_dir, published_config
 
@@ -64,6 +64,7 @@ def engine_config(args: argparse.Namespace, model_dir: str, max_num_seqs: int) -
         load_format="dummy",
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_dtype="auto",  # the checkpoint's: FP8
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
     )
 
 
@@ -75,14 +76,16 @@ def max_concurrency(args: argparse.Namespace, model_dir: str, model, model_cfg: 
 
     def fits(c: int) -> bool:
         cfg = engine_config(args, model_dir, c).resolved()
-        kv_dtype = resolve_kv_dtype(cfg, torch.bfloat16)
+        kv_dtype, ssm_dtype = resolve_kv_dtype(cfg, torch.bfloat16), resolve_ssm_dtype(cfg, model_cfg)
         shapes = state_shapes(model_cfg, model.shapes)
 
         def new_pools(sizes):
-            return StateTensors(sizes, cfg.page_size, shapes, torch.bfloat16, device, kv_dtype)
+            return StateTensors(sizes, cfg.page_size, shapes, torch.bfloat16, device, kv_dtype, ssm_dtype=ssm_dtype)
 
         try:
-            plan = memory_plan.plan_for(cfg, model_cfg, model, cfg.max_model_len, torch.bfloat16, new_pools, kv_dtype)
+            plan = memory_plan.plan_for(
+                cfg, model_cfg, model, cfg.max_model_len, torch.bfloat16, new_pools, kv_dtype, ssm_dtype
+            )
         except ValueError:
             return False
         return plan.num_kv_pages >= c * need_pages
@@ -214,6 +217,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--isl", type=int, default=1024)
     ap.add_argument("--osl", type=int, default=1024)
     ap.add_argument("--prompts", type=int, default=0, help="closed-loop prompts; 0: one per concurrency slot")
+    ap.add_argument(
+        "--mamba-ssm-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="the SSM state pools (bfloat16: half of each request's Mamba slot, so more concurrency fits)",
+    )
     ap.add_argument("--limit-s", type=float, default=math.inf, help="stop the closed loop after this many seconds")
     ap.add_argument("--max-concurrency", type=int, default=256, help="upper bound of the search (CPU: the value)")
     ap.add_argument(

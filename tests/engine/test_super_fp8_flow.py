@@ -21,7 +21,7 @@ def test_shrunk_overrides_keep_two_layers_of_each_kind():
     assert o["hidden_size"] == published_config("super")["hidden_size"] // 8
 
 
-@pytest.mark.slow  # ~80 s on the shared 2-core machine; the FP8 KV engine tests cover its parts in the default run
+@pytest.mark.slow  # 5-80 s on the shared 2-core machine (by its load); the FP8 KV engine tests run its parts by default
 def test_super_fp8_flow_on_cpu(tmp_path):
     args = argparse.Namespace(
         config="super",
@@ -37,6 +37,7 @@ def test_super_fp8_flow_on_cpu(tmp_path):
         prompts=3,
         max_concurrency=2,
         limit_s=math.inf,
+        mamba_ssm_cache_dtype="auto",
         out=str(tmp_path / "report.md"),
     )
     model_dir = make_model_dir(
