@@ -9,12 +9,13 @@ import os
 import pytest
 
 from service.engine import Engine, EngineConfig
-from service.evals.harness import EngineBackend, Sampling, score
-from service.evals.tasks import MAX_TOKENS, make_examples
+from service.evals.harness import EngineBackend, Sampling
+from service.evals.tasks import MAX_TOKENS, Example, extract_answer, make_examples
 
 STRATEGIES = ("off", "no_buffer", "extra_buffer")
-# The acceptance targets; the shipped model's state accuracy (manifest: 0.675) is below its target.
+# The acceptance targets: held-out questions answered correctly, greedy, by the engine with every cache strategy.
 TARGETS = {"addition": 0.95, "recall": 0.90, "state": 0.90}
+NUM_QUESTIONS = 200
 
 
 def _engine(path: str, strategy: str) -> Engine:
@@ -30,53 +31,56 @@ def _engine(path: str, strategy: str) -> Engine:
     )
 
 
-def _accuracy(path: str, strategy: str, num: int) -> dict[str, float]:
-    """All tasks' questions in one batch of requests (packed together), greedy."""
+def _answers(path: str, strategy: str, num: int) -> dict[str, list[str | None]]:
+    """All tasks' questions in one batch of requests (packed together), greedy: task -> extracted answers."""
     backend = EngineBackend(_engine(path, strategy))
     examples = [ex for task in TARGETS for ex in make_examples(task, num, 0)]
     replies = backend.answer_sync(examples, Sampling(max_tokens=max(MAX_TOKENS[t] for t in TARGETS)))
-    return {
-        task: score(task, examples[i * num : (i + 1) * num], replies[i * num : (i + 1) * num]).pass_at_1
-        for i, task in enumerate(TARGETS)
-    }
+    answers = [extract_answer(ex.task, r[0].content, list(r[0].tool_calls)) for ex, r in zip(examples, replies)]
+    return {task: answers[i * num : (i + 1) * num] for i, task in enumerate(TARGETS)}
+
+
+def _manifest(path: str) -> dict:
+    with open(os.path.join(path, "manifest.json")) as f:
+        return json.load(f)
 
 
 def test_manifest_describes_the_committed_weights(trained_model):
-    with open(os.path.join(trained_model, "manifest.json")) as f:
-        manifest = json.load(f)
+    manifest = _manifest(trained_model)
     with open(os.path.join(trained_model, "config.json")) as f:
         config = json.load(f)
     assert {"M", "*", "E"} == set(manifest["model_overrides"]["hybrid_override_pattern"])
     assert config["moe_latent_size"] == manifest["model_overrides"]["moe_latent_size"]
     assert manifest["train_config"]["seed"] == 0 and manifest["steps_done"] == manifest["train_config"]["steps"]
-    assert set(manifest["heldout_greedy_accuracy"]["by_task"]) >= set(TARGETS)
+    assert manifest["reproduce"].startswith("hybrid-serve train-tiny-model OUT --seed ")
+    assert manifest["heldout_greedy_accuracy"]["num_per_task"] == NUM_QUESTIONS
     assert os.path.getsize(os.path.join(trained_model, "model.safetensors")) < 8 * 2**20
 
 
 @pytest.fixture(scope="module")
-def small_run(trained_model) -> dict[str, dict[str, float]]:
-    return {s: _accuracy(trained_model, s, 24) for s in STRATEGIES}
+def answers(trained_model) -> dict[str, dict[str, list[str | None]]]:
+    return {s: _answers(trained_model, s, NUM_QUESTIONS) for s in STRATEGIES}
 
 
-def test_held_out_accuracy_every_strategy(small_run, trained_model):
-    """24 questions per task: addition and recall at their targets, state near the manifest's accuracy."""
-    with open(os.path.join(trained_model, "manifest.json")) as f:
-        manifest = json.load(f)["heldout_greedy_accuracy"]["by_task"]
-    print(small_run)
-    for strategy, acc in small_run.items():
-        assert acc["addition"] >= TARGETS["addition"] and acc["recall"] >= TARGETS["recall"] - 0.05, (strategy, acc)
-        assert acc["state"] >= manifest["state"] - 0.25, (strategy, acc)
-    assert small_run["off"] == small_run["no_buffer"] == small_run["extra_buffer"]
+def test_held_out_accuracy_every_strategy(answers, trained_model):
+    """200 held-out questions per task (recall and state contexts >= 256 tokens): every strategy reaches the
+    manifest's accuracy (measured teacher-forced on transformers at training time) and the addition and recall
+    targets, with identical answers; the state target is an expected failure while the manifest is below it."""
+    manifest = _manifest(trained_model)["heldout_greedy_accuracy"]["by_task"]
+    expected = {task: [ex.answer for ex in make_examples(task, NUM_QUESTIONS, 0)] for task in TARGETS}
+    for strategy, by_task in answers.items():
+        accuracy = {t: sum(a == b for a, b in zip(by_task[t], expected[t])) / NUM_QUESTIONS for t in TARGETS}
+        print(strategy, accuracy)
+        for task, target in TARGETS.items():
+            assert accuracy[task] >= manifest[task] - 0.01, (strategy, accuracy, manifest)
+            assert task == "state" or accuracy[task] >= target, (strategy, accuracy)
+        assert by_task == answers["off"], strategy
+    if manifest["state"] < TARGETS["state"]:
+        pytest.xfail(f"the shipped model's state accuracy (manifest: {manifest['state']}) is below the target")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_acceptance_200_questions(trained_model, strategy):
-    acc = _accuracy(trained_model, strategy, 200)
-    print(strategy, acc)
-    assert acc["addition"] >= TARGETS["addition"] and acc["recall"] >= TARGETS["recall"], acc
-    if acc["state"] < TARGETS["state"]:
-        pytest.xfail(
-            f"state accuracy {acc['state']:.3f} is below the {TARGETS['state']} target "
-            "(the shipped model's known shortfall, see the manifest)"
-        )
+def test_readme_example_is_answered(trained_model):
+    """README's curl example: "What is 482+357?" is answered "839" (greedy, reasoning split off)."""
+    question = Example("addition", ({"role": "user", "content": "What is 482+357?"},), "839", "")
+    (reply,) = EngineBackend(_engine(trained_model, "extra_buffer")).answer_sync([question], Sampling(max_tokens=48))
+    assert reply[0].content == "839" and reply[0].finish_reason == "stop", reply
