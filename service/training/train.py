@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import random
+import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -122,6 +123,12 @@ class _Steps(torch.utils.data.IterableDataset):
             yield step, task, make_batch(self.tokenizer, examples, pad_id)
 
 
+def _ignore_sigterm(worker_id: int) -> None:
+    """Data workers outlive a SIGTERM sent to the whole process group (`timeout` does that): the training loop
+    stops at the next step and still saves; the loader then ends its workers."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 @dataclass(frozen=True)
 class TrainResult:
     model: Any  # the trained transformers model, in eval mode
@@ -156,7 +163,11 @@ def train(
     )
     # the loader's workers interleave in order (in-order iteration), so step i always gets batch i
     loader = torch.utils.data.DataLoader(
-        _Steps(cfg, tokenizer), batch_size=None, num_workers=data_workers, prefetch_factor=4 if data_workers else None
+        _Steps(cfg, tokenizer),
+        batch_size=None,
+        num_workers=data_workers,
+        prefetch_factor=4 if data_workers else None,
+        worker_init_fn=_ignore_sigterm,
     )
     losses: list[tuple[str, float]] = []
     start = time.monotonic()
