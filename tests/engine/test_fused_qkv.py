@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from service.engine.config import ATTENTION, ModelConfig
-from service.engine.kernels import attention as attn_ref
 from service.engine.kernels import get_kernels
 from service.engine.layers.meta import AttentionMeta
 from service.engine.model.nemotron_h import NemotronHForCausalLM
@@ -87,18 +86,15 @@ def _meta(qlens: list[int], plens: list[int], table: torch.Tensor, page_size: in
     )
 
 
-def _separate_forward(layer, w: dict[str, torch.Tensor], h, meta, k_cache, v_cache) -> torch.Tensor:
-    """The layer as three projections (the pre-fusion code path)."""
+def _separate_forward(layer, w: dict[str, torch.Tensor], h, meta, k_cache, v_cache, kernels) -> torch.Tensor:
+    """The layer as three projections (the pre-fusion code path), with the same attention kernels as the layer:
+    only the projections differ between the two sides."""
     T = h.shape[0]
     q = F.linear(h, w["q_proj.weight"]).view(T, layer.hq, layer.dh)
-    attn_ref.write_kv_ref(
-        k_cache,
-        v_cache,
-        F.linear(h, w["k_proj.weight"]).view(T, layer.hkv, layer.dh),
-        F.linear(h, w["v_proj.weight"]).view(T, layer.hkv, layer.dh),
-        meta.kv_slot_mapping,
-    )
-    o = attn_ref.paged_attention_ref(
+    key = F.linear(h, w["k_proj.weight"]).view(T, layer.hkv, layer.dh)
+    value = F.linear(h, w["v_proj.weight"]).view(T, layer.hkv, layer.dh)
+    kernels.write_kv(k_cache, v_cache, key, value, meta.kv_slot_mapping, None, None)
+    o = kernels.paged_attention(
         q,
         k_cache,
         v_cache,
@@ -109,6 +105,8 @@ def _separate_forward(layer, w: dict[str, torch.Tensor], h, meta, k_cache, v_cac
         meta.max_seq_len,
         meta.page_size,
         layer.scale,
+        None,
+        None,
     )
     return F.linear(o.reshape(T, layer.hq * layer.dh), layer.o_proj.weight)
 
@@ -128,7 +126,7 @@ def test_attention_layer_equals_separate_qkv(tiny_model_dir):
             meta = _meta(qlens, plens, table, page_size)
             h = torch.randn(sum(qlens), hidden, generator=g)
             fused = layer(h, meta, caches[0], caches[1], kernels)
-            separate = _separate_forward(layer, w, h, meta, caches[2], caches[3])
+            separate = _separate_forward(layer, w, h, meta, caches[2], caches[3], kernels)
             assert torch.equal(fused, separate)
             assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     assert caches[0].abs().sum() > 0
