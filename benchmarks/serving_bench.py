@@ -226,7 +226,7 @@ def closed_loop_clients(base_url: str, model: str, case: Case, timeout_s: float,
 def run_served(args: argparse.Namespace, model_path: str, cases: list[Case]) -> dict[str, dict]:
     out: dict[str, dict] = {}
     gpu_roles: dict[str, int] | str = "not a CUDA run"
-    with ServeProcess(model_path, args.serve_args, log_path=args.serve_log) as server:
+    with ServeProcess(model_path, args.serve_args, log_path=args.serve_log, env=args.serve_env) as server:
         print(f"server up in {server.startup_s:.1f} s ({server.base_url})", flush=True)
         for case in cases:
             warm = Case(case.workload, case.endpoint, case.bodies[: _warmup_prompts(args, case)], [])
@@ -486,6 +486,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--serve-extra", default="", help="more `hybrid-serve serve` flags, one string")
     p.add_argument(
+        "--serve-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="environment variable of the server process (repeatable), e.g. a Ray Serve setting",
+    )
+    p.add_argument(
         "--warmup-prompts",
         type=int,
         default=0,
@@ -508,6 +515,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.workloads = [Workload.parse(w) for w in (args.workload or ["64:64:64:32"])]
     args.endpoints = [e for e in args.endpoints.split(",") if e]
+    if any("=" not in e for e in args.serve_env):
+        p.error("--serve-env takes NAME=VALUE")
+    args.serve_env = dict(e.split("=", 1) for e in args.serve_env)
     if not set(args.endpoints) <= set(ENDPOINTS):
         p.error(f"--endpoints: choose from {sorted(ENDPOINTS)}")
     args.serve_args = [

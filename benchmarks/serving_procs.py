@@ -20,6 +20,7 @@ _ROLES = (
     (":engine", "engine replica"),
     (":openai", "ingress"),
     ("ray::ProxyActor", "proxy"),
+    ("haproxy", "haproxy"),
     ("ray::ServeController", "controller"),
     ("gcs_server", "ray gcs"),
     ("raylet", "raylet"),
@@ -127,11 +128,17 @@ class ServeProcess:
     until the app is up and, on exit, stops it with Ctrl-C and ends whatever of its process tree is left."""
 
     def __init__(
-        self, model_path: str, serve_args: list[str], log_path: str | None = None, startup_timeout_s: float = 900.0
+        self,
+        model_path: str,
+        serve_args: list[str],
+        log_path: str | None = None,
+        startup_timeout_s: float = 900.0,
+        env: dict[str, str] | None = None,
     ):
         self.model_path = model_path
         self.model = os.path.basename(model_path.rstrip("/"))
         self.serve_args = serve_args
+        self.env = dict(env or {})  # added to the server's environment
         self.tmp = tempfile.mkdtemp(prefix="hsb", dir="/tmp")  # short: Ray's socket paths live below it
         self.log_path = log_path or os.path.join(self.tmp, "serve.log")
         self.startup_timeout_s = startup_timeout_s
@@ -157,6 +164,7 @@ class ServeProcess:
             PYTHONUNBUFFERED="1",
             PYTHONPATH=os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p),
         )
+        env.update(self.env)
         cmd = [
             sys.executable,
             "-m",
