@@ -214,31 +214,62 @@ def step_bound(engine: Engine, batch: int, context: int, ceilings: tuple[float, 
 
 
 def throughput_run(
-    engine: Engine, num_prompts: int, isl: int, osl: int, concurrency: int, seed: int
+    engine: Engine,
+    num_prompts: int,
+    isl: int,
+    osl: int,
+    concurrency: int,
+    seed: int,
+    trace_at: tuple[int, ...] = (),
+    notes: list[str] | None = None,
 ) -> dict[str, float]:
     """Closed loop: at most `concurrency` requests in flight, the next one sent when one finishes.
-    Returns output tok/s over the whole run and TTFT / TPOT medians (ms; TTFT from the request's send)."""
+    Returns output tok/s over the whole run, TTFT / TPOT medians (ms; TTFT from the request's send) and the host
+    wall time per step by kind: mixed steps (a graph part and an eager part), steps launched ahead (async
+    scheduling) and the others. trace_at: step indices at which 4 steps are profiled (device busy, host gaps and
+    device ms per kernel family, printed and added to notes)."""
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=osl, temperature=0.0, ignore_eos=True)
     pending = random_prompts(num_prompts, isl, vocab, seed)[::-1]
     sent, first, done = {}, {}, {}
     split0 = engine.runner.num_split_steps
     phases0 = step_phases(engine)
+    kinds = {k: [0, 0.0, 0] for k in ("mixed", "ahead", "other")}  # kind -> [steps, seconds, sampled rows]
+    traces: dict[int, step_split.StepSplit] = {}
+    prof, step, tmp = None, 0, tempfile.mkdtemp(prefix="tp_trace_")
     sync(engine.config.device)
     t0 = time.perf_counter()
     while pending or len(done) < len(sent):
         while pending and len(sent) - len(done) < concurrency:
             sent[engine.add_request(pending.pop(), params)] = time.perf_counter()
-        outs = engine.step()
+        if step in trace_at and prof is None:
+            prof, traced_from = _start_profile(), step
+        split_before, ahead_before, ts = engine.runner.num_split_steps, engine.num_steps_ahead, time.perf_counter()
+        with torch.profiler.record_function(step_split.STEP_RANGE):
+            outs = engine.step()
         now = time.perf_counter()
+        kind = (
+            "mixed"
+            if engine.runner.num_split_steps > split_before
+            else "ahead" if engine.num_steps_ahead > ahead_before else "other"
+        )
+        rec = kinds[kind]
+        rec[0], rec[1], rec[2] = rec[0] + 1, rec[1] + now - ts, rec[2] + len(outs)
+        step += 1
+        if prof is not None and step == traced_from + 4:
+            traces[traced_from] = _stop_profile(prof, engine, os.path.join(tmp, f"tp_{traced_from}.json"))
+            prof = None
         for o in outs:
             first.setdefault(o.request_id, now)
             if o.finished:
                 done[o.request_id] = now
     elapsed = time.perf_counter() - t0
+    if prof is not None:
+        traces[traced_from] = _stop_profile(prof, engine, os.path.join(tmp, f"tp_{traced_from}.json"))
+    shutil.rmtree(tmp, ignore_errors=True)
     ttft = sorted(first[r] - sent[r] for r in sent)
     tpot = sorted((done[r] - first[r]) / (osl - 1) for r in sent) if osl > 1 else [0.0]
-    return {
+    out = {
         "tp output tok/s": num_prompts * osl / elapsed,
         "tp TTFT median ms": 1e3 * ttft[len(ttft) // 2],
         "tp TPOT median ms": 1e3 * tpot[len(tpot) // 2],
@@ -247,6 +278,35 @@ def throughput_run(
         "tp steps": float(engine.num_steps - phases0[0]),
         **phase_ms(engine, phases0, "tp"),
     }
+    for kind, (n, sec, rows) in kinds.items():
+        out[f"tp {kind} steps"] = float(n)
+        out[f"tp {kind} seconds"] = sec
+        out[f"tp {kind} ms/step"] = 1e3 * sec / max(n, 1)
+        out[f"tp {kind} outputs/step"] = rows / max(n, 1)
+    for at, split in traces.items():
+        line = step_split.split_lines(split, None)[0].replace("- decode B=?", f"- throughput steps {at}..{at + 3}")
+        print(line, flush=True)
+        if notes is not None:
+            notes.append(line)
+        out[f"tp steps {at}+ device busy ms"] = split.busy_ms
+        out[f"tp steps {at}+ host gaps ms"] = split.idle_ms
+    return out
+
+
+def _start_profile() -> torch.profiler.profile:
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    prof = torch.profiler.profile(activities=acts)
+    prof.__enter__()
+    return prof
+
+
+def _stop_profile(prof: torch.profiler.profile, engine: Engine, path: str) -> step_split.StepSplit:
+    sync(engine.config.device)
+    prof.__exit__(None, None, None)
+    prof.export_chrome_trace(path)
+    return step_split.split_trace_file(path)
 
 
 def replay_ms(engine: Engine, bucket: int, n: int = 20) -> float:
@@ -328,6 +388,8 @@ def bench_variant(
         out.update(graph_replay_ms(engine, args.decode_batches))
         if args.profile_out:
             profile_decode(engine, 1, args.profile_out)
+    if throughput and args.throughput_first:
+        out.update(run_throughput(engine, args, notes))
     for isl in args.isl:
         out[f"prefill ISL {isl}"] = prefill_tps(engine, isl, max(2, args.max_batched_tokens // isl * 2), seed=isl)
         print(f"  prefill ISL {isl}: {out[f'prefill ISL {isl}']:.0f} tok/s", flush=True)
@@ -337,10 +399,26 @@ def bench_variant(
         )
         out.update(phases)
         print(f"  decode B={b}: {out[f'decode B={b}']:.1f} tok/s", flush=True)
-    if throughput:  # warm-up: compiles the kernels of mixed prefill+decode steps outside the timed run
-        throughput_run(engine, 8, args.tp_isl, 8, 4, seed=6)
-        out.update(throughput_run(engine, args.tp_prompts, args.tp_isl, args.tp_osl, args.tp_concurrency, seed=7))
-        print("  " + ", ".join(f"{k}: {v:.1f}" for k, v in out.items() if k.startswith("tp ")), flush=True)
+    if throughput and not args.throughput_first:
+        out.update(run_throughput(engine, args, notes))
+    return out
+
+
+def run_throughput(engine: Engine, args: argparse.Namespace, notes: list[str] | None) -> dict[str, float]:
+    """The throughput run of the arguments, after an untimed warm-up that compiles the kernels of mixed
+    prefill+decode steps; prints its numbers."""
+    throughput_run(engine, 8, args.tp_isl, 8, 4, seed=6)
+    out = throughput_run(
+        engine,
+        args.tp_prompts,
+        args.tp_isl,
+        args.tp_osl,
+        args.tp_concurrency,
+        seed=7,
+        trace_at=tuple(args.tp_trace_at),
+        notes=notes,
+    )
+    print("  " + ", ".join(f"{k}: {v:.1f}" for k, v in out.items()), flush=True)
     return out
 
 
@@ -378,7 +456,8 @@ def parse_args() -> argparse.Namespace:
         "the plain decode rows of mixed steps) | triton+graphs+nosplit (mixed steps all eager); "
         "+tiledmoe: routed experts always as grouped GEMMs; +normfuse: a Mamba layer's norms "
         "fused into in_proj/out_proj at batch 1 (off by default); +sync: async scheduling off (each step's "
-        "tokens are read before the next step is launched)",
+        "tokens are read before the next step is launched); +ssmbf16: bf16 SSM state pools for this variant "
+        "(whatever --mamba-ssm-cache-dtype says)",
     )
     ap.add_argument("--throughput-variants", default="triton+graphs", help="variants that run the throughput test")
     ap.add_argument("--isl", default="1024,8192")
@@ -387,6 +466,17 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--tp-concurrency", type=int, default=256)
     ap.add_argument("--tp-isl", type=int, default=1024)
     ap.add_argument("--tp-osl", type=int, default=1024)
+    ap.add_argument(
+        "--throughput-first",
+        action="store_true",
+        help="run the throughput test before the prefill and decode measurements (its numbers print first)",
+    )
+    ap.add_argument(
+        "--tp-trace-at",
+        default="",
+        help="comma list of step indices of the throughput run at which 4 steps are profiled (at least 4 apart): "
+        "device busy, host gaps and device ms per kernel family of those steps",
+    )
     ap.add_argument("--prompt-len", type=int, default=512, help="prompt tokens of each decode request")
     ap.add_argument("--decode-steps", type=int, default=12)
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
@@ -423,6 +513,7 @@ def parse_args() -> argparse.Namespace:
     args = ap.parse_args()
     args.isl = [int(x) for x in args.isl.split(",") if x]
     args.decode_batches = [int(x) for x in args.decode_batches.split(",") if x]
+    args.tp_trace_at = [int(x) for x in args.tp_trace_at.split(",") if x]
     return args
 
 
@@ -475,9 +566,11 @@ def main() -> None:
             backend, _, extra = variant.partition("+")
             model.kernels = variant_kernels(backend, extra.split("+"))
             t0 = time.perf_counter()
+            options = extra.split("+")
+            ssm = {"mamba_ssm_cache_dtype": "bfloat16"} if "ssmbf16" in options else {}
             engine = Engine(
                 EngineConfig(
-                    **base,
+                    **{**base, **ssm},
                     kernel_backend=backend,
                     cuda_graphs=extra.startswith("graphs"),
                     async_scheduling="sync" not in extra.split("+"),
@@ -499,7 +592,7 @@ def main() -> None:
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
         shutil.rmtree(model_dir, ignore_errors=True)
-    report(results, active, args, notes if ceilings is not None else [])
+    report(results, active, args, notes if ceilings is not None or args.tp_trace_at else [])
 
 
 def _fmt(v: float) -> str:

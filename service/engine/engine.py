@@ -21,7 +21,7 @@ from service.engine.distributed.step import SlotOps
 from service.engine.distributed.worker_group import start_workers
 from service.engine.output import OutputProcessor
 from service.engine.request import CapturedState, FinishReason, Request, RequestOutput, SamplingParams
-from service.engine.runner.model_runner import ModelRunner, resolve_dtype
+from service.engine.runner.model_runner import ModelRunner, resolve_dtype, resolve_ssm_dtype
 from service.engine.runner.sampler import SamplerOutput
 from service.engine.scheduler.scheduler import Scheduler, SchedulerOutput
 from service.engine.tokenizer import Tokenizer
@@ -68,6 +68,8 @@ class Engine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.workers.limits if config.async_scheduling else None,
+            # rounded (bf16) SSM states: budget cuts of a prefill land on SSD chunk ends, where the scan rounds
+            self.model_config.chunk_size if resolve_ssm_dtype(config, self.model_config) != torch.float32 else 0,
         )
         eos = self.tokenizer.eos_token_ids if self.tokenizer else self.model_config.eos_token_id
         self.output = OutputProcessor(self.tokenizer, tuple(eos), self.max_model_len, detokenize)

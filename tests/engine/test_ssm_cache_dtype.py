@@ -98,3 +98,18 @@ def test_bf16_states_on_the_gpu(mixed_ckpt):
     got, ref = _run(cached, [first, second], False), _run(off, [first, second], False)
     assert cached.stats()["prefix_cache_hit_tokens"] >= 16 + 64
     assert_same_outputs(got, ref, 1e-4)
+
+
+@pytest.mark.parametrize("budget", [23, 40])
+def test_bf16_states_do_not_depend_on_the_token_budget(mixed_ckpt, budget):
+    """bf16 states are rounded where the scan ends a chunk and where a step ends a request's tokens: a prefill cut by
+    a small token budget (23 or 40 tokens a step, chunk 16, three prompts in flight) ends its steps only at chunk
+    ends, so it rounds where the uncut prefill does and gives the same tokens and logprobs."""
+    prompts = [[random_ids(n, 500 + n) for n in (70, 45, 33)]]
+    common = dict(mamba_ssm_cache_dtype="bfloat16", debug_integrity=False)
+    whole_engine = make_engine(mixed_ckpt, max_num_batched_tokens=4096, **common)
+    whole = _run(whole_engine, prompts, False)
+    cut_engine = make_engine(mixed_ckpt, max_num_batched_tokens=budget, **common)
+    cut = _run(cut_engine, prompts, False)
+    assert cut_engine.num_steps > whole_engine.num_steps  # the prompts (148 tokens) were cut
+    assert_same_outputs(cut, whole, 2e-6)

@@ -75,6 +75,11 @@ def make_output(
     return SchedulerOutput(scheduled, plan, tuple(preempted), tuple(finished))
 
 
+def _has_prefill(out: list[ScheduledRequest]) -> bool:
+    """Whether the step being built holds a row of more than one token."""
+    return any(s.num_new_tokens > 1 for s in out)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -82,11 +87,16 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         launch_limits: LaunchLimits | None = None,
+        prefill_align: int = 0,
     ):
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
         self.launch_limits = launch_limits  # None: never launch ahead (async scheduling off)
+        # a prefill cut by the token budget ends at a multiple of this many tokens (0: anywhere); set to the SSD
+        # chunk size when the SSM state pool rounds states (bf16): the scan rounds at chunk ends, a step's end
+        # rounds too, so cuts at chunk ends keep a request's numbers independent of how its prompt was cut
+        self.prefill_align = prefill_align
         self.waiting: deque[Request] = deque()  # FIFO; preempted requests go back to the front
         self.running: list[Request] = []  # admission order
 
@@ -107,7 +117,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._cut(req, min(req.num_tokens - req.num_computed_tokens, budget), out)
+            if n == 0:  # no chunk end within the budget left: the request's prefill goes on next step
+                i += 1
+                continue
             if not self._grow_or_preempt(req, n, preempted, finished):
                 continue  # req itself was preempted or finished: the list shrank
             out.append(self._scheduled(req, n))
@@ -115,9 +128,12 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
+            if budget < self.prefill_align and _has_prefill(out):
+                break  # it could only be cut mid-chunk: admitted next step
             n = self.cache.admit(req, budget)
             if n is None:
                 break
+            n = self._cut(req, n, out) or n
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -145,6 +161,9 @@ class Scheduler:
         Allocates the rows' pages. The plan's tokens are carried: cur's samples, on the device."""
         if self.waiting and len(self.running) < self.max_num_seqs:
             return None
+        in_cur = {id(s.request) for s in cur.scheduled}
+        if any(id(r) not in in_cur for r in self.running):  # someone waits for budget (a prefill cut to chunk ends)
+            return None
         rows = []
         for s in cur.scheduled:
             req = s.request
@@ -157,6 +176,20 @@ class Scheduler:
         nxt = make_output(tuple(rows), carried=True)
         ok = 0 < len(rows) <= self.token_budget and is_launchable(nxt.plan, self.launch_limits)
         return nxt if ok else None
+
+    def _cut(self, req: Request, n: int, out: list[ScheduledRequest]) -> int:
+        """The tokens to feed req this step when n fit the budget: n if they reach its last known token, else n
+        rounded down to a multiple of prefill_align (absolute positions). 0 when that leaves none and the step
+        already holds a prefill chunk; the step's first prefill takes n unrounded then, so some prefill always
+        progresses (with a budget of at least max_num_seqs - 1 + prefill_align the first one always ends on a
+        chunk end)."""
+        a, p = self.prefill_align, req.num_computed_tokens
+        if a <= 1 or p + n >= req.num_tokens:
+            return n
+        m = (p + n) // a * a - p
+        if m > 0:
+            return m
+        return 0 if _has_prefill(out) else n
 
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
         sample = req.num_computed_tokens + n == req.num_tokens
