@@ -21,7 +21,7 @@ from service.engine.kernels.fp8 import FP8_DTYPE, FP8_MAX, Fp8Linear
 from service.engine.kernels.tiles import EXPERT_GEMV_FP8_TILES, GEMV_FP8_TILE_VARIANTS, ExpertGemvTiles, MoeTiles
 from service.engine.kernels.triton_gemv import fp8_linear, gemv, quantize_fp8
 from service.engine.kernels.triton_moe import Fp8ExpertScales, moe_experts_tiled
-from service.engine.kernels.triton_moe_gemv import fp8_moe_experts_gemv
+from service.engine.kernels.triton_moe_gemv import moe_experts_gemv
 
 SHARED = 3712  # Nano's shared-expert intermediate size
 EXPERT_GEMV_FP8_VARIANTS = (
@@ -130,6 +130,11 @@ def _tiled(x, up8, down8, up_s, down_s, ui, di, w, ids, tiles=None, w8a8=False):
     return moe_experts_tiled(x, up8, down8, w, ids, tiles, scales, w8a8)
 
 
+def _gemv(x, up8, down8, up_s, down_s, ui, di, w, ids, tiles=None, **shared):
+    scales = Fp8ExpertScales(up_s, down_s, ui.reshape(1), di.reshape(1))
+    return moe_experts_gemv(x, up8, down8, w, ids, tiles, scales=scales, **shared)
+
+
 def moe_cases() -> list[Case]:
     out = []
     make1, moved1, flops1, _ = _experts(1)
@@ -145,7 +150,7 @@ def moe_cases() -> list[Case]:
             Case(
                 f"fp8 moe+shared T=1 gemv {t}",
                 make1,
-                lambda *a, t=t: fp8_moe_experts_gemv(*a, t, **shared),
+                lambda *a, t=t: _gemv(*a, t, **shared),
                 None,
                 moved1 + 2 * SHARED * HIDDEN,
                 flops1,

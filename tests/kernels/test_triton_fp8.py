@@ -16,11 +16,7 @@ from service.engine.kernels.moe import relu2
 from service.engine.kernels.tiles import GEMV_FP8_TILE_VARIANTS, GemvTiles, MoeTiles
 from service.engine.kernels.triton_gemv import f32_to_e4m3_bits, fp8_linear, gemv, quantize_fp8
 from service.engine.kernels.triton_moe import Fp8ExpertScales, moe_experts_tiled
-from service.engine.kernels.triton_moe_gemv import (
-    MAX_GEMV_PAIRS,
-    fp8_moe_experts_by_size,
-    fp8_moe_experts_gemv,
-)
+from service.engine.kernels.triton_moe_gemv import MAX_GEMV_PAIRS, fp8_moe_experts, moe_experts_gemv
 from tests.kernels.triton_test_util import DEVICE, TOL, assert_close, gpu, needs_cuda, rel_err
 
 
@@ -118,6 +114,12 @@ def test_quantize_fp8_equals_torch(dtype):
     assert torch.equal(q.view(torch.uint8), fp8.quantize_fp8(x, scale).view(torch.uint8))
 
 
+def fp8_moe_experts_gemv(x, up8, down8, up_s, down_s, ui, di, w, ids, tiles=None, **shared):
+    """The grouped GEMVs in `fp8.fp8_moe_experts_ref`'s argument order (their FP8 scales packed)."""
+    scales = Fp8ExpertScales(up_s, down_s, ui.reshape(1).float(), di.reshape(1).float())
+    return moe_experts_gemv(x, up8, down8, w, ids, tiles, scales=scales, **shared)
+
+
 def _moe(T, E, k, d, inter, S, dtype, seed):
     """FP8 expert stacks with per-expert scales (all different), an FP8 shared expert of S rows (None if S == 0),
     x, routing, the static input scales (x's up to ~4.5 sigma, the ReLU² output's larger)."""
@@ -195,13 +197,13 @@ def test_fp8_moe_by_size_routes_and_adds_the_shared_expert(w8a8):
     """Above MAX_GEMV_PAIRS: the grouped GEMMs (W8A8 or weight-only) plus the FP8 shared expert as two linears
     (W8A8 `_scaled_mm`), vs the reference with the same activation quantization; below: the GEMV path."""
     args, shared = _moe(6, 8, 3, 32, 32, 16, torch.float32, seed=8)
-    out = fp8_moe_experts_by_size(*args, **shared, w8a8=w8a8)
+    out = fp8_moe_experts(*args, **shared, w8a8=w8a8)
     routed = fp8.fp8_moe_experts_ref(*args, w8a8)
     u, d = shared["shared_up"], shared["shared_down"]
     h = relu2(fp8.fp8_linear_ref(args[0], u.weight, u.weight_scale, u.input_scale))  # the shared linears: W8A8
     assert_close(out, routed + fp8.fp8_linear_ref(h, d.weight, d.weight_scale, d.input_scale), torch.float32, "")
     one, shared1 = _moe(1, 8, 3, 32, 32, 16, torch.float32, seed=1)
-    assert torch.equal(fp8_moe_experts_by_size(*one, **shared1), fp8_moe_experts_gemv(*one, **shared1))
+    assert torch.equal(fp8_moe_experts(*one, **shared1), fp8_moe_experts_gemv(*one, **shared1))
 
 
 # ---- GPU: Nano shapes, every tuned launch shape ----
@@ -240,3 +242,14 @@ def test_fp8_grouped_gemms_gpu_nano(T, w8a8):
         x, up8, down8, w, ids, None, Fp8ExpertScales(up_s, down_s, ui.reshape(1), di.reshape(1)), w8a8
     )
     assert rel_err(out, fp8.fp8_moe_experts_ref(*args, w8a8)) < 2e-2
+
+
+def test_experts_reject_a_shared_expert_of_the_other_kind():
+    """FP8 experts take the shared expert as `Fp8Linear`s, experts in x's dtype as tensors: a mix is a clear error."""
+    args, shared = _moe(1, 8, 4, 32, 16, 16, torch.float32, seed=0)
+    x, up8, down8, _, _, _, _, w, ids = args
+    plain = dict(shared_up=shared["shared_up"].weight.float(), shared_down=shared["shared_down"].weight.float())
+    with pytest.raises(ValueError, match="Fp8Linear"):
+        fp8_moe_experts_gemv(*args, **plain)
+    with pytest.raises(ValueError, match="tensors"):
+        moe_experts_gemv(x, up8.float(), down8.float(), w, ids, **shared)

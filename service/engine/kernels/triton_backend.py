@@ -12,7 +12,7 @@ Triton ops:  ssd_varlen, selective_state_update, selective_state_update_slots_ra
              cuBLAS otherwise); add_rms_norm_linear, gated_norm_linear (triton_norm_gemv: a single row runs the norm
              in the GEMV's prologue, one launch; other shapes the norm kernel, then linear);
              fp8_linear (triton_gemv.fp8_linear: the FP8 GEMV for single-row decode linears, else
-             torch._scaled_mm on FP8 tensor cores), fp8_moe_experts (triton_moe_gemv.fp8_moe_experts_by_size: FP8
+             torch._scaled_mm on FP8 tensor cores), fp8_moe_experts (triton_moe_gemv.fp8_moe_experts: FP8
              grouped GEMVs with the shared expert for <= 16 pairs, else triton_moe's grouped GEMMs, W8A8).
 moe_route, linear, fp8_linear and the norm + linear ops are bound to the bundle's `ArrivalCounters` (one persistent zeroed
 counter buffer per device for the multi-program router and split-K GEMVs: no memset per launch).
@@ -188,6 +188,6 @@ def triton_kernels(counters: ArrivalCounters | None = None, fuse_norm_linear: bo
         add_rms_norm_linear=counters.add_rms_norm_linear,
         gated_norm_linear=counters.gated_norm_linear,
         fp8_linear=counters.fp8_linear,
-        fp8_moe_experts=triton_moe_gemv.fp8_moe_experts_by_size,
+        fp8_moe_experts=triton_moe_gemv.fp8_moe_experts,
     )
     return bundle if fuse_norm_linear else triton_norm_gemv.without_norm_fusion(bundle)

@@ -16,8 +16,8 @@ bumped only after `pdl_wait` (in `dot_tiles`), so a PDL launch never touches it 
 On Hopper+ the launch uses PDL (triton_common): the first weight tile is loaded before waiting for the previous
 kernel, x after; the next kernel is released after the K loop.
 FP8 weights (float8_e4m3fn with an fp32 per-tensor scale; `fp8_linear`): the same kernel with FP8 set reads the
-weight's bytes (half of bf16's), turns them into fp32 in registers (`e4m3_bits_to_f16`, exact) and multiplies the
-row sums by the scale; x stays in its dtype (weight-only: the activation is not quantized).
+weight's bytes (half of bf16's), turns them into fp32 in registers (`e4m3_to`: the hardware e4m3 conversion, exact)
+and multiplies the row sums by the scale; x stays in its dtype (weight-only: the activation is not quantized).
 """
 
 from __future__ import annotations
@@ -42,15 +42,6 @@ from service.engine.kernels.triton_common import (
 FP8_MAX: tl.constexpr = tl.constexpr(fp8.FP8_MAX)
 MAX_ROWS = 4  # rows of x one launch takes (one fp32 register tile per row)
 ACC_PER_THREAD = 64  # fp32 accumulator registers per thread over all rows before block_k is halved
-
-
-@triton.jit
-def e4m3_bits_to_f16(b):
-    """uint8 e4m3 bit patterns -> fp16 equal to value / 256, exactly (sign bit to bit 15, exponent and mantissa
-    into fp16's, whose exponent bias is 8 larger; subnormals map to fp16 subnormals). No NaN handling: weights are
-    finite. Bit operations only: the same on the GPU and in the Triton interpreter (which has no float8 loads)."""
-    b = b.to(tl.int16)
-    return (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -99,10 +90,17 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def e4m3_to(b, dtype: tl.constexpr):
+    """uint8 e4m3 bit patterns -> their values in dtype (fp32, or fp16/bf16: every e4m3 value is exact in each):
+    reinterpreted as float8e4nv and converted, which on Hopper+ is the hardware cvt (two bytes per instruction)."""
+    return b.to(tl.float8e4nv, bitcast=True).to(tl.float32).to(dtype)
+
+
+@triton.jit
 def weight_f32(w, FP8: tl.constexpr):
-    """A weight tile in fp32: FP8 (uint8 e4m3 bytes) gives value / 256 (the caller's scale carries the 256)."""
+    """A weight tile in fp32; FP8: w holds uint8 e4m3 bytes (`e4m3_to`), the caller applies the scale."""
     if FP8:
-        return e4m3_bits_to_f16(w).to(tl.float32)
+        return e4m3_to(w, tl.float32)
     return w.to(tl.float32)
 
 
@@ -247,7 +245,7 @@ def dot_tiles(
     [k_lo, k_hi): fp32 [BLOCK_N, BLOCK_K] partial-product tiles acc0..acc3 (rows >= ROWS stay zero); the caller
     reduces them over axis 1. k_hi - k_lo is a multiple of BLOCK_K unless k_hi == K (EVEN_K: BLOCK_K divides K).
     PDL: the first weight tile is loaded before `pdl_wait`, x after it (x is the previous kernel's output).
-    FP8: the weights are e4m3 bytes and the products are 1/256 of the true ones (`weight_f32`)."""
+    FP8: the weights are e4m3 bytes, decoded to fp32 by `weight_f32` (the scale is the caller's)."""
     acc0 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     acc1 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
@@ -297,8 +295,8 @@ def _gemv_kernel(
     PDL: tl.constexpr,
     FP8: tl.constexpr,
 ):
-    """FP8: w_ptr holds e4m3 bytes, every row sum is multiplied by 256 * the fp32 scale at scale_ptr (before the
-    bias); else scale_ptr is not read."""
+    """FP8: w_ptr holds e4m3 bytes, every row sum is multiplied by the fp32 scale at scale_ptr (before the bias);
+    else scale_ptr is not read."""
     pid_n, pid_k, offs_n, mn, w_rows, k_lo = program_block(w_ptr, N, K, k_split, BLOCK_N)
     acc0, acc1, acc2, acc3 = dot_tiles(
         w_rows, x_ptr, s_x, k_lo, tl.minimum(k_lo + k_split, K), K, ROWS, EVEN_K, PREFETCH, BLOCK_N, BLOCK_K, PDL, FP8
@@ -306,7 +304,7 @@ def _gemv_kernel(
     pdl_release(PDL)  # after the loads: releasing at the start lets dependents launch and stall
     sc = 1.0
     if FP8:
-        sc = tl.load(scale_ptr) * 256.0
+        sc = tl.load(scale_ptr)
     _emit_row(tl.sum(acc0, axis=1) * sc, 0, pid_k, offs_n, mn, b_ptr, y_ptr, part_ptr, N, s_y, ROWS, HAS_BIAS, SPLIT_K)
     if ROWS > 1:
         r = tl.sum(acc1, axis=1) * sc

@@ -31,7 +31,7 @@ from service.engine.kernels.triton_common import (
     pdl_release,
     pdl_wait,
 )
-from service.engine.kernels.triton_gemv import FP8_MAX, e4m3_bits_to_f16, f32_to_e4m3_bits, quantize_fp8
+from service.engine.kernels.triton_gemv import FP8_MAX, e4m3_to, f32_to_e4m3_bits, quantize_fp8
 from service.engine.kernels.triton_moe_align import align_by_expert
 from service.engine.kernels.triton_moe_route import moe_route  # noqa: F401  (the backend's moe_route)
 
@@ -58,7 +58,7 @@ def _expert_tile(
     """acc [BLOCK_M, BLOCK_N] fp32 = A @ W[e]^T over k_in: A's rows at the pointers a_rows [BLOCK_M, 1] (unit
     stride along k_in; rows where `valid`), expert e's weight rows of n-block program_id(1). Also returns the
     output columns offs_n and their mask. FP8 (`FP8_*`): 0: A and W in x's dtype; WEIGHT_ONLY: W e4m3 bytes made
-    x's dtype in registers (value / 256, exact); W8A8: A and W e4m3 bytes, an e4m3 tensor-core dot. The caller
+    x's dtype in registers (`e4m3_to`, exact); W8A8: A and W e4m3 bytes, an e4m3 tensor-core dot. The caller
     applies the scales."""
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mn = offs_n < n_out
@@ -73,7 +73,7 @@ def _expert_tile(
         if FP8 == 2:
             acc += tl.dot(a.to(tl.float8e4nv, bitcast=True), b.to(tl.float8e4nv, bitcast=True))
         elif FP8 == 1:
-            acc += tl.dot(a, e4m3_bits_to_f16(b).to(tl.float32).to(a.dtype), input_precision=DOT_PRECISION)
+            acc += tl.dot(a, e4m3_to(b, a.dtype), input_precision=DOT_PRECISION)
         else:
             acc += tl.dot(a, b, input_precision=DOT_PRECISION)
     return acc, offs_n, mn
@@ -82,11 +82,11 @@ def _expert_tile(
 @triton.jit
 def _dequant(ws_ptr, a_scale_ptr, e, FP8: tl.constexpr):
     """The factor that turns an `_expert_tile` sum into the product of the true values: 1 (FP8 0), the expert's
-    weight scale * 256 (WEIGHT_ONLY), weight scale * the A operand's static input scale (W8A8)."""
+    weight scale (WEIGHT_ONLY), weight scale * the A operand's static input scale (W8A8)."""
     if FP8 == 2:
         return tl.load(ws_ptr + e) * tl.load(a_scale_ptr)
     if FP8 == 1:
-        return tl.load(ws_ptr + e) * 256.0
+        return tl.load(ws_ptr + e)
     return 1.0
 
 

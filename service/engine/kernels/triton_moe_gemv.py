@@ -18,7 +18,9 @@ FP8 experts (float8_e4m3fn, fp32 per-expert weight scales; the shared expert's p
 set read the weight bytes, make them fp32 in registers (`triton_gemv.weight_f32`) and multiply each row sum by its
 matrix's scale; x and h stay in x's dtype (weight-only, as `fp8.fp8_moe_experts_ref` without quantize_activations).
 Weight bytes are read once per pair, so the tiled path (one read per expert) wins as soon as pairs share experts:
-this path is for T * k up to MAX_GEMV_PAIRS.
+this path is for T * k up to MAX_GEMV_PAIRS. One launcher per op, BF16 or FP8 by the experts' dtype:
+`moe_experts_gemv`, `moe_experts_tiled_shared`, `moe_experts_by_size`; `fp8_moe_experts` adapts the FP8 reference's
+signature (the bundle's op) to them.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ def _expert_dot(
     FP8: tl.constexpr = False,
 ):
     """Weight rows at w_rows [BLOCK_N, 1] (unit stride along K) times the x row at x_ptr over [0, K): the fp32
-    [BLOCK_N, BLOCK_K] partial products (the caller reduces axis 1; FP8: e4m3 weight bytes, products / 256). DEPTH 1-2 with STAGES 1 is `dot_tiles`
+    [BLOCK_N, BLOCK_K] partial products (the caller reduces axis 1; FP8: e4m3 weight bytes, unscaled). DEPTH 1-2 with
+    STAGES 1 is `dot_tiles`
     (DEPTH 2: its register prefetch, the default); DEPTH 3-4 keeps DEPTH - 1 further tiles in registers (the last
     steps re-load the last tile, an L2 hit); STAGES > 1 is a plain loop that Triton software-pipelines.
     PDL: the first weight tiles are loaded before `pdl_wait` (STAGES > 1: it waits first), x after it."""
@@ -112,11 +115,11 @@ def _slot_expert(q, ids_ptr, w_ptr, w_shared_ptr, s_w_e, top_k, n_routed, n_shar
 
 @triton.jit
 def _slot_scale(shared, e, scale_ptr, shared_scale_ptr, FP8: tl.constexpr):
-    """The factor of a slot's row sums: 1, or with FP8 256 * its matrix's weight scale (the expert's, or the
-    shared expert's per-tensor one)."""
+    """The factor of a slot's row sums: 1, or with FP8 its matrix's weight scale (the expert's, or the shared
+    expert's per-tensor one)."""
     if FP8:
         routed = tl.load(scale_ptr + e)
-        return tl.where(shared, tl.load(shared_scale_ptr), routed) * 256.0
+        return tl.where(shared, tl.load(shared_scale_ptr), routed)
     return 1.0
 
 
@@ -218,18 +221,39 @@ def _expert_down_kernel(
     tl.store(y_ptr + q * s_y + offs_n, r.to(y_ptr.dtype.element_ty), mask=offs_n < n_out)
 
 
-def check_shared_args(x: torch.Tensor, shared_up: torch.Tensor | None, shared_down: torch.Tensor | None) -> int:
-    """The optional shared expert of the Triton routed-experts ops: shapes (`moe.check_shared_expert`: both or
-    neither, shared_up [S, d_in], shared_down [d_in, S]), x's dtype, contiguous, x's device. Returns S (0: none)."""
-    n_shared = moe.check_shared_expert(x, shared_up, shared_down)
-    if shared_up is None or shared_down is None:
+SharedLinear = torch.Tensor | Fp8Linear  # a shared-expert matrix: x's dtype with BF16 experts, FP8 with FP8 ones
+
+
+def check_shared_args(
+    x: torch.Tensor, shared_up: SharedLinear | None, shared_down: SharedLinear | None, is_fp8: bool = False
+) -> int:
+    """The optional shared expert of the Triton routed-experts ops, both or neither: with experts in x's dtype
+    tensors (`moe.check_shared_expert`: shared_up [S, d_in], shared_down [d_in, S]; x's dtype), with FP8 experts
+    (is_fp8) `Fp8Linear`s (`fp8.check_fp8_shared`); contiguous weights on x's device. Returns S (0: none)."""
+    if any(m is not None and isinstance(m, Fp8Linear) != is_fp8 for m in (shared_up, shared_down)):
+        want = "Fp8Linear" if is_fp8 else f"{x.dtype} tensors"
+        raise ValueError(f"the shared expert of {'FP8' if is_fp8 else x.dtype} experts must be {want}")
+    if is_fp8:
+        n_shared = fp8.check_fp8_shared(x, shared_up, shared_down)
+        ups, downs = (shared_up.weight, shared_down.weight) if n_shared else (None, None)
+    else:
+        n_shared, ups, downs = moe.check_shared_expert(x, shared_up, shared_down), shared_up, shared_down
+        if n_shared:
+            check_dtype("shared_up", ups, (x.dtype,))
+            check_dtype("shared_down", downs, (x.dtype,))
+    if not n_shared:
         return 0
-    check_dtype("shared_up", shared_up, (x.dtype,))
-    check_dtype("shared_down", shared_down, (x.dtype,))
-    if not (shared_up.is_contiguous() and shared_down.is_contiguous()):
+    if not (ups.is_contiguous() and downs.is_contiguous()):
         raise ValueError("shared_up and shared_down must be contiguous")
-    check_same_device(x=x, shared_up=shared_up, shared_down=shared_down)
+    check_same_device(x=x, shared_up=ups, shared_down=downs)
     return n_shared
+
+
+def _weight_and_scale(m: SharedLinear | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A shared-expert matrix as the kernels take it: (weight, fp32 one-element scale) for FP8, (weight, None)."""
+    if isinstance(m, Fp8Linear):
+        return m.weight, m.weight_scale.float().reshape(1)
+    return m, None
 
 
 def _launch_args(t: ExpertGemvTiles, like: torch.Tensor) -> dict:
@@ -346,17 +370,21 @@ def moe_experts_gemv(
     topk_ids: torch.Tensor,
     tiles: ExpertGemvTiles | None = None,
     *,
-    shared_up: torch.Tensor | None = None,
-    shared_down: torch.Tensor | None = None,
+    shared_up: SharedLinear | None = None,
+    shared_down: SharedLinear | None = None,
     down_tiles: ExpertGemvTiles | None = None,
+    scales: Fp8ExpertScales | None = None,
 ) -> torch.Tensor:
     """Routed experts (+ the shared expert) as grouped GEMVs (Triton) for T * k <= MAX_GEMV_PAIRS pairs.
     x [T, d_in] (unit stride in d_in), up [E, I, d_in], down [E, d_in, I] (contiguous), topk_weights [T, k]
     (fp32), topk_ids [T, k], optional shared_up [S, d_in] and shared_down [d_in, S] (both or neither, contiguous)
     -> sum_k w * down(relu(up(x))^2) (+ shared_down(relu(shared_up(x))^2)) [T, d_in] in x's dtype.
-    tiles: both passes' launch shape (None: `ExpertGemvTiles()`); down_tiles: the down pass's (None: tiles)."""
-    T, d_in, E, inter, top_k = check_experts_args(x, up, down, topk_weights, topk_ids)
-    n_shared = check_shared_args(x, shared_up, shared_down)
+    FP8 experts: up / down float8_e4m3fn with their `scales` (weight-only: the input scales are not used; x and h
+    stay in x's dtype), the shared expert as `Fp8Linear`s; `fp8.fp8_moe_experts_ref` without quantize_activations.
+    tiles: both passes' launch shape (None: `ExpertGemvTiles()`, FP8: `EXPERT_GEMV_FP8_TILES`); down_tiles: the
+    down pass's (None: tiles)."""
+    T, d_in, E, inter, top_k = check_experts_args(x, up, down, topk_weights, topk_ids, scales)
+    n_shared = check_shared_args(x, shared_up, shared_down, scales is not None)
     if T * top_k > MAX_GEMV_PAIRS:
         raise ValueError(
             f"moe_experts_gemv takes up to {MAX_GEMV_PAIRS} (token, slot) pairs, got {T * top_k}: "
@@ -364,13 +392,18 @@ def moe_experts_gemv(
         )
     if T == 0:
         return torch.empty(0, d_in, dtype=x.dtype, device=x.device)
-    t = tiles or ExpertGemvTiles()
+    t = tiles or (ExpertGemvTiles() if scales is None else EXPERT_GEMV_FP8_TILES)
     slots = top_k + (1 if n_shared else 0)  # per token: k routed slots, then the shared one
     ids = topk_ids.reshape(-1).contiguous()
-    h = expert_up_pass(x, up, ids, top_k, t, shared_up if n_shared else None)
+    su, su_scale = _weight_and_scale(shared_up if n_shared else None)
+    sd, sd_scale = _weight_and_scale(shared_down if n_shared else None)
+    h = expert_up_pass(x, up, ids, top_k, t, su, None if scales is None else scales.up, su_scale)
     w = topk_weights.to(torch.float32).reshape(-1).contiguous()
-    y = expert_down_pass(h, down, ids, w, top_k, down_tiles or t, shared_down if n_shared else None)
+    y = expert_down_pass(h, down, ids, w, top_k, down_tiles or t, sd, None if scales is None else scales.down, sd_scale)
     return sum_slots(y, T, slots)
+
+
+TILED_FP8_W8A8 = True  # FP8 experts above MAX_GEMV_PAIRS: W8A8 e4m3 tensor-core GEMMs (False: weight-only)
 
 
 def moe_experts_tiled_shared(
@@ -380,18 +413,26 @@ def moe_experts_tiled_shared(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
-    shared_up: torch.Tensor | None = None,
-    shared_down: torch.Tensor | None = None,
+    shared_up: SharedLinear | None = None,
+    shared_down: SharedLinear | None = None,
+    scales: Fp8ExpertScales | None = None,
+    w8a8: bool = TILED_FP8_W8A8,
 ) -> torch.Tensor:
-    """`triton_moe.moe_experts` (sorted-token grouped GEMMs) for the routed experts, plus the shared expert as
-    `triton_gemv.linear` -> `triton_activation.relu2` -> `triton_gemv.linear` when given. Same signature and shapes
-    as `moe.moe_experts_ref`. The routed sum is rounded to x's dtype once before the add (torch adds fp16/bf16 in
-    fp32 and rounds once): one rounding more than the reference, which adds both in fp32."""
-    n_shared = check_shared_args(x, shared_up, shared_down)
-    routed = triton_moe.moe_experts(x, up, down, topk_weights, topk_ids)
+    """`triton_moe.moe_experts_tiled` (sorted-token grouped GEMMs) for the routed experts, plus the shared expert as
+    linear -> `triton_activation.relu2` -> linear when given (`triton_gemv.linear`; FP8: `triton_gemv.fp8_linear`,
+    W8A8 for more than one row). Same shapes as `moe.moe_experts_ref`; FP8 experts with `scales` (w8a8: activations
+    quantized with the static input scales, e4m3 tensor cores; else weight-only), the shared expert as `Fp8Linear`s.
+    The routed sum is rounded to x's dtype once before the add (torch adds fp16/bf16 in fp32 and rounds once): one
+    rounding more than the reference, which adds both in fp32."""
+    n_shared = check_shared_args(x, shared_up, shared_down, scales is not None)
+    routed = triton_moe.moe_experts_tiled(x, up, down, topk_weights, topk_ids, None, scales, w8a8)
     if not n_shared:
         return routed
-    return routed + triton_gemv.linear(relu2(triton_gemv.linear(x, shared_up)), shared_down)
+    if scales is None:
+        return routed + triton_gemv.linear(relu2(triton_gemv.linear(x, shared_up)), shared_down)
+    u, d = shared_up, shared_down
+    h = relu2(triton_gemv.fp8_linear(x, u.weight, u.weight_scale, u.input_scale))
+    return routed + triton_gemv.fp8_linear(h, d.weight, d.weight_scale, d.input_scale)
 
 
 def moe_experts_by_size(
@@ -401,83 +442,22 @@ def moe_experts_by_size(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
-    shared_up: torch.Tensor | None = None,
-    shared_down: torch.Tensor | None = None,
+    shared_up: SharedLinear | None = None,
+    shared_down: SharedLinear | None = None,
+    scales: Fp8ExpertScales | None = None,
+    w8a8: bool = TILED_FP8_W8A8,
 ) -> torch.Tensor:
     """Routed experts (+ the shared expert when shared_up/shared_down are given), Triton, chosen by shape alone: the
     grouped GEMVs above for T * k <= MAX_GEMV_PAIRS (batch-1/2 decode: no alignment launch, no padded rows, the
-    shared expert folded into the same two launches), else `moe_experts_tiled_shared`.
-    Same signature and shapes as `moe.moe_experts_ref`."""
+    shared expert folded into the same two launches; FP8: weight-only), else `moe_experts_tiled_shared` (FP8: w8a8
+    or weight-only). Same signature and shapes as `moe.moe_experts_ref` (FP8 experts: with `scales`)."""
+    shared = dict(shared_up=shared_up, shared_down=shared_down, scales=scales)
     if topk_ids.numel() <= MAX_GEMV_PAIRS:
-        return moe_experts_gemv(x, up, down, topk_weights, topk_ids, shared_up=shared_up, shared_down=shared_down)
-    return moe_experts_tiled_shared(x, up, down, topk_weights, topk_ids, shared_up=shared_up, shared_down=shared_down)
+        return moe_experts_gemv(x, up, down, topk_weights, topk_ids, **shared)
+    return moe_experts_tiled_shared(x, up, down, topk_weights, topk_ids, **shared, w8a8=w8a8)
 
 
-def fp8_moe_experts_gemv(
-    x: torch.Tensor,
-    up: torch.Tensor,
-    down: torch.Tensor,
-    up_scale: torch.Tensor,
-    down_scale: torch.Tensor,
-    up_input_scale: torch.Tensor,
-    down_input_scale: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    tiles: ExpertGemvTiles | None = None,
-    *,
-    shared_up: Fp8Linear | None = None,
-    shared_down: Fp8Linear | None = None,
-    down_tiles: ExpertGemvTiles | None = None,
-) -> torch.Tensor:
-    """FP8 routed experts (+ an FP8 shared expert) as grouped GEMVs, weight-only, for T * k <= MAX_GEMV_PAIRS:
-    `fp8.fp8_moe_experts_ref` (without quantize_activations; the input scales are checked, not used) in two passes
-    + `sum_slots`, as `moe_experts_gemv`. up [E, I, d_in] / down [E, d_in, I] e4m3 contiguous, up_scale /
-    down_scale [E] fp32; x [T, d_in] unit stride in d_in; shared_up / shared_down `Fp8Linear`s or None.
-    tiles None: `EXPERT_GEMV_FP8_TILES`."""
-    fp8.check_fp8_experts_args(x, up, down, up_scale, down_scale, up_input_scale, down_input_scale, topk_ids)
-    n_shared = fp8.check_fp8_shared(x, shared_up, shared_down)
-    T, top_k = x.shape[0], topk_ids.shape[1]
-    if T * top_k > MAX_GEMV_PAIRS:
-        raise ValueError(f"fp8_moe_experts_gemv takes up to {MAX_GEMV_PAIRS} (token, slot) pairs, got {T * top_k}")
-    if x.stride(-1) != 1 or not (up.is_contiguous() and down.is_contiguous()):
-        raise ValueError("fp8 experts: x needs unit stride in d_in and up/down must be contiguous")
-    if n_shared and not (shared_up.weight.is_contiguous() and shared_down.weight.is_contiguous()):
-        raise ValueError("the shared expert's FP8 weights must be contiguous")
-    check_same_device(x=x, up=up, down=down, up_scale=up_scale, down_scale=down_scale, topk_ids=topk_ids)
-    if T == 0:
-        return torch.empty(0, x.shape[1], dtype=x.dtype, device=x.device)
-    t = tiles or EXPERT_GEMV_FP8_TILES
-    ids = topk_ids.reshape(-1).contiguous()
-    sh_up, sh_down = (shared_up, shared_down) if n_shared else (None, None)
-    h = expert_up_pass(
-        x,
-        up,
-        ids,
-        top_k,
-        t,
-        sh_up.weight if sh_up else None,
-        up_scale.float().contiguous(),
-        sh_up.weight_scale.float().reshape(1) if sh_up else None,
-    )
-    w = topk_weights.to(torch.float32).reshape(-1).contiguous()
-    y = expert_down_pass(
-        h,
-        down,
-        ids,
-        w,
-        top_k,
-        down_tiles or t,
-        sh_down.weight if sh_down else None,
-        down_scale.float().contiguous(),
-        sh_down.weight_scale.float().reshape(1) if sh_down else None,
-    )
-    return sum_slots(y, T, top_k + (1 if n_shared else 0))
-
-
-TILED_FP8_W8A8 = True  # FP8 experts above MAX_GEMV_PAIRS: W8A8 e4m3 tensor-core GEMMs (False: weight-only)
-
-
-def fp8_moe_experts_by_size(
+def fp8_moe_experts(
     x: torch.Tensor,
     up: torch.Tensor,
     down: torch.Tensor,
@@ -492,35 +472,16 @@ def fp8_moe_experts_by_size(
     shared_down: Fp8Linear | None = None,
     w8a8: bool = TILED_FP8_W8A8,
 ) -> torch.Tensor:
-    """FP8 routed experts (+ the FP8 shared expert), Triton, chosen by shape alone: `fp8_moe_experts_gemv`
-    (weight-only, the shared expert in the same launches) for T * k <= MAX_GEMV_PAIRS, else the sorted-token grouped
-    GEMMs (`triton_moe.moe_experts_tiled` with the FP8 scales; w8a8: activations quantized with the static input
-    scales, e4m3 tensor cores) plus the shared expert as two `triton_gemv.fp8_linear`s. Same shapes as
-    `fp8.fp8_moe_experts_ref` (which, with quantize_activations = w8a8 on the tiled path, is its oracle)."""
-    if topk_ids.numel() <= MAX_GEMV_PAIRS:
-        return fp8_moe_experts_gemv(
-            x,
-            up,
-            down,
-            up_scale,
-            down_scale,
-            up_input_scale,
-            down_input_scale,
-            topk_weights,
-            topk_ids,
-            shared_up=shared_up,
-            shared_down=shared_down,
-        )
-    n_shared = fp8.check_fp8_shared(x, shared_up, shared_down)
+    """The bundle's FP8 experts op in `fp8.fp8_moe_experts_ref`'s signature (up_scale / down_scale [E], the input
+    scales one element each): `moe_experts_by_size` with those scales. Its oracle is the reference weight-only
+    for T * k <= MAX_GEMV_PAIRS, else with quantize_activations = w8a8 (the shared expert then W8A8 for T > 1)."""
+    fp8.check_fp8_experts_args(x, up, down, up_scale, down_scale, up_input_scale, down_input_scale, topk_ids)
     scales = Fp8ExpertScales(
         up_scale.float().contiguous(),
         down_scale.float().contiguous(),
         up_input_scale.float().reshape(1),
         down_input_scale.float().reshape(1),
     )
-    routed = triton_moe.moe_experts_tiled(x, up, down, topk_weights, topk_ids, None, scales, w8a8)
-    if not n_shared:
-        return routed
-    u, d = shared_up, shared_down
-    h = relu2(triton_gemv.fp8_linear(x, u.weight, u.weight_scale, u.input_scale))
-    return routed + triton_gemv.fp8_linear(h, d.weight, d.weight_scale, d.input_scale)
+    return moe_experts_by_size(
+        x, up, down, topk_weights, topk_ids, shared_up=shared_up, shared_down=shared_down, scales=scales, w8a8=w8a8
+    )

@@ -116,9 +116,10 @@ class MoE(nn.Module):
             )
 
     def forward(self, h: torch.Tensor, k: Kernels) -> torch.Tensor:
-        """h [T, hidden] -> [T, hidden] summed over the ranks. Without a latent projection and biases the shared
+        """h [T, hidden] -> [T, hidden] summed over the ranks. Without a latent projection and biases, when the
+        shared expert's linears are of the experts' kind (both FP8 with FP8 experts, both not without), the shared
         expert goes into the routed-experts op (one fp32 sum, one rounding; the Triton bundle folds it into its
-        batch-1/2 launches)."""
+        batch-1/2 launches); otherwise it and the latent projections run as separate linears."""
         c = self.cfg
         weights, ids = k.moe_route(
             h,
@@ -132,48 +133,31 @@ class MoE(nn.Module):
         )
         if self.shapes.ep > 1:
             weights, ids = local_picks(weights, ids, self.shapes.experts, self.parallel.rank)
-        if self.experts.up_proj.dtype == torch.float8_e4m3fn:
-            return self.parallel.all_reduce(self._forward_fp8(h, weights, ids, k))
-        if not c.moe_latent_size and not c.mlp_bias and not is_fp8_linear(self.shared_experts.up_proj):
-            return self.parallel.all_reduce(
-                k.moe_experts(
-                    h,
-                    self.experts.up_proj,
-                    self.experts.down_proj,
-                    weights,
-                    ids,
-                    shared_up=self.shared_experts.up_proj.weight,
-                    shared_down=self.shared_experts.down_proj.weight,
-                )
-            )
+        sh = self.shared_experts
+        same_kind = is_fp8_linear(sh.up_proj) == is_fp8_linear(sh.down_proj) == self._fp8_experts()
+        if not c.moe_latent_size and not c.mlp_bias and same_kind:
+            shared = dict(shared_up=self._shared_arg(sh.up_proj), shared_down=self._shared_arg(sh.down_proj))
+            return self.parallel.all_reduce(self._experts(h, weights, ids, k, **shared))
         x = project(k, self.fc1_latent_proj, h) if c.moe_latent_size else h
-        routed = k.moe_experts(x, self.experts.up_proj, self.experts.down_proj, weights, ids)
+        routed = self._experts(x, weights, ids, k)
         if c.moe_latent_size:
             routed = project(k, self.fc2_latent_proj, routed)
-        return self.parallel.all_reduce(routed + self.shared_experts(h, k))
+        return self.parallel.all_reduce(routed + sh(h, k))
 
-    def _forward_fp8(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, k: Kernels) -> torch.Tensor:
-        """This rank's partial output with FP8 routed experts (`k.fp8_moe_experts`, per-expert weight scales). An
-        FP8 shared expert without biases, in a MoE without latent projections, goes into the same op (the Triton
-        bundle folds it into its batch-1/2 launches); otherwise the shared expert and latent projections run as
-        separate linears (each FP8 or not, as the checkpoint has them)."""
-        e, c, sh = self.experts, self.cfg, self.shared_experts
-        if not c.moe_latent_size and not c.mlp_bias and is_fp8_linear(sh.up_proj) and is_fp8_linear(sh.down_proj):
-            return k.fp8_moe_experts(
-                h,
-                e.up_proj,
-                e.down_proj,
-                e.up_proj_weight_scale,
-                e.down_proj_weight_scale,
-                e.up_proj_input_scale,
-                e.down_proj_input_scale,
-                weights,
-                ids,
-                shared_up=Fp8Linear(sh.up_proj.weight, sh.up_proj.weight_scale, sh.up_proj.input_scale),
-                shared_down=Fp8Linear(sh.down_proj.weight, sh.down_proj.weight_scale, sh.down_proj.input_scale),
-            )
-        x = project(k, self.fc1_latent_proj, h) if c.moe_latent_size else h
-        routed = k.fp8_moe_experts(
+    def _fp8_experts(self) -> bool:
+        return self.experts.up_proj.dtype == torch.float8_e4m3fn
+
+    def _shared_arg(self, lin: nn.Module) -> torch.Tensor | Fp8Linear:
+        """A shared-expert linear as the experts ops take it: its weight, or (FP8) an `Fp8Linear`."""
+        return Fp8Linear(lin.weight, lin.weight_scale, lin.input_scale) if is_fp8_linear(lin) else lin.weight
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, k: Kernels, **shared) -> torch.Tensor:
+        """The routed experts (+ the shared expert given as shared_up / shared_down) of this rank: `k.moe_experts`,
+        or `k.fp8_moe_experts` with the per-expert weight scales and the static input scales for FP8 experts."""
+        e = self.experts
+        if not self._fp8_experts():
+            return k.moe_experts(x, e.up_proj, e.down_proj, weights, ids, **shared)
+        return k.fp8_moe_experts(
             x,
             e.up_proj,
             e.down_proj,
@@ -183,7 +167,5 @@ class MoE(nn.Module):
             e.down_proj_input_scale,
             weights,
             ids,
+            **shared,
         )
-        if self.cfg.moe_latent_size:
-            routed = project(k, self.fc2_latent_proj, routed)
-        return routed + self.shared_experts(h, k)
