@@ -131,7 +131,9 @@ def test_ascending_run():
 @pytest.mark.parametrize("kernel", [2, 4])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_conv_varlen(query_lens, kernel, bias, dtype):
+@pytest.mark.parametrize("block_rows", [cpu_conv1d.CONV_BLOCK_ROWS, 5])  # one block; blocks splitting requests
+def test_conv_varlen(query_lens, kernel, bias, dtype, block_rows, monkeypatch):
+    monkeypatch.setattr(cpu_conv1d, "CONV_BLOCK_ROWS", block_rows)
     torch.manual_seed(3)
     Dm, Bq, T = 24, len(query_lens), sum(query_lens)
     qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist())
@@ -187,6 +189,7 @@ ATTN_BATCHES = [  # (query_lens, prefix_lens): decode only (unequal / equal cont
     ([1, 5, 9, 3, 5], [12, 3, 0, 30, 3]),
     ([6, 6], [0, 0]),  # one group that is the whole step in order (views, no gather), without and with a prefix
     ([5, 5, 5], [3, 3, 3]),
+    ([1] * 10 + [4] + [1] * 8, list(range(10)) + [2] + [30] * 8),  # decode groups of DECODE_ROWS, around a prefill
 ]
 
 

@@ -6,7 +6,7 @@
   `F.scaled_dot_product_attention` as strided [b, Hkv, L, Dh] views (no transpose copy, no fp32 upcast copy: the CPU
   kernel accumulates in fp32).
 - Decode rows (one query) run in one call per group of `DECODE_ROWS` with a length mask; their pages are gathered
-  by one `index_select` per cache (rows of page_size * Hkv * Dh values), and the query heads that share a KV head
+  by one `index_select` per cache (small groups: the gathered pages are read back from L2, not memory) (rows of page_size * Hkv * Dh values), and the query heads that share a KV head
   are the query rows of that KV head ([b, Hkv, Hq / Hkv, Dh]), so the kernel runs Hkv heads of several rows each
   instead of Hq heads of one row with the K/V broadcast (about half the time at B=32, context 300).
 - Prefill requests with the same (cached prefix, new tokens) run in one call, causal without a mask when nothing is
@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 from service.engine.kernels.attention import _check_bounds, raw_kv
 
-DECODE_ROWS = 64  # decode rows per call: bounds the gathered K/V ([rows, context, Hkv, Dh] each)
+DECODE_ROWS = 8  # decode rows per call: the gathered K/V ([rows, context, Hkv, Dh] each) stays in the core's L2
+#                 cache for the attention that reads it (at B=32, context 300: 1.7 ms per layer vs 4.3 ms in one call)
 
 
 def _pages(
@@ -81,11 +82,11 @@ def _decode(
     mask = None  # every row sees all kmax keys: no mask (the kernel's unmasked path)
     if min(ctx) < kmax:
         mask = (torch.arange(kmax, device=dev)[None, :] < torch.tensor(ctx, device=dev)[:, None])[:, None, None, :]
-    all_rows = tokens == list(range(q.shape[0]))
-    qt = (q if all_rows else q[torch.tensor(tokens, device=dev)]).to(keys.dtype)
+    run = tokens == list(range(tokens[0], tokens[0] + b))  # one run of rows: views of q and out
+    qt = (q[tokens[0] : tokens[0] + b] if run else q[torch.tensor(tokens, device=dev)]).to(keys.dtype)
     o = F.scaled_dot_product_attention(qt.reshape(b, Hkv, Hq // Hkv, Dh), keys, vals, attn_mask=mask, scale=scale)
-    if all_rows:
-        out.copy_(o.reshape(b, Hq, Dh))
+    if run:
+        out[tokens[0] : tokens[0] + b] = o.reshape(b, Hq, Dh)
     else:
         out[tokens] = o.reshape(b, Hq, Dh).to(out.dtype)
 

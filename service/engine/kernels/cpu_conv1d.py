@@ -6,6 +6,9 @@
   request's K-1 state columns right before its tokens), so every token's window is K consecutive rows and the conv
   is K shifted multiply-adds over that buffer (no [T, K, D] window gather, no einsum).
   When every request has the same length the buffer is [B, K-1 + L, D] (slice copies, output in token order).
+  The multiply-adds run block by block (`CONV_BLOCK_ROWS` rows: each block's operands stay in the core's L2 cache
+  across the K passes and the silu) with the taps as contiguous rows of a [K, D] copy of the weight (a broadcast
+  operand with stride K does not vectorize): about half the time of whole-tensor passes at 8192 x 512.
 - `conv_state_windows`: gathers only the rows of the states it returns.
 - `causal_conv1d_update_slots`: one [B, D, K] window (state | x) gives the taps (`vecdot` with the weight) and the
   shifted state (one copy back), on a view of the pool when the slots are one ascending run (else one gathered copy
@@ -18,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from service.engine.kernels.cpu_ssd import ascending_run
+
+CONV_BLOCK_ROWS = 512  # buffer rows per block of the prefill conv ([rows, D] fp32 operands stay in L2)
 
 
 def causal_conv1d_varlen(
@@ -44,33 +49,51 @@ def causal_conv1d_varlen(
     buf = torch.empty(n, Dm, dtype=torch.float32, device=x.device)
     buf[state_rows.flatten()] = init_states.transpose(1, 2).reshape(B * km1, Dm).float()
     buf[token_rows] = x.float()
-    w = weight.float()
-    m = n - km1  # row r of acc: window buf[r : r + K]
-    acc = buf[:m] * w[:, 0]
+    taps, b = _taps(weight, bias)
+    acc = torch.empty(n - km1, Dm, dtype=torch.float32, device=x.device)  # row r: window buf[r : r + K]
+    for r0 in range(0, n - km1, CONV_BLOCK_ROWS):
+        r1 = min(n - km1, r0 + CONV_BLOCK_ROWS)
+        _conv_block(acc[r0:r1], buf[r0 : r1 + km1], taps, b)
+    return acc[token_rows - km1].to(x.dtype)
+
+
+def _taps(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """weight [D, K] -> (taps [K, D] fp32 contiguous, bias [D] fp32 or None)."""
+    return weight.t().float().contiguous(), None if bias is None else bias.float()
+
+
+def _conv_block(acc: torch.Tensor, buf: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """acc [..., m, D] fp32 = silu(sum_k buf[..., k : k + m, :] * taps[k] + bias), buf [..., m + K - 1, D] fp32."""
+    m, K = acc.shape[-2], taps.shape[0]
+    if bias is None:
+        torch.mul(buf[..., :m, :], taps[0], out=acc)
+    else:
+        torch.addcmul(bias, buf[..., :m, :], taps[0], out=acc)
     for k in range(1, K):
-        acc.addcmul_(buf[k : k + m], w[:, k])
-    out = acc[token_rows - km1]
-    if bias is not None:
-        out += bias.float()
-    return F.silu(out, inplace=True).to(x.dtype)
+        acc.addcmul_(buf[..., k : k + m, :], taps[k])
+    F.silu(acc, inplace=True)
 
 
 def _conv_equal_lengths(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, init_states: torch.Tensor
 ) -> torch.Tensor:
-    """`causal_conv1d_varlen` when all B requests have L = T / B tokens: the buffer is [B, K-1 + L, D] filled by
-    two slice copies, and the K multiply-adds write [B, L, D] in token order (no scatter, no gather)."""
+    """`causal_conv1d_varlen` when all B requests have L = T / B tokens: blocks of requests ([b, K-1 + L, D] buffer
+    filled by two slice copies), the output written in token order (no scatter, no gather)."""
     T, Dm = x.shape
     B, K = init_states.shape[0], weight.shape[1]
     km1, L = K - 1, T // B
-    buf = torch.empty(B, km1 + L, Dm, dtype=torch.float32, device=x.device)
-    buf[:, :km1] = init_states.transpose(1, 2)
-    buf[:, km1:] = x.view(B, L, Dm)
-    w = weight.float()
-    acc = torch.mul(buf[:, :L], w[:, 0]) if bias is None else torch.addcmul(bias.float(), buf[:, :L], w[:, 0])
-    for k in range(1, K):
-        acc.addcmul_(buf[:, k : k + L], w[:, k])
-    return F.silu(acc, inplace=True).view(T, Dm).to(x.dtype)
+    taps, b = _taps(weight, bias)
+    per_block = max(1, CONV_BLOCK_ROWS // (km1 + L))
+    buf = torch.empty(min(B, per_block), km1 + L, Dm, dtype=torch.float32, device=x.device)
+    out = torch.empty(B, L, Dm, dtype=torch.float32, device=x.device)
+    xs = x.view(B, L, Dm)
+    for i in range(0, B, per_block):
+        j = min(B, i + per_block)
+        blk = buf[: j - i]
+        blk[:, :km1] = init_states[i:j].transpose(1, 2)
+        blk[:, km1:] = xs[i:j]
+        _conv_block(out[i:j], blk, taps, b)
+    return out.view(T, Dm).to(x.dtype)
 
 
 def conv_state_windows(
