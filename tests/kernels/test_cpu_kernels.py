@@ -223,7 +223,7 @@ def test_paged_attention_checks_bounds():
 @pytest.mark.parametrize(
     "tokens, k, shared",
     [(1, 4, True), (5, 2, True), (5, 4, False), (64, 2, False), (300, 4, True), (300, 4, False), (2100, 2, True)],
-)  # 1200 pairs: the rows layout; 2100 tokens: two blocks of it
+)  # 1 token: columns; 5 tokens (fp32): dense; 64 tokens: columns; 1200 pairs: the rows layout; 2100: two blocks
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_moe_experts(tokens, k, shared, dtype):
     torch.manual_seed(6)
@@ -240,12 +240,13 @@ def test_moe_experts(tokens, k, shared, dtype):
     close(out, moe.moe_experts_ref(x, up, down, weights, ids, **kw), dtype)
 
 
-def test_moe_experts_unused_experts_and_both_layouts():
-    """Every token on the same 2 of 8 experts (six idle experts); the same pairs through both layouts."""
+def test_moe_experts_unused_experts_and_every_layout():
+    """Every token on the same 2 of 8 experts (six idle experts); the same pairs through the three layouts (columns,
+    dense: 8 pairs for 8 experts, rows)."""
     torch.manual_seed(7)
     E, I, d = 8, 16, 16
     up, down = torch.randn(E, I, d), torch.randn(E, d, I)
-    for tokens in (3, cpu_moe.ROWS_LAYOUT_MIN_PAIRS):
+    for tokens in (3, 4, cpu_moe.ROWS_LAYOUT_MIN_PAIRS):
         x = torch.randn(tokens, d)
         ids = torch.tensor([[5, 2]]).repeat(tokens, 1)
         w = torch.rand(tokens, 2)

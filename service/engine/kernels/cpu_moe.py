@@ -2,10 +2,16 @@
 (the oracle the tests compare against).
 
 The (token, slot) pairs are sorted by expert once and every expert runs inside two `F.grouped_mm` calls (up, then
-down), with no Python loop over experts. Two layouts, by the number of pairs (measured on the 2-core dev machine,
+down), with no Python loop over experts. Three layouts, by the number of tokens and pairs (measured on the 2-core dev machine,
 benchmarks/RESULTS.md):
 - few pairs (decode): the expert weights are the grouped operand as stored ([E, I, d] and [E, d, I], row-major) and
   the tokens are gathered as columns ([d, pairs]): nothing but the small activations is copied.
+- few tokens that reach every expert in fp32 (decode batches; pairs >= experts, at most `DENSE_MAX_TOKENS`): every
+  expert runs on every token, dense: up as one GEMM over the stacked weights ([T, d] @ [E * I, d]^T, a view), the
+  routing weight (0 for an expert not picked) on the activation, down as one `bmm` over the experts ([E, T, I] @
+  [E, I, d], a transposed view) summed over them. 4x the routed FLOPs at 16 experts top-4, but every expert's
+  weights are read anyway, and no sort, bincount or per-expert GEMM loop (`F.grouped_mm` loops over the experts on
+  the CPU): 1.24 vs 1.76 ms at 16 tokens, 1.51 vs 1.78 ms at 32 (16 experts of 128 x 256, cold cache).
 - many pairs (prefill): the tokens are rows ([pairs, d]) and the weights are the grouped operand transposed to
   [E, d, I] / [E, I, d] once per call (a copy of the expert weights, small against the GEMMs it feeds; the CPU
   grouped GEMM is several times slower on a transposed view).
@@ -24,6 +30,7 @@ import torch.nn.functional as F
 from service.engine.kernels.moe import check_shared_expert, moe_experts_ref
 
 ROWS_LAYOUT_MIN_PAIRS = 1024  # (token, slot) pairs from which the tokens-as-rows layout is used
+DENSE_MAX_TOKENS = 32  # tokens up to which an fp32 batch whose pairs cover the experts runs every expert densely
 ROWS_BLOCK_TOKENS = 2048  # tokens per block of the rows layout: its gathered rows and outputs stay cache-sized
 GROUPED_MM_ALIGN = 16  # bytes: F.grouped_mm needs every operand's row stride a multiple of this
 
@@ -54,7 +61,9 @@ def moe_experts(
         out = F.linear(_relu2_(F.linear(x, shared_up)), shared_down).float()
     else:
         out = torch.zeros(T, d, dtype=torch.float32, device=x.device)
-    if topk_ids.numel() < ROWS_LAYOUT_MIN_PAIRS:
+    if x.dtype == torch.float32 and up.shape[0] <= topk_ids.numel() and T <= DENSE_MAX_TOKENS:
+        _add_routed_dense(out, x, up, down, topk_weights, topk_ids)
+    elif topk_ids.numel() < ROWS_LAYOUT_MIN_PAIRS:
         _add_routed_columns(out, x, up, down, topk_weights, topk_ids)
     else:
         up_rows, down_rows = up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
@@ -120,3 +129,19 @@ def _add_routed_columns(
     h = _relu2_(F.grouped_mm(up, xs, offs=offs))  # [I, cols]
     routed = F.grouped_mm(down, h, offs=offs)[:, :n].t()  # [n, d]
     out.index_add_(0, tok, routed.float() * _weighted(topk_weights, order))
+
+
+def _add_routed_dense(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> None:
+    """out [T, d] fp32 += the routed experts of x [T, d] fp32, every expert on every token (weight 0 where not
+    picked): one GEMM up, one bmm down, a sum over the experts."""
+    T, (E, I, d) = x.shape[0], up.shape
+    dense_w = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_(1, topk_ids, topk_weights.float())
+    h = _relu2_(F.linear(x, up.reshape(E * I, d))).view(T, E, I).mul_(dense_w[:, :, None])
+    out.add_(torch.bmm(h.transpose(0, 1), down.transpose(1, 2)).sum(0))  # [E, T, I] @ [E, I, d] -> [E, T, d]
