@@ -51,9 +51,7 @@ class LoopResult:
     gap_seconds: float  # host gaps of mixed steps
 
 
-def simulate(
-    costs: LoopCosts, num_prompts: int, isl: int, osl: int, concurrency: int, token_budget: int
-) -> LoopResult:
+def simulate(costs: LoopCosts, num_prompts: int, isl: int, osl: int, concurrency: int, token_budget: int) -> LoopResult:
     """Steps of the closed loop until every request has its osl tokens (the first one sampled when its prefill
     ends, one per decode step after)."""
     pending = num_prompts

@@ -251,7 +251,9 @@ def throughput_run(
         kind = (
             "mixed"
             if engine.runner.num_split_steps > split_before
-            else "ahead" if engine.num_steps_ahead > ahead_before else "other"
+            else "ahead"
+            if engine.num_steps_ahead > ahead_before
+            else "other"
         )
         rec = kinds[kind]
         rec[0], rec[1], rec[2] = rec[0] + 1, rec[1] + now - ts, rec[2] + len(outs)

@@ -1,5 +1,6 @@
 """The decode SSM state update at Nano's shapes (64 heads x 64 x 128 state, 8 groups) and large batches: each launch
-shape of `triton_ssd.SSU_TILE_VARIANTS`, fp32 and bf16 state pools, checked against the reference and timed.
+shape of `triton_ssd.SSU_TILE_VARIANTS` (the engine takes `triton_ssd.ssu_tiles(B)`), fp32 and bf16 state pools,
+checked against the reference and timed.
 
 The floor is the state's bytes (read and written once, 2 * B * H * P * N * elem) over the measured copy bandwidth
 (`roofline.copy_gbs`); a pool of B + 1 slots in a shuffled order (as the engine's slots are), far above L2.

@@ -13,6 +13,7 @@ from service.engine.kernels.triton_ssd import (
     selective_state_update_slots,
     selective_state_update_slots_raw_dt,
     ssd_varlen,
+    ssu_tiles,
 )
 from tests.kernels.triton_test_util import DEVICE, assert_close, gpu, needs_cuda, rel_err
 
@@ -302,6 +303,15 @@ def _check_ssu_pool_dtype(Bq, H, P, G, N, S, state_dtype, tiles, seed):
 @pytest.mark.parametrize("tiles", [SsuTiles(), SsuTiles(8, 2)])
 def test_ssu_pool_dtypes_and_tiles_match_ref(state_dtype, tiles):
     _check_ssu_pool_dtype(Bq=5, H=4, P=16, G=2, N=16, S=9, state_dtype=state_dtype, tiles=tiles, seed=12)
+
+
+def test_ssu_launch_shape_by_batch():
+    """Small batches keep 16-row programs, large ones take whole 64-row heads; both are variants the GPU tests
+    check, and the picked shape runs (here 130 requests, tiles left to the launcher)."""
+    assert ssu_tiles(1) == ssu_tiles(127) == SsuTiles(16, 4)
+    assert ssu_tiles(128) == ssu_tiles(1024) == SsuTiles(64, 4)
+    assert {ssu_tiles(1), ssu_tiles(1024)} <= set(SSU_TILE_VARIANTS)
+    _check_ssu_pool_dtype(Bq=130, H=2, P=64, G=1, N=16, S=140, state_dtype=torch.float32, tiles=None, seed=14)
 
 
 @gpu

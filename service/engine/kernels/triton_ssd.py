@@ -451,8 +451,17 @@ class SsuTiles:
 
 
 # Launch shapes benchmarks/ssu_bench.py compares at Nano's decode sizes (the GPU tests check each); the first is the
-# default.
+# default below LARGE_SSU_BATCH requests, the third (whole 64-row heads) from there on.
 SSU_TILE_VARIANTS = tuple(SsuTiles(p, w) for p, w in ((16, 4), (32, 4), (64, 4), (64, 8), (32, 8), (16, 2), (8, 2)))
+# From this many requests a program takes 64 state rows: on the H200 (ssu_bench, Nano shapes) 64-row programs move
+# the fp32 state at 88-89 % of copy bandwidth at B = 256 and 1024 against 85 / 81 % for 16-row ones (bf16 states:
+# 85-87 against 78-80 %); small batches keep more, smaller programs.
+LARGE_SSU_BATCH = 128
+
+
+def ssu_tiles(batch: int) -> SsuTiles:
+    """The decode SSU's launch shape for `batch` requests."""
+    return SSU_TILE_VARIANTS[2] if batch >= LARGE_SSU_BATCH else SSU_TILE_VARIANTS[0]
 
 
 @triton.jit
@@ -627,7 +636,7 @@ def selective_state_update_slots(
     B: torch.Tensor,
     C: torch.Tensor,
     D: torch.Tensor,
-    tiles: SsuTiles = SsuTiles(),
+    tiles: SsuTiles | None = None,
 ) -> torch.Tensor:
     """One decode step on the pool in place (Triton), see `ssd.selective_state_update_slots_ref`.
     ssm_pool [S, H, P, N] fp32 (or bf16: read into fp32, stored back rounded to nearest) with unit-stride (P, N) rows,
@@ -647,7 +656,7 @@ def selective_state_update_slots_raw_dt(
     D: torch.Tensor,
     dt_bias: torch.Tensor,
     dt_clamp: tuple[float, float],
-    tiles: SsuTiles = SsuTiles(),
+    tiles: SsuTiles | None = None,
 ) -> torch.Tensor:
     """One decode step on the pool in place from the raw parameters, in one launch (Triton), see
     `ssd.selective_state_update_slots_raw_dt_ref`: dt [Bq, H] raw (any float dtype, rows may be strided, e.g. a split
@@ -671,9 +680,11 @@ def _check_ssu_slots_args(ssm_pool, slot_ids, x, dt, A, B, C, D) -> None:
     check_same_device(ssm_pool=ssm_pool, slot_ids=slot_ids, x=x, dt=dt, A=A, B=B, C=C, D=D)
 
 
-def _launch_ssu_slots(ssm_pool, slot_ids, x, dt, A, B, C, D, dt_bias, dt_clamp, tiles: SsuTiles) -> torch.Tensor:
-    """dt_bias None: dt and A are final (fp32 dt, A); else dt is raw, A is A_log and dt_clamp = (lo, hi)."""
+def _launch_ssu_slots(ssm_pool, slot_ids, x, dt, A, B, C, D, dt_bias, dt_clamp, tiles: SsuTiles | None) -> torch.Tensor:
+    """dt_bias None: dt and A are final (fp32 dt, A); else dt is raw, A is A_log and dt_clamp = (lo, hi).
+    tiles None: `ssu_tiles` of the batch."""
     Bq, H, P = x.shape
+    tiles = tiles or ssu_tiles(Bq)
     G, N = B.shape[1], B.shape[2]
     y = torch.empty(Bq, H, P, dtype=torch.float32, device=x.device)
     if Bq == 0:
