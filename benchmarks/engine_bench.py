@@ -222,12 +222,13 @@ def throughput_run(
     seed: int,
     trace_at: tuple[int, ...] = (),
     notes: list[str] | None = None,
+    progress_every: int = 256,
 ) -> dict[str, float]:
     """Closed loop: at most `concurrency` requests in flight, the next one sent when one finishes.
     Returns output tok/s over the whole run, TTFT / TPOT medians (ms; TTFT from the request's send) and the host
     wall time per step by kind: mixed steps (a graph part and an eager part), steps launched ahead (async
     scheduling) and the others. trace_at: step indices at which 4 steps are profiled (device busy, host gaps and
-    device ms per kernel family, printed and added to notes)."""
+    device ms per kernel family, printed and added to notes); progress_every: steps between progress lines."""
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=osl, temperature=0.0, ignore_eos=True)
     pending = random_prompts(num_prompts, isl, vocab, seed)[::-1]
@@ -258,6 +259,9 @@ def throughput_run(
         rec = kinds[kind]
         rec[0], rec[1], rec[2] = rec[0] + 1, rec[1] + now - ts, rec[2] + len(outs)
         step += 1
+        if step % progress_every == 0:  # a run cut by a timeout still shows how far it got
+            n_out = sum(r[2] for r in kinds.values())
+            print(f"  tp progress: step {step}, {now - t0:.1f} s, {n_out} outputs, {len(done)} done", flush=True)
         if prof is not None and step == traced_from + 4:
             traces[traced_from] = _stop_profile(prof, engine, os.path.join(tmp, f"tp_{traced_from}.json"))
             prof = None
