@@ -18,6 +18,7 @@ from typing import TypeVar
 
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
+from service.engine.output_stream import DeltaTracker, OutputStream, wake_loops
 from service.engine.request import RequestOutput, SamplingParams
 
 log = logging.getLogger("hybrid_serve.engine")
@@ -36,7 +37,8 @@ class AsyncEngine:
         self.dtype = self.engine.dtype  # torch.dtype of weights and KV state
         self.config = config
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._streams: dict[str, _Sink] = {}  # request_id -> where its outputs go
+        self._streams: dict[str, OutputStream] = {}  # request_id -> its accumulated output (engine thread writes)
+        self._deltas = DeltaTracker()  # engine thread only
         self._stats = self.engine.stats()
         self._wake = threading.Event()
         self._stopping = False
@@ -65,9 +67,9 @@ class AsyncEngine:
         rid = request_id or uuid.uuid4().hex
         if rid in self._streams:
             raise ValueError(f"request_id {rid!r} is already in use")
-        sink = _Sink(asyncio.get_running_loop())
+        stream = OutputStream(asyncio.get_running_loop(), rid, ids, None)  # the engine detokenises
         added: Future = Future()
-        self._streams[rid] = sink
+        self._streams[rid] = stream
         self._submit(
             lambda: added.set_result(self.engine.add_request(ids, params, rid, bypass_cache, capture_states)), added
         )
@@ -79,11 +81,9 @@ class AsyncEngine:
                 finished = True  # never added (or refused): there is nothing to abort
                 raise
             while True:
-                item = await sink.take()
+                item = await stream.take(min_interval_s)
                 if isinstance(item, BaseException):
                     raise item
-                if min_interval_s is not None:
-                    sink.wake_at = time.monotonic() + min_interval_s()
                 yield item
                 if item.finished:
                     finished = True
@@ -91,7 +91,7 @@ class AsyncEngine:
         finally:
             self._streams.pop(rid, None)
             if not finished:
-                self._submit(lambda: self.engine.abort(rid))
+                self._submit(lambda: self._abort(rid))
 
     async def abort(self, request_id: str) -> None:
         done: Future = Future()
@@ -165,58 +165,29 @@ class AsyncEngine:
             self._deliver_all(outputs)
             self._stats = self.engine.stats()
 
-    def _deliver(self, rid: str, item: RequestOutput | BaseException) -> None:
-        sink = self._streams.get(rid)
-        if sink is not None:
-            sink.loop.call_soon_threadsafe(_publish, [(sink, item)])
-
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
-        """One step's outputs: one wake-up per event loop, not one per request."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, RequestOutput]]] = {}
+        """One step's outputs into their streams: one wake-up per event loop, not one per request."""
+        due: dict[asyncio.AbstractEventLoop, list[OutputStream]] = {}
         for out in outputs:
-            sink = self._streams.get(out.request_id)
-            if sink is not None:
-                by_loop.setdefault(sink.loop, []).append((sink, out))
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_publish, items)
+            delta = self._deltas.delta(out)
+            stream = self._streams.get(out.request_id)
+            if stream is not None and stream.apply(delta):
+                due.setdefault(stream.loop, []).append(stream)
+        wake_loops(due)
+
+    def _fail(self, rid: str, error: BaseException) -> None:
+        self._deltas.forget(rid)
+        stream = self._streams.get(rid)
+        if stream is not None:
+            stream.fail(error)
+            wake_loops({stream.loop: [stream]})
 
     def _abort(self, rid: str) -> None:
         out = self.engine.abort(rid)
         if out is not None:
-            self._deliver(rid, out)
+            self._deliver_all([out])
 
     def _abort_all(self, error: BaseException | None = None) -> None:
         for rid in list(self.engine.requests):
             self.engine.abort(rid)
-            self._deliver(rid, error if error is not None else EngineDeadError("engine shut down"))
-
-
-class _Sink:
-    """One request's newest output (or error), set on its event loop; the reader is woken when it is due."""
-
-    __slots__ = ("loop", "item", "ready", "wake_at")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.item: RequestOutput | BaseException | None = None
-        self.ready = asyncio.Event()
-        self.wake_at = 0.0  # time.monotonic() before which a running output does not wake the reader
-
-    def publish(self, item: RequestOutput | BaseException) -> None:
-        if isinstance(self.item, BaseException):
-            return  # an error stays until it is read
-        self.item = item
-        if isinstance(item, BaseException) or item.finished or time.monotonic() >= self.wake_at:
-            self.ready.set()
-
-    async def take(self) -> RequestOutput | BaseException:
-        await self.ready.wait()
-        self.ready.clear()
-        item, self.item = self.item, None
-        assert item is not None
-        return item
-
-
-def _publish(items: list[tuple[_Sink, RequestOutput | BaseException]]) -> None:
-    for sink, item in items:
-        sink.publish(item)
+            self._fail(rid, error if error is not None else EngineDeadError("engine shut down"))

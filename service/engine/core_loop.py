@@ -15,9 +15,10 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from service.engine.config import EngineConfig
-from service.engine.core_process import IDLE_POLL_S, STATS_INTERVAL_S, CoreInfo, Delta
+from service.engine.core_process import IDLE_POLL_S, STATS_INTERVAL_S, CoreInfo
 from service.engine.engine import Engine
-from service.engine.request import CapturedState, RequestOutput
+from service.engine.output_stream import DeltaTracker
+from service.engine.request import CapturedState
 
 log = logging.getLogger("hybrid_serve.engine")
 
@@ -26,7 +27,7 @@ class CoreLoop:
     def __init__(self, config: EngineConfig, conn: Connection):
         self.conn = conn
         self.engine = Engine(config, detokenize=False)  # the parent detokenises requests without stop strings
-        self.sent: dict[str, tuple[int, str]] = {}  # request_id -> (tokens sent, text sent) of unfinished requests
+        self.deltas = DeltaTracker()  # what each unfinished request has sent
         self.running = True
         self.stats_at = 0.0  # time.monotonic() of the last stats sent
         e = self.engine
@@ -48,7 +49,7 @@ class CoreLoop:
                 log.exception("engine step failed; aborting in-flight requests")
                 self._fail_all(f"{type(exc).__name__}: {exc}")
                 continue
-            self._send(("out", [self._delta(o) for o in outputs], self._stats_if_due()))
+            self._send(("out", [self.deltas.delta(o) for o in outputs], self._stats_if_due()))
         self._fail_all("the engine was shut down")
         engine.shutdown()
 
@@ -67,7 +68,6 @@ class CoreLoop:
             _, rid, ids, params, bypass_cache, capture_states = msg
             try:
                 self.engine.add_request(ids, params, rid, bypass_cache, capture_states)
-                self.sent[rid] = (0, "")
             except ValueError as exc:
                 self._send(("refused", rid, ValueError(str(exc))))
         elif kind == "abort":
@@ -102,27 +102,15 @@ class CoreLoop:
     def _abort(self, rid: str) -> None:
         out = self.engine.abort(rid)
         if out is not None:
-            self._send(("out", [self._delta(out)], self.engine.stats()))
+            self._send(("out", [self.deltas.delta(out)], self.engine.stats()))
 
     def _fail_all(self, why: str) -> None:
         for rid in list(self.engine.requests):
             self.engine.abort(rid)
-            self.sent.pop(rid, None)
+            self.deltas.forget(rid)
             self._send(("failed", rid, why))
 
     # ---------- outputs ----------
-    def _delta(self, out: RequestOutput) -> Delta:
-        """What `out` adds to what was already sent for its request."""
-        rid = out.request_id
-        num_sent, text_sent = self.sent.get(rid, (0, ""))
-        text = out.text[len(text_sent) :] if out.text.startswith(text_sent) else ""
-        token_ids, logprobs, top = out.tokens_since(num_sent)
-        if out.finished:
-            self.sent.pop(rid, None)
-        else:  # out.text == text_sent + text whenever text is not empty
-            self.sent[rid] = (out.num_output_tokens, out.text if text else text_sent)
-        return rid, token_ids, text, out.finish_reason, logprobs, top, out.num_cached_tokens
-
     def _stats_if_due(self) -> dict[str, float] | None:
         now = time.monotonic()
         if now - self.stats_at < STATS_INTERVAL_S and self.engine.has_unfinished():

@@ -46,6 +46,7 @@ from typing import Any
 
 from service.engine.async_engine import EngineDeadError
 from service.engine.config import EngineConfig, ModelConfig
+from service.engine.output_stream import OutputStream, wake_loops
 from service.engine.request import RequestOutput, SamplingParams
 from service.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -56,11 +57,6 @@ STOP_TIMEOUT_S = 15.0  # shutdown waits this long for the child before killing i
 PARENT_POLL_S = 0.5  # how often the child checks that its parent is alive
 IDLE_POLL_S = 0.5  # the idle child's longest wait for a command
 STATS_INTERVAL_S = 0.02  # a busy child attaches its stats to a step's message at most this often
-
-# one request's progress in one step: (request_id, new token ids, new text, finish_reason | None,
-# new logprobs | None, new top logprobs | None, num_cached_tokens). A plain tuple: a NamedTuple or dataclass
-# per request per step costs about 4x as much to pickle and unpickle.
-Delta = tuple[str, tuple[int, ...], str, "str | None", "tuple[float, ...] | None", "tuple[dict, ...] | None", int]
 
 
 @dataclass(frozen=True)
@@ -92,7 +88,7 @@ class EngineProcess:
         child_end.close()
         self._finalizer = weakref.finalize(self, _stop_child, self._proc, self._conn)  # also at interpreter exit
         self._send_lock = threading.Lock()
-        self._streams: dict[str, _Stream] = {}  # request_id -> its accumulated output (reader thread writes)
+        self._streams: dict[str, OutputStream] = {}  # request_id -> its accumulated output (reader thread writes)
         self._calls: dict[int, Future] = {}  # seq -> caller waiting for the child's reply
         self._seq = 0
         self._dead: str | None = None  # why the child is unusable
@@ -130,7 +126,7 @@ class EngineProcess:
         detok = None
         if self.tokenizer is not None and not params.stop:  # the child leaves this request's text to us
             detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
-        stream = _Stream(asyncio.get_running_loop(), rid, ids, detok)
+        stream = OutputStream(asyncio.get_running_loop(), rid, ids, detok)
         self._streams[rid] = stream
         finished = False
         try:
@@ -248,22 +244,18 @@ class EngineProcess:
                 msg = pickle.loads(self._conn.recv_bytes())
             except (EOFError, OSError):
                 break
-            due: dict[asyncio.AbstractEventLoop, list[_Stream]] = {}
+            due: dict[asyncio.AbstractEventLoop, list[OutputStream]] = {}
             try:
                 self._handle(msg, due)
             except Exception:  # noqa: BLE001 - the reader must outlive a bad message, or every stream would hang
                 log.exception("engine core message %r could not be handled", msg[0])
-            for loop, streams in due.items():
-                try:
-                    loop.call_soon_threadsafe(_wake_all, streams)
-                except RuntimeError:  # that event loop is closed: nobody is waiting there any more
-                    pass
+            wake_loops(due)
         self._proc.join(5.0)
         code = self._proc.exitcode
         why = "the engine was shut down" if self._stopping else f"engine core process exited (exit code {code})"
         self._on_dead(why)
 
-    def _handle(self, msg: tuple, due: dict[asyncio.AbstractEventLoop, list[_Stream]]) -> None:
+    def _handle(self, msg: tuple, due: dict[asyncio.AbstractEventLoop, list[OutputStream]]) -> None:
         kind = msg[0]
         if kind == "out":
             for delta in msg[1]:
@@ -298,115 +290,11 @@ class EngineProcess:
             fut = self._calls.pop(seq, None)
             if fut is not None and not fut.done():
                 fut.set_exception(err)
-        due: dict[asyncio.AbstractEventLoop, list[_Stream]] = {}
+        due: dict[asyncio.AbstractEventLoop, list[OutputStream]] = {}
         for stream in list(self._streams.values()):
             stream.fail(err)
             due.setdefault(stream.loop, []).append(stream)
-        for loop, streams in due.items():
-            try:
-                loop.call_soon_threadsafe(_wake_all, streams)
-            except RuntimeError:
-                pass
-
-
-class _Stream:
-    """One request's output so far. The reader thread appends (under `lock`); the request's event loop reads the
-    newest cumulative output when woken (`take`)."""
-
-    __slots__ = ("loop", "request_id", "prompt", "tokens", "logprobs", "top", "text", "finish_reason",
-                 "num_cached", "error", "wake_at", "signalled", "ready", "lock", "detok", "detok_text",
-                 "num_detok")  # fmt: skip
-
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        request_id: str,
-        prompt: list[int],
-        detok: IncrementalDetokenizer | None,
-    ):
-        self.loop, self.request_id, self.prompt = loop, request_id, prompt
-        self.detok = detok  # None: the child's text is used (stop strings, or no tokenizer)
-        self.detok_text = ""  # text of tokens[:num_detok] (event loop only)
-        self.num_detok = 0
-        self.tokens: list[int] = []  # append-only: outputs share it and read their own prefix
-        self.logprobs: list[float] | None = None
-        self.top: list[dict[int, float]] | None = None
-        self.text = ""
-        self.finish_reason: str | None = None
-        self.num_cached = 0
-        self.error: BaseException | None = None
-        self.wake_at = 0.0  # time.monotonic() before which a running output does not wake the reader
-        self.signalled = False  # a wake-up is scheduled or pending: do not schedule another
-        self.ready = asyncio.Event()
-        self.lock = threading.Lock()
-
-    def apply(self, delta: Delta) -> bool:
-        """Reader thread: adds one step's progress; True if the reader should be woken now."""
-        _, token_ids, text, finish_reason, logprobs, top, num_cached = delta
-        with self.lock:
-            self.tokens.extend(token_ids)
-            if logprobs is not None:
-                (self.logprobs if self.logprobs is not None else self._new_logprobs()).extend(logprobs)
-            if top is not None:
-                (self.top if self.top is not None else self._new_top()).extend(top)
-            self.text += text
-            self.finish_reason = finish_reason
-            self.num_cached = num_cached
-            return self._due()
-
-    def fail(self, error: BaseException) -> None:
-        with self.lock:
-            if self.error is None:
-                self.error = error
-
-    def _new_logprobs(self) -> list[float]:
-        self.logprobs = []
-        return self.logprobs
-
-    def _new_top(self) -> list[dict[int, float]]:
-        self.top = []
-        return self.top
-
-    def _due(self) -> bool:
-        if self.signalled:
-            return False
-        if self.finish_reason is not None or time.monotonic() >= self.wake_at:
-            self.signalled = True
-            return True
-        return False
-
-    async def take(self, min_interval_s: Callable[[], float] | None) -> RequestOutput | BaseException:
-        """The newest output (or the error); the next running output wakes the reader min_interval_s() later."""
-        interval = 0.0 if min_interval_s is None else min_interval_s()
-        while True:
-            await self.ready.wait()
-            self.ready.clear()
-            with self.lock:
-                self.signalled = False
-                if self.error is not None:
-                    return self.error
-                if not self.tokens and self.finish_reason is None:
-                    continue
-                self.wake_at = time.monotonic() + interval
-                n, finish_reason, text, num_cached = len(self.tokens), self.finish_reason, self.text, self.num_cached
-            if self.detok is not None:
-                self.detok_text += self.detok.add_many(self.tokens[self.num_detok : n])
-                self.num_detok, text = n, self.detok_text
-            return self._output(n, finish_reason, text, num_cached)
-
-    def _output(self, n: int, finish_reason: str | None, text: str, num_cached: int) -> RequestOutput:
-        """The output after the first n tokens (the lists are append-only: the output reads its prefix)."""
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt_token_ids=self.prompt,
-            text=text,
-            finish_reason=finish_reason,
-            num_cached_tokens=num_cached,
-            num_output_tokens=n,
-            output_token_ids=self.tokens,
-            output_logprobs=self.logprobs,
-            output_top_logprobs=self.top,
-        )
+        wake_loops(due)
 
 
 def _stop_child(proc: mp.process.BaseProcess, conn: Connection) -> None:
@@ -420,11 +308,6 @@ def _stop_child(proc: mp.process.BaseProcess, conn: Connection) -> None:
         log.warning("engine core process %d did not stop within %.0f s: killing it", proc.pid, STOP_TIMEOUT_S)
         proc.kill()
         proc.join(5.0)
-
-
-def _wake_all(streams: list[_Stream]) -> None:
-    for stream in streams:
-        stream.ready.set()
 
 
 # ---------------------------------------------------------------- engine core process side
