@@ -119,3 +119,28 @@ def test_engine_on_cuda_sizes_its_pools_from_the_plan(tmp_path):
     torch.cuda.empty_cache()
     with pytest.raises(ValueError, match="does not fit"):
         Engine(EngineConfig(**base, gpu_memory_utilization=0.01))
+
+
+def test_plan_refused_when_other_processes_hold_the_memory():
+    """A plan whose pools, graph reserve and activations exceed the memory actually free is refused with the numbers
+    (another process holds 16 GiB of a 140 GiB device at utilization 0.9), and accepted when they fit."""
+    from service.engine.runner.memory_plan import check_free
+
+    plan = plan_memory(
+        total_bytes=140 * GiB,
+        utilization=0.9,
+        weights_bytes=60 * GiB,
+        activation_bytes=1 * GiB,
+        graph_bytes=2 * GiB,
+        sizes=nano_state_bytes(),
+        max_num_seqs=1024,
+        max_model_len=2112,
+        page_size=64,
+        max_snapshots=0,
+        max_pages=10**9,
+    )
+    need = plan.kv_bytes + plan.mamba_live_bytes + plan.graph_bytes + plan.activation_bytes
+    assert need == 126 * GiB - 60 * GiB - plan.free_bytes  # everything the budget left after the weights
+    check_free(plan, need)
+    with pytest.raises(ValueError, match=r"only 63\.00 GiB of the 140\.00 GiB device are free.*about 17\.00 GiB"):
+        check_free(plan, 63 * GiB)

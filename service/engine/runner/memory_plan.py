@@ -7,7 +7,8 @@ holds one), to the prefix cache's snapshot slots (at most the max_snapshots aske
 what the live slots leave), and to KV pages (the rest, up to `useful_pages`: twice what max_num_seqs requests of
 max_model_len tokens hold, the second half for cached prefixes; memory beyond that stays free, so small engines
 sharing a GPU, as the tests do, stay small). Too little memory for one request of max_model_len tokens -> ValueError
-with the numbers.
+with the numbers; so is a plan whose pools do not fit in the memory the device has free (`check_free`: other processes
+hold part of the budget).
 `profile_activation_bytes` measures the activation peak on CUDA with one forward of max_num_batched_tokens.
 """
 
@@ -234,7 +235,7 @@ def plan_for(
         if cfg.mamba_cache_strategy == "off"
         else (cfg.max_mamba_snapshots if cfg.max_mamba_snapshots is not None else 2 * cfg.max_num_seqs)
     )
-    return plan_memory(
+    plan = plan_memory(
         total,
         cfg.gpu_memory_utilization,
         weights_bytes(model),
@@ -247,3 +248,22 @@ def plan_for(
         snapshots,
         useful_pages(cfg.max_num_seqs, max_model_len, cfg.page_size),
     )
+    device = torch.device(cfg.device)
+    free = torch.cuda.mem_get_info(device)[0]
+    check_free(plan, free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    return plan
+
+
+def check_free(plan: MemoryPlan, available_bytes: int) -> None:
+    """ValueError with the numbers when what the plan still allocates (pools, graph reserve, activations) exceeds
+    `available_bytes` (the device's free memory plus what this process's allocator holds unused): other processes
+    hold memory the budget counted on."""
+    need = plan.kv_bytes + plan.mamba_live_bytes + plan.mamba_snapshot_bytes + plan.graph_bytes + plan.activation_bytes
+    if need > available_bytes:
+        others = plan.total_bytes - available_bytes - plan.weights_bytes
+        raise ValueError(
+            f"the memory plan still allocates {need / GiB:.2f} GiB (KV, Mamba slots, CUDA graphs, activations) but "
+            f"only {available_bytes / GiB:.2f} GiB of the {plan.total_bytes / GiB:.2f} GiB device are free: other "
+            f"processes (and the CUDA context) hold about {max(others, 0) / GiB:.2f} GiB. Free the GPU, or lower "
+            f"gpu_memory_utilization (now {plan.budget_bytes / plan.total_bytes:.2f}), max_num_seqs or max_model_len"
+        )
