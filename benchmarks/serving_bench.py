@@ -224,8 +224,8 @@ def closed_loop_clients(base_url: str, model: str, case: Case, timeout_s: float,
     return summarize(results, duration), cpu
 
 
-def run_served(args: argparse.Namespace, model_path: str, cases: list[Case]) -> dict[str, dict]:
-    out: dict[str, dict] = {}
+def run_served(args: argparse.Namespace, model_path: str, cases: list[Case], out: dict[str, dict]) -> None:
+    """Fills `out` workload by workload (what finished stays there if a later one fails or is cut short)."""
     gpu_roles: dict[str, int] | str = "not a CUDA run"
     with ServeProcess(
         model_path,
@@ -262,7 +262,6 @@ def run_served(args: argparse.Namespace, model_path: str, cases: list[Case]) -> 
             "serve_log_dir": server.serve_log_dir,
             "gpu_processes": gpu_roles,
         }
-    return out
 
 
 def run_guidellm(server: ServeProcess, w: Workload, model_path: str, timeout_s: float) -> dict:
@@ -567,32 +566,35 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {model_path} ready in {time.perf_counter() - t0:.1f} s", flush=True)
     cases = make_cases(model_path, args.workloads, args.endpoints, args.seed)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # a timeout's SIGTERM still stops the server tree (`with`)
-    inproc = {} if args.skip_inprocess or not args.inprocess_first else run_inprocess(args, model_path, cases)
     served: dict[str, dict] = {}
-    if not args.skip_served:
-        try:
-            served = run_served(args, model_path, cases)
-        except RuntimeError as exc:  # the server did not come up: keep the in-process numbers
-            print(f"served run failed: {exc}", flush=True)
-            served = {"_error": {"message": str(exc)}}
-    if not args.skip_inprocess and not args.inprocess_first:
-        inproc = run_inprocess(args, model_path, cases)
-    lines = report(served, inproc, cases)
-    print("\n".join(lines), flush=True)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(
-                {
-                    "args": {k: v for k, v in vars(args).items() if k != "workloads"},
-                    "served": served,
-                    "in_process": inproc,
-                },
-                f,
-                indent=2,
-                default=str,
-            )
+    inproc: dict[str, dict] = {}
+    try:
+        if args.inprocess_first and not args.skip_inprocess:
+            inproc = run_inprocess(args, model_path, cases)
+        if not args.skip_served:
+            try:
+                run_served(args, model_path, cases, served)
+            except RuntimeError as exc:  # the server did not come up: keep the in-process numbers
+                print(f"served run failed: {exc}", flush=True)
+                served["_error"] = {"message": str(exc)}
+        if not args.skip_inprocess and not args.inprocess_first:
+            inproc = run_inprocess(args, model_path, cases)
+    finally:  # also when cut short: whatever finished is reported
+        print("\n".join(report(served, inproc, cases)), flush=True)
+        if args.out:
+            write_json(args.out, args, served, inproc)
     errors = sum(r["summary"]["num_errors"] for r in served.values() if "summary" in r)
     return 2 if "_error" in served else 1 if errors else 0
+
+
+def write_json(path: str, args: argparse.Namespace, served: dict, inproc: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(
+            {"args": {k: v for k, v in vars(args).items() if k != "workloads"}, "served": served, "in_process": inproc},
+            f,
+            indent=2,
+            default=str,
+        )
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
