@@ -42,7 +42,9 @@ SSD_BATCHES = [  # (query_lens, prefix_lens): full chunks only, unaligned prefix
 @pytest.mark.parametrize("lens", SSD_BATCHES)
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_ssd_varlen(lens, groups, dtype):
+@pytest.mark.parametrize("block_chunks", [cpu_ssd.SSD_BLOCK_CHUNKS, 2])  # the batch in one group; groups of requests
+def test_ssd_varlen(lens, groups, dtype, block_chunks, monkeypatch):
+    monkeypatch.setattr(cpu_ssd, "SSD_BLOCK_CHUNKS", block_chunks)
     torch.manual_seed(1)
     ql, pl = lens
     H, P, N, C = 4, 8, 16, 16

@@ -5,7 +5,9 @@ Same contracts as `ssd.ssd_varlen_ref` and `ssd.selective_state_update_slots_raw
 compare against). What differs:
 - `ssd_varlen`: chunks are laid out head-major ([Nc, H, C, *]) so every contraction is one batched matmul; the B·C
   scores are computed once per group (not per head); when every chunk is full the chunks are views of the packed
-  tokens (no gather); padded positions are neutralised by a zero dt alone.
+  tokens (no gather); padded positions are neutralised by a zero dt alone. The requests run in groups of about
+  `SSD_BLOCK_CHUNKS` chunks (consecutive whole requests: the scan of one group needs nothing from another), so the
+  [chunks, H, C, C] decays and every other temporary of a group stay in the core's L2 cache.
 - `selective_state_update_slots_raw_dt`: the state is updated in place (`mul_` + `addcmul_`), on a view of the pool
   when the slots are one ascending run (no gather / scatter), else on one `index_select` copy written back by
   `index_copy_`.
@@ -16,6 +18,8 @@ from __future__ import annotations
 import torch
 
 from service.engine.kernels.ssd import ChunkLayout, dt_softplus_clamp
+
+SSD_BLOCK_CHUNKS = 8  # chunks per group of whole requests in the prefill scan (at C=64, H=8: 1 MiB of decays)
 
 
 def _chunked(t: torch.Tensor, layout: ChunkLayout, full: bool) -> torch.Tensor:
@@ -29,15 +33,14 @@ def _chunked(t: torch.Tensor, layout: ChunkLayout, full: bool) -> torch.Tensor:
 
 
 def _inter_chunk(
-    local: torch.Tensor, decay: torch.Tensor, initial: torch.Tensor, layout: ChunkLayout
-) -> tuple[torch.Tensor, torch.Tensor]:
+    local: torch.Tensor, decay: torch.Tensor, initial: torch.Tensor, layout: ChunkLayout, states: torch.Tensor
+) -> torch.Tensor:
     """local [Nc, H, P, N] chunk-local end states, decay [Nc, H] whole-chunk decays, initial [B, H, P, N] fp32 or
-    bf16 -> (prev [Nc, H, P, N] state entering each chunk, states [Nc, H, P, N] state after each chunk), fp32;
-    bf16 initial states: every chunk-end state is rounded to bf16, as the reference does."""
+    bf16 -> prev [Nc, H, P, N] state entering each chunk; states [Nc, H, P, N] fp32 (written) gets the state after
+    each chunk; bf16 initial states: every chunk-end state is rounded to bf16, as the reference does."""
     B = initial.shape[0]
     nch = layout.num_chunks.tolist()
     prev = torch.empty_like(local)
-    states = torch.empty_like(local)
     carry = initial.to(torch.float32, copy=True)
     lossy = initial.dtype != torch.float32
     if B and all(n == nch[0] for n in nch):  # every request has the same chunk count
@@ -50,7 +53,7 @@ def _inter_chunk(
             if lossy:
                 carry.copy_(carry.to(initial.dtype))
             sv[:, j] = carry
-        return prev, states
+        return prev
     first = layout.first_chunk.tolist()
     for j in range(layout.max_chunks):
         reqs = [i for i in range(B) if nch[i] > j]
@@ -63,7 +66,7 @@ def _inter_chunk(
             cur.copy_(cur.to(initial.dtype))
         states.index_copy_(0, cidx, cur)
         carry.index_copy_(0, rows, cur)
-    return prev, states
+    return prev
 
 
 def ssd_varlen(
@@ -82,6 +85,72 @@ def ssd_varlen(
     G, N = B.shape[1], B.shape[2]
     if H % G:
         raise ValueError(f"heads {H} not divisible by groups {G}")
+    out = torch.empty(T, H, P, dtype=torch.float32, device=x.device)
+    states = torch.empty(len(layout.chunk_lens_host), H, P, N, dtype=torch.float32, device=x.device)
+    nch = layout.num_chunks.tolist()
+    for r0, r1 in _request_groups(nch):
+        sub, (t0, t1), (c0, c1) = _sub_layout(layout, nch, r0, r1)
+        _ssd_group(
+            x[t0:t1], dt[t0:t1], A, B[t0:t1], C[t0:t1], D, initial_states[r0:r1], sub, out[t0:t1], states[c0:c1]
+        )
+    return out, states
+
+
+def _request_groups(num_chunks: list[int]) -> list[tuple[int, int]]:
+    """Consecutive requests [r0, r1) grouped while their chunks (num_chunks[i] each) add up to at most
+    SSD_BLOCK_CHUNKS (a request with more is a group of its own)."""
+    groups, r0, n = [], 0, 0
+    for i, k in enumerate(num_chunks):
+        if n and n + k > SSD_BLOCK_CHUNKS:
+            groups.append((r0, i))
+            r0, n = i, 0
+        n += k
+    if n:
+        groups.append((r0, len(num_chunks)))
+    return groups
+
+
+def _sub_layout(
+    layout: ChunkLayout, num_chunks: list[int], r0: int, r1: int
+) -> tuple[ChunkLayout, tuple[int, int], tuple[int, int]]:
+    """Requests [r0, r1) of layout (num_chunks: its num_chunks on the host) as a layout of their own, with their
+    token range [t0, t1) and chunk range [c0, c1) in the whole batch (requests and their chunks are in order)."""
+    lens = layout.chunk_lens_host
+    c0 = sum(num_chunks[:r0])
+    c1 = c0 + sum(num_chunks[r0:r1])
+    t0 = sum(lens[:c0])
+    t1 = t0 + sum(lens[c0:c1])
+    if r0 == 0 and r1 == len(num_chunks):
+        return layout, (t0, t1), (c0, c1)
+    sub = ChunkLayout(
+        layout.chunk_size,
+        layout.chunk_req[c0:c1] - r0,
+        layout.chunk_start[c0:c1] - t0,
+        layout.chunk_len[c0:c1],
+        layout.first_chunk[r0:r1] - c0,
+        layout.num_chunks[r0:r1],
+        max(num_chunks[r0:r1]),
+        lens[c0:c1],
+    )
+    return sub, (t0, t1), (c0, c1)
+
+
+def _ssd_group(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    initial_states: torch.Tensor,
+    layout: ChunkLayout,
+    out: torch.Tensor,
+    chunk_states: torch.Tensor,
+) -> None:
+    """The scan of one group of whole requests (layout: theirs alone): writes y [T, H, P] into out and the state
+    after each chunk [Nc, H, P, N] into chunk_states (both fp32)."""
+    T, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
     rep, c = H // G, layout.chunk_size
     full = all(n == c for n in layout.chunk_lens_host)
     Nc = len(layout.chunk_lens_host)
@@ -105,7 +174,7 @@ def ssd_varlen(
     # chunk-local end states: sum_s exp(acs_end - acs_s) dt_s x_s B_s^T, one matmul per group
     xw = (xdt * torch.exp(acs[:, :, -1:] - acs)[..., None]).view(Nc, G, rep, c, P).transpose(-1, -2)
     local = torch.matmul(xw, Bg[:, :, None]).view(Nc, H, P, N)  # [Nc, G, rep, P, C] @ [Nc, G, 1, C, N]
-    prev, chunk_states = _inter_chunk(local, torch.exp(acs[:, :, -1]), initial_states, layout)
+    prev = _inter_chunk(local, torch.exp(acs[:, :, -1]), initial_states, layout, chunk_states)
     # state entering the chunk, read by C and decayed to each position: one matmul per group over its heads'
     # rows ([C, N] @ [N, rep * P]), added to y through a strided view with the decay (one addcmul_)
     y_off = torch.matmul(Cg, prev.view(Nc, G, rep * P, N).transpose(-1, -2))  # [Nc, G, C, rep * P]
@@ -113,14 +182,12 @@ def ssd_varlen(
     y = y.permute(0, 2, 1, 3)  # [Nc, C, H, P]
     Dx = D.float()[None, None, :, None]
     if full:  # y + D x, written once in token order
-        out = torch.empty(T, H, P, dtype=torch.float32, device=x.device)
         torch.addcmul(y, x.float().view(Nc, c, H, P), Dx, out=out.view(Nc, c, H, P))
-        return out, chunk_states
+        return
     offs = torch.arange(c, device=x.device)
     tok_valid = offs[None, :] < layout.chunk_len[:, None]
-    out = torch.empty(T, H, P, dtype=torch.float32, device=x.device)
     out[(layout.chunk_start[:, None] + offs[None, :])[tok_valid]] = y[tok_valid]
-    return out.add_(D.float()[None, :, None] * x.float()), chunk_states
+    out.add_(D.float()[None, :, None] * x.float())
 
 
 def ascending_run(slot_ids: torch.Tensor) -> int | None:
