@@ -2,13 +2,24 @@
 
 Without CUDA, Triton kernels run in Triton's interpreter. The variable must be set before anything
 imports triton (transformers and torch may import it while other test modules are collected), so it
-is set here, in the first conftest pytest loads."""
+is set here, in the first conftest pytest loads.
+
+The tests run tiny models, for which one intra-op thread per process is as fast as two, and far faster when
+the cores are shared (another process, a Ray worker or a second test process): with two OpenMP threads every
+parallel region waits for whichever thread was descheduled, and waiting threads spin. The variable is set
+before torch is imported, so child processes (engine cores, TP ranks, Ray workers, CLIs) inherit it; a value
+already set in the environment wins.
+"""
 
 from __future__ import annotations
 
 import os
 
-import torch
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402 - after OMP_NUM_THREADS, which torch reads when it starts
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case a plugin imported torch before this file
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,8 +1,10 @@
-"""One local Ray cluster (127.0.0.1) and one Serve instance for the whole pytest session.
+"""One local Ray cluster (127.0.0.1) and one Serve instance for the tests of this package; both stop after its
+last test, so the rest of the suite does not share the cores with idle replicas.
 
 Apps are deployed under their own route prefix (`/<name>/v1`). `main_app` is the shared app most tests
 use (2 engine replicas, both parsers); the router experiment deploys two small-cache apps once and
-keeps them until the end of the session (the metrics test reads their eviction counters).
+keeps them until the end of the package (the metrics test reads their eviction counters). Every other app
+belongs to the test module that deployed it and is deleted when that module ends.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from tests.deployments.serve_testkit import (
 )
 
 REQUEST_TIMEOUT_S = 60.0
+# apps of the package-scoped fixtures below; any other app is deleted at the end of the module that deployed it
+SHARED_APPS = frozenset({"main", "router-prefix-aware", "router-default"})
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,7 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def cluster() -> Cluster:
     http_port, metrics_port = free_port(), free_port()
     ray.init(
@@ -71,13 +75,23 @@ def cluster() -> Cluster:
     ray.shutdown()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def delete_module_apps():
+    """Deletes the apps a test module deployed for itself when it ends: idle replicas still take CPU (stats
+    export, health checks, routing reports, a canary's checks)."""
+    yield
+    if ray.is_initialized():  # only the cluster fixture starts Ray here, and it starts Serve with it
+        for name in serve.status().applications.keys() - SHARED_APPS:
+            serve.delete(name)
+
+
 def deploy(cluster: Cluster, name: str, args: dict[str, Any]) -> App:
     route = f"/{name}"
     serve.run(build_app({**args, "route_prefix": route}), name=name, route_prefix=route)
     return App(name, f"http://127.0.0.1:{cluster.http_port}{route}/v1", args["model_path"])
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def main_app(cluster: Cluster, tiny_model_path: str) -> App:
     return deploy(
         cluster,
@@ -93,12 +107,12 @@ def main_app(cluster: Cluster, tiny_model_path: str) -> App:
     )
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def client(main_app: App) -> openai.OpenAI:
     return openai.OpenAI(base_url=main_app.base_url, api_key="none", timeout=REQUEST_TIMEOUT_S, max_retries=0)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def http(main_app: App) -> httpx.Client:
     with httpx.Client(base_url=main_app.base_url, timeout=REQUEST_TIMEOUT_S) as c:
         yield c
@@ -111,7 +125,7 @@ class RouterRun:
     requests_per_replica: list[int]  # from each replica's prompt-token counter
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def router_runs(cluster: Cluster, tiny_model_path: str) -> dict[str, RouterRun]:
     workload = shared_prefix_workload(
         ROUTER_GROUPS,
@@ -151,7 +165,7 @@ def router_runs(cluster: Cluster, tiny_model_path: str) -> dict[str, RouterRun]:
     return runs
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def canary_app(cluster, tiny_model_path):
     """One replica running the accuracy canary every second and auditing every request."""
     app = deploy(
@@ -169,7 +183,7 @@ def canary_app(cluster, tiny_model_path):
     return app
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def small_app(cluster, tiny_model_path):
     """One replica that takes one request at a time (handle queue bound: 4): easy to overload."""
     return deploy(
