@@ -164,7 +164,14 @@ def test_serve_cli_high_throughput_mode_streams_exactly_through_haproxy(tiny_mod
         _wait_for_line(_lines(proc), "Press Ctrl-C", timeout_s=240)
         listeners = _listener_pids(port)
         assert listeners and all(Path(f"/proc/{p}/exe").resolve().name == "haproxy" for p in listeners), listeners
-        body = {"model": "tiny", "prompt": "The robot counts", "max_tokens": N, "ignore_eos": True, "logprobs": 0, "seed": 7}
+        body = {
+            "model": "tiny",
+            "prompt": "The robot counts",
+            "max_tokens": N,
+            "ignore_eos": True,
+            "logprobs": 0,
+            "seed": 7,
+        }
         with httpx.Client(base_url=f"http://127.0.0.1:{port}/v1", timeout=120) as client:
             full = client.post("/completions", json=body).json()
             stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}}

@@ -90,9 +90,7 @@ def ssd_varlen(
     nch = layout.num_chunks.tolist()
     for r0, r1 in _request_groups(nch):
         sub, (t0, t1), (c0, c1) = _sub_layout(layout, nch, r0, r1)
-        _ssd_group(
-            x[t0:t1], dt[t0:t1], A, B[t0:t1], C[t0:t1], D, initial_states[r0:r1], sub, out[t0:t1], states[c0:c1]
-        )
+        _ssd_group(x[t0:t1], dt[t0:t1], A, B[t0:t1], C[t0:t1], D, initial_states[r0:r1], sub, out[t0:t1], states[c0:c1])
     return out, states
 
 
