@@ -32,6 +32,10 @@ EXPERT_GEMV_FP8_VARIANTS = (
     ExpertGemvTiles(2, 1024, 4),
     ExpertGemvTiles(4, 1024, 4, 3),
     ExpertGemvTiles(4, 512, 4, 1, 3),
+    ExpertGemvTiles(4, 1024, 4),
+    ExpertGemvTiles(32, 128, 4, mma=4),
+    ExpertGemvTiles(64, 256, 4, mma=3),
+    ExpertGemvTiles(128, 128, 8, mma=3),
 )
 W8A8_TILE_VARIANTS = {
     256: (

@@ -95,6 +95,12 @@ class GemvTiles:
     prefetch: bool = True  # load step k+1 before step k's FMAs (registers; tl's num_stages does not
     # pipeline loads that feed no tl.dot: it is 1 here)
     split_k: int = 1  # programs per column block, each over a slice of K (> 1: last arriver adds)
+    mma: int = 0  # > 0: tensor-core tiles (`triton_gemv.mma_tiles`, block_n >= 16), the K loop pipelined this many
+    # stages deep; 0: fp32 FMA register tiles
+
+    def __post_init__(self):
+        if self.mma and self.block_n < 16:
+            raise ValueError(f"tensor-core tiles (mma > 0) need block_n >= 16, got {self}")
 
 
 # Launch shapes the `gemv` benchmark compares per Nano-30B-A3B shape (N, K); the GPU tests check every one.
@@ -148,9 +154,10 @@ GEMV_TILE_VARIANTS = MappingProxyType(
 
 def _fp8_gemv_variants(variants: tuple[GemvTiles, ...]) -> tuple[GemvTiles, ...]:
     """FP8 weights (1 byte): each bf16 variant with twice the K elements per step (the same bytes per load), then
-    the first three bf16 variants as they are."""
+    the first three bf16 variants as they are, then a tensor-core variant."""
     doubled = [dataclasses.replace(v, block_k=2 * v.block_k) for v in variants]
-    return tuple(dict.fromkeys(doubled + list(variants[:3])))
+    mma = GemvTiles(64, 128, 4, split_k=4, mma=4)  # tensor cores: 64-row tiles, 4 K slices, 4 pipeline stages
+    return tuple(dict.fromkeys(doubled + list(variants[:3]) + [mma]))
 
 
 # Launch shapes the `gemv` benchmark compares for FP8 weights (the GPU tests check every one); first = default.
@@ -280,16 +287,21 @@ class ExpertGemvTiles:
     stages: int = 1  # > 1 (with depth 1): the K loop is `tl.range(num_stages=stages)`, Triton's pipeliner
     # keeps stages - 1 steps of loads in flight through shared memory (the launch's
     # num_stages would pipeline only loads feeding tl.dot: none here)
+    mma: int = 0  # > 0: tensor-core tiles (`triton_gemv.mma_tiles`, block_n >= 16; depth and stages unused), the K
+    # loop pipelined this many stages deep; 0: fp32 FMA register tiles
 
     def __post_init__(self):
         if not 1 <= self.depth <= 4:
             raise ValueError(f"depth must be 1..4, got {self.depth}")
         if self.stages < 1 or (self.stages > 1 and self.depth != 1):
             raise ValueError(f"stages > 1 pipelines the plain loop: needs depth 1, got {self}")
+        if self.mma and self.block_n < 16:
+            raise ValueError(f"tensor-core tiles (mma > 0) need block_n >= 16, got {self}")
 
 
-# FP8 expert weights (1 byte): twice the K elements per step of the bf16 default, the same bytes per load.
-EXPERT_GEMV_FP8_TILES = ExpertGemvTiles(4, 1024, 4)
+# FP8 expert weights: tensor-core tiles of 64 rows, 128 K per step, 4 pipeline stages (cp.async); the FMA tiles
+# (4 rows, 1024 K per step) reached ~1.4 TB/s on H200 at batch 1 (short programs, few bytes in flight).
+EXPERT_GEMV_FP8_TILES = ExpertGemvTiles(64, 128, 4, mma=4)
 EXPERT_GEMV_TILE_VARIANTS = (
     ExpertGemvTiles(),
     ExpertGemvTiles(8, 256, 4),

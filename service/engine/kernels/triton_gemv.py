@@ -18,6 +18,9 @@ kernel, x after; the next kernel is released after the K loop.
 FP8 weights (float8_e4m3fn with an fp32 per-tensor scale; `fp8_linear`): the same kernel with FP8 set reads the
 weight's bytes (half of bf16's), turns them into fp32 in registers (`e4m3_to`: the hardware e4m3 conversion, exact)
 and multiplies the row sums by the scale; x stays in its dtype (weight-only: the activation is not quantized).
+Tensor-core tiles (`GemvTiles.mma` > 0, `mma_tiles`): the weight tile (FP8: decoded to x's dtype) times x^T as a
+[BLOCK_K, 16] operand whose first ROWS columns are x's rows, the K loop pipelined by Triton (cp.async stages): the
+same products with fewer instructions per weight byte and more bytes in flight; the summation order differs.
 """
 
 from __future__ import annotations
@@ -226,7 +229,49 @@ def arrive_and_reduce(
 
 
 @triton.jit
-def dot_tiles(
+def mma_tiles(
+    w_rows,
+    x_ptr,
+    s_x,
+    k_lo,
+    k_hi,
+    K,
+    ROWS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    PDL: tl.constexpr = False,
+    FP8: tl.constexpr = False,
+):
+    """`dot_tiles` on tensor cores: acc [BLOCK_N, 16] fp32 += W tile [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, 16] (the
+    ROWS rows of x as columns, the other columns zero), the K loop pipelined STAGES deep (Triton's pipeliner: loads
+    feeding tl.dot). The weight tile is made x's dtype in registers (FP8: `e4m3_to`, exact), so the products are
+    those of the FMA path; only the summation order differs. Returns acc with column m alone kept as row m's tile
+    (a sum over axis 1 gives its dot products; rows >= ROWS: zero). PDL: waits before the first load.
+    BLOCK_N >= 16 and BLOCK_K >= 16 (tl.dot)."""
+    offs_c = tl.arange(0, 16)[None, :]
+    x_cols = x_ptr + offs_c * s_x
+    acc = tl.zeros((BLOCK_N, 16), tl.float32)
+    pdl_wait(PDL)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+        w = _load_w(w_rows, k0, K, EVEN_K, BLOCK_K)
+        offs_k = (k0 + tl.arange(0, BLOCK_K))[:, None]
+        xt = tl.load(x_cols + offs_k, mask=(offs_c < ROWS) & (offs_k < K), other=0.0, eviction_policy="evict_last")
+        if FP8:
+            w = e4m3_to(w, xt.dtype)
+        acc = tl.dot(w, xt, acc, input_precision="ieee")  # ieee: exact fp32 operands; bf16/fp16 ignore it
+    zero = tl.zeros_like(acc)
+    return (
+        tl.where(offs_c == 0, acc, zero),
+        tl.where(offs_c == 1, acc, zero),
+        tl.where(offs_c == 2, acc, zero),
+        tl.where(offs_c == 3, acc, zero),
+    )
+
+
+@triton.jit
+def fma_tiles(
     w_rows,
     x_ptr,
     s_x,
@@ -238,14 +283,10 @@ def dot_tiles(
     PREFETCH: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr = False,
-    FP8: tl.constexpr = False,
+    PDL: tl.constexpr,
+    FP8: tl.constexpr,
 ):
-    """Weight rows at w_rows [BLOCK_N, 1] (unit stride along K) times the ROWS rows of x (row stride s_x) over
-    [k_lo, k_hi): fp32 [BLOCK_N, BLOCK_K] partial-product tiles acc0..acc3 (rows >= ROWS stay zero); the caller
-    reduces them over axis 1. k_hi - k_lo is a multiple of BLOCK_K unless k_hi == K (EVEN_K: BLOCK_K divides K).
-    PDL: the first weight tile is loaded before `pdl_wait`, x after it (x is the previous kernel's output).
-    FP8: the weights are e4m3 bytes, decoded to fp32 by `weight_f32` (the scale is the caller's)."""
+    """The FMA path of `dot_tiles` (its arguments and result)."""
     acc0 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     acc1 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
@@ -272,6 +313,40 @@ def dot_tiles(
 
 
 @triton.jit
+def dot_tiles(
+    w_rows,
+    x_ptr,
+    s_x,
+    k_lo,
+    k_hi,
+    K,
+    ROWS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
+    FP8: tl.constexpr = False,
+    MMA: tl.constexpr = 0,
+):
+    """Weight rows at w_rows [BLOCK_N, 1] (unit stride along K) times the ROWS rows of x (row stride s_x) over
+    [k_lo, k_hi): fp32 [BLOCK_N, BLOCK_K] partial-product tiles acc0..acc3 (rows >= ROWS stay zero); the caller
+    reduces them over axis 1. k_hi - k_lo is a multiple of BLOCK_K unless k_hi == K (EVEN_K: BLOCK_K divides K).
+    PDL: the first weight tile is loaded before `pdl_wait`, x after it (x is the previous kernel's output).
+    FP8: the weights are e4m3 bytes, decoded to fp32 by `weight_f32` (the scale is the caller's).
+    MMA > 0: `mma_tiles` with MMA pipeline stages instead (tensor cores; [BLOCK_N, 16] tiles, PREFETCH unused)."""
+    if MMA > 0:
+        acc0, acc1, acc2, acc3 = mma_tiles(
+            w_rows, x_ptr, s_x, k_lo, k_hi, K, ROWS, EVEN_K, BLOCK_N, BLOCK_K, MMA, PDL, FP8
+        )
+    else:
+        acc0, acc1, acc2, acc3 = fma_tiles(
+            w_rows, x_ptr, s_x, k_lo, k_hi, K, ROWS, EVEN_K, PREFETCH, BLOCK_N, BLOCK_K, PDL, FP8
+        )
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -294,12 +369,26 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
     FP8: tl.constexpr,
+    MMA: tl.constexpr,
 ):
     """FP8: w_ptr holds e4m3 bytes, every row sum is multiplied by the fp32 scale at scale_ptr (before the bias);
     else scale_ptr is not read."""
     pid_n, pid_k, offs_n, mn, w_rows, k_lo = program_block(w_ptr, N, K, k_split, BLOCK_N)
     acc0, acc1, acc2, acc3 = dot_tiles(
-        w_rows, x_ptr, s_x, k_lo, tl.minimum(k_lo + k_split, K), K, ROWS, EVEN_K, PREFETCH, BLOCK_N, BLOCK_K, PDL, FP8
+        w_rows,
+        x_ptr,
+        s_x,
+        k_lo,
+        tl.minimum(k_lo + k_split, K),
+        K,
+        ROWS,
+        EVEN_K,
+        PREFETCH,
+        BLOCK_N,
+        BLOCK_K,
+        PDL,
+        FP8,
+        MMA,
     )
     pdl_release(PDL)  # after the loads: releasing at the start lets dependents launch and stall
     sc = 1.0
@@ -432,6 +521,7 @@ def gemv(
         BLOCK_N=t.block_n,
         BLOCK_K=bk,
         FP8=is_fp8,
+        MMA=t.mma,
         num_warps=t.warps,
         num_stages=1,
         **pdl_args(x, pdl),

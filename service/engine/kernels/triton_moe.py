@@ -71,7 +71,7 @@ def _expert_tile(
             w_ptr + e * s_w_e + offs_n[None, :] * s_w_n + offs_k[:, None], mask=mn[None, :] & mk[:, None], other=0
         )
         if FP8 == 2:
-            acc += tl.dot(a.to(tl.float8e4nv, bitcast=True), b.to(tl.float8e4nv, bitcast=True))
+            acc = tl.dot(a.to(tl.float8e4nv, bitcast=True), b.to(tl.float8e4nv, bitcast=True), acc)
         elif FP8 == 1:
             acc += tl.dot(a, e4m3_to(b, a.dtype), input_precision=DOT_PRECISION)
         else:

@@ -11,7 +11,8 @@ weight. Both grids are 1-d, each slot's blocks consecutive: neighbouring program
 earlier 2-d grid (slot, block) interleaved 7 matrices and launched max(I, S) / BLOCK_N blocks for every slot).
 Each program keeps fp32 partial products in a [BLOCK_N, BLOCK_K] register tile with the next step's tile loaded
 before this step's FMAs (`triton_gemv.dot_tiles`, one reduction at the end; `ExpertGemvTiles.depth` / `.stages` are
-tuning knobs for more tiles in flight, off by default). `triton_moe.sum_slots` then sums each token's slots in fp32
+tuning knobs for more tiles in flight, off by default; `.mma` > 0 runs the same products on tensor cores,
+`triton_gemv.mma_tiles`, the default for FP8 experts). `triton_moe.sum_slots` then sums each token's slots in fp32
 with one rounding: one MoE layer with its shared expert is route + up + down + sum = 4 launches at batch 1. PDL
 launches on Hopper+ (triton_common).
 FP8 experts (float8_e4m3fn, fp32 per-expert weight scales; the shared expert's per-tensor): the same kernels with FP8
@@ -34,7 +35,7 @@ from service.engine.kernels.fp8 import Fp8Linear
 from service.engine.kernels.tiles import EXPERT_GEMV_FP8_TILES, ExpertGemvTiles
 from service.engine.kernels.triton_activation import relu2
 from service.engine.kernels.triton_common import check_dtype, check_same_device, pdl_args, pdl_release, pdl_wait
-from service.engine.kernels.triton_gemv import _load_w, _load_x, dot_tiles, weight_f32
+from service.engine.kernels.triton_gemv import _load_w, _load_x, dot_tiles, mma_tiles, weight_f32
 from service.engine.kernels.triton_moe import Fp8ExpertScales, check_experts_args, sum_slots
 
 MAX_GEMV_PAIRS = 16  # (token, slot) pairs up to which `moe_experts_gemv` accepts a batch
@@ -52,6 +53,7 @@ def _expert_dot(
     STAGES: tl.constexpr,
     PDL: tl.constexpr = False,
     FP8: tl.constexpr = False,
+    MMA: tl.constexpr = 0,
 ):
     """Weight rows at w_rows [BLOCK_N, 1] (unit stride along K) times the x row at x_ptr over [0, K): the fp32
     [BLOCK_N, BLOCK_K] partial products (the caller reduces axis 1; FP8: e4m3 weight bytes, unscaled). DEPTH 1-2 with
@@ -59,7 +61,9 @@ def _expert_dot(
     (DEPTH 2: its register prefetch, the default); DEPTH 3-4 keeps DEPTH - 1 further tiles in registers (the last
     steps re-load the last tile, an L2 hit); STAGES > 1 is a plain loop that Triton software-pipelines.
     PDL: the first weight tiles are loaded before `pdl_wait` (STAGES > 1: it waits first), x after it."""
-    if STAGES > 1:
+    if MMA > 0:  # tensor cores (`triton_gemv.mma_tiles`): [BLOCK_N, 16], column 0 the products
+        acc, _, _, _ = mma_tiles(w_rows, x_ptr, 0, 0, K, K, 1, EVEN_K, BLOCK_N, BLOCK_K, MMA, PDL, FP8)
+    elif STAGES > 1:
         acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
         x_rows = x_ptr + tl.zeros((BLOCK_N, 1), tl.int32)
         pdl_wait(PDL)
@@ -162,6 +166,7 @@ def _expert_up_kernel(
     STAGES: tl.constexpr,
     PDL: tl.constexpr,
     FP8: tl.constexpr,
+    MMA: tl.constexpr,
 ):
     """h[q, :n] = relu(W_q x_t)^2 for slot q's expert W_q [n, K] (n = I, or S for the shared slot).
     PDL: waits first (the expert ids are the router's output, usually the kernel just before)."""
@@ -170,7 +175,7 @@ def _expert_up_kernel(
     t, _, shared, e, w, n_out = _slot_expert(q, ids_ptr, w_ptr, w_shared_ptr, s_w_e, top_k, n_routed, n_shared, SHARED)
     offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, n_out - 1).to(tl.int64)  # loads unmasked, stores masked
-    r = _expert_dot(w + rows[:, None] * K, x_ptr + t * s_x, K, EVEN_K, BLOCK_N, BLOCK_K, DEPTH, STAGES, False, FP8)
+    r = _expert_dot(w + rows[:, None] * K, x_ptr + t * s_x, K, EVEN_K, BLOCK_N, BLOCK_K, DEPTH, STAGES, False, FP8, MMA)
     pdl_release(PDL)
     r = tl.maximum(tl.sum(r, axis=1) * _slot_scale(shared, e, scale_ptr, shared_scale_ptr, FP8), 0.0)
     tl.store(h_ptr + q.to(tl.int64) * s_h + offs_n, (r * r).to(h_ptr.dtype.element_ty), mask=offs_n < n_out)
@@ -202,6 +207,7 @@ def _expert_down_kernel(
     STAGES: tl.constexpr,
     PDL: tl.constexpr,
     FP8: tl.constexpr,
+    MMA: tl.constexpr,
 ):
     """y[q] = w_q * W_q h[q, :K] for slot q's expert W_q [n_out, K] (K = I, or S for the shared slot, weight 1);
     program -> (q, row block j), each slot's blocks consecutive.
@@ -214,7 +220,7 @@ def _expert_down_kernel(
     q = q.to(tl.int64)
     offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, n_out - 1).to(tl.int64)
-    r = _expert_dot(w + rows[:, None] * K, h_ptr + q * s_h, K, EVEN_K, BLOCK_N, BLOCK_K, DEPTH, STAGES, PDL, FP8)
+    r = _expert_dot(w + rows[:, None] * K, h_ptr + q * s_h, K, EVEN_K, BLOCK_N, BLOCK_K, DEPTH, STAGES, PDL, FP8, MMA)
     pdl_release(PDL)
     r = tl.sum(r, axis=1) * _slot_scale(shared, e, scale_ptr, shared_scale_ptr, FP8)
     r = r * tl.load(topk_w_ptr + p, mask=~shared, other=1.0).to(tl.float32)
@@ -262,6 +268,7 @@ def _launch_args(t: ExpertGemvTiles, like: torch.Tensor) -> dict:
         BLOCK_K=t.block_k,
         DEPTH=t.depth,
         STAGES=t.stages,
+        MMA=t.mma,
         num_warps=t.warps,
         num_stages=1,
         **pdl_args(like),
