@@ -29,6 +29,9 @@ KEYS = (
 ).split()
 FILLER = tuple("abcdefghijklmnopqrstuvwxyz")
 MARKS = ("#", "@", "%")
+STATE_MAX_COUNT = 9  # each mark occurs 0..9 times: the answer is one digit
+STATE_LENGTHS = (200, 260)  # stream symbols of the eval split (>= 256 tokens with the question and template)
+STATE_TRAIN_LENGTHS = (200, 260)  # stream symbols of the train split
 TOOL_ADD = {
     "type": "function",
     "function": {
@@ -109,26 +112,29 @@ def recall(rng: random.Random, split: str = "train", turns: int = 1) -> Example:
     return conversation("recall", *recall_questions(rng, turns))
 
 
-def state_context(rng: random.Random, length: int | None = None) -> tuple[str, dict[str, int]]:
-    """A stream of `length` letters and marks; returns (text, mark -> count)."""
-    length = length or rng.randint(200, 260)
-    marks_total = rng.randint(0, 3 * 12)
-    symbols = [rng.choice(FILLER) for _ in range(length - marks_total)] + [
-        rng.choice(MARKS) for _ in range(marks_total)
-    ]
+def state_context(rng: random.Random, lengths: tuple[int, int] = STATE_LENGTHS) -> tuple[str, dict[str, int]]:
+    """A stream of letters and marks, its length drawn from `lengths` (symbols, inclusive); every mark occurs
+    0..STATE_MAX_COUNT times. Returns (text, mark -> count)."""
+    length = rng.randint(*lengths)
+    counts = {m: rng.randint(0, STATE_MAX_COUNT) for m in MARKS}
+    symbols = [rng.choice(FILLER) for _ in range(length - sum(counts.values()))]
+    symbols += [m for m in MARKS for _ in range(counts[m])]
     rng.shuffle(symbols)
-    return "Stream: " + " ".join(symbols) + ".", {m: symbols.count(m) for m in MARKS}
+    return "Stream: " + " ".join(symbols) + ".", counts
 
 
-def state_questions(rng: random.Random, num: int) -> tuple[str, list[tuple[str, str, str]]]:
+def state_questions(
+    rng: random.Random, num: int, lengths: tuple[int, int] = STATE_LENGTHS
+) -> tuple[str, list[tuple[str, str, str]]]:
     """A state context and `num` (question, answer, reasoning) about its marks."""
-    text, counts = state_context(rng)
+    text, counts = state_context(rng, lengths)
     asked = [rng.choice(MARKS) for _ in range(num)]
     return text, [(f"How many {m}?", str(counts[m]), f"count {m}") for m in asked]
 
 
 def state(rng: random.Random, split: str = "train", turns: int = 1) -> Example:
-    return conversation("state", *state_questions(rng, turns))
+    lengths = STATE_TRAIN_LENGTHS if split == "train" else STATE_LENGTHS
+    return conversation("state", *state_questions(rng, turns, lengths))
 
 
 def conversation(task: str, context: str, qa: list[tuple[str, str, str]], history_reasoning: bool = False) -> Example:

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 import torch
+from tokenizers import Tokenizer as HFTokenizer
 
 from service.engine.tokenizer import Tokenizer
 from service.testing.tiny import tokenizer_config
@@ -49,7 +50,10 @@ def write_folder(out: str, model: Any, tokenizer_json: Any, manifest: dict[str, 
 def run(out: str, cfg: TrainConfig, device: str, data_workers: int, threads: int) -> dict[str, Any]:
     """Train (SIGTERM ends training early and still writes the folder), measure, write `out`."""
     torch.set_num_threads(threads)
-    hf_tokenizer = train_tokenizer()
+    # continuing from a checkpoint keeps its tokenizer (its embeddings are indexed by those ids)
+    hf_tokenizer = (
+        HFTokenizer.from_file(os.path.join(cfg.init_from, "tokenizer.json")) if cfg.init_from else train_tokenizer()
+    )
     tokenizer = Tokenizer(hf_tokenizer, tokenizer_config(hf_tokenizer))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -62,6 +66,7 @@ def run(out: str, cfg: TrainConfig, device: str, data_workers: int, threads: int
         f"--lr {cfg.lr} --mix "
         + ",".join(f"{k}={v}" for k, v in cfg.mix.items())
         + (f" --init-from {cfg.init_from}" if cfg.init_from else "")
+        + (f" --state-hidden-share {cfg.state_hidden_share}" if cfg.state_hidden_share else "")
         + (f" --stop-at {result.steps_done}" if result.steps_done < cfg.steps else "")
     )
     manifest = {
@@ -105,6 +110,7 @@ def _run_cli(args: argparse.Namespace) -> int:
         lr=args.lr,
         stop_at=args.stop_at,
         init_from=args.init_from,
+        state_hidden_share=args.state_hidden_share,
         mix=mix,
         warmup_steps=min(TrainConfig().warmup_steps, args.steps // 10),
     )
@@ -146,6 +152,12 @@ def add_cli(subparsers: Any) -> None:
         default=None,
         help="task shares, e.g. state=0.7,recall=0.1,addition=0.1,comparison=0.05,"
         "tool=0.05 (default: the built-in mix)",
+    )
+    p.add_argument(
+        "--state-hidden-share",
+        type=float,
+        default=d.state_hidden_share,
+        help="share of state-task steps whose attention cannot see the stream from the question on",
     )
     p.add_argument("--stop-at", type=int, default=None, help="stop after N steps (the schedule spans --steps)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the initial weights and the data")

@@ -82,6 +82,27 @@ def train_tokenizer() -> HFTokenizer:
 class Batch:
     input_ids: torch.Tensor  # [B, T] int64, right-padded with pad_id
     labels: torch.Tensor  # [B, T] int64, the next token at each position; -100 outside replies and padding
+    # per row, the token range [start, end) of the state task's stream that attention after it must not see
+    # (a training-time mask: the count then has to come through the Mamba layers); None: attention sees everything
+    hidden_spans: tuple[tuple[int, int], ...] | None = None
+
+
+def stream_span(tokenizer: Tokenizer, example: Example) -> tuple[int, int]:
+    """Token range [start, end) of the `Stream: ... .` text in the state example's prompt (first user turn)."""
+    text = prompt_text(tokenizer, example)
+    start = text.index("Stream: ")
+    end = text.index(".\n", start) + 1
+    # the cuts fall on pre-token boundaries (a newline before, a newline after), so prefixes encode as prefixes
+    return len(tokenizer.encode(text[:start])), len(tokenizer.encode(text[:end]))
+
+
+def attention_mask_hiding(batch: Batch) -> torch.Tensor:
+    """[B, 1, T, T] additive float mask: causal, and queries after a hidden span see none of its keys."""
+    width = batch.input_ids.shape[1]
+    mask = torch.full((len(batch.input_ids), 1, width, width), float("-inf")).triu(1)
+    for row, (start, end) in enumerate(batch.hidden_spans or ()):
+        mask[row, 0, end:, start:end] = float("-inf")
+    return mask
 
 
 def encode(tokenizer: Tokenizer, example: Example) -> tuple[list[int], int]:
@@ -90,7 +111,8 @@ def encode(tokenizer: Tokenizer, example: Example) -> tuple[list[int], int]:
     return prompt + tokenizer.encode(reply_text(example)), len(prompt)
 
 
-def make_batch(tokenizer: Tokenizer, examples: list[Example], pad_id: int) -> Batch:
+def make_batch(tokenizer: Tokenizer, examples: list[Example], pad_id: int, hide_streams: bool = False) -> Batch:
+    """Right-padded rows; `hide_streams` (state examples only) records each row's stream span to hide."""
     rows = [encode(tokenizer, ex) for ex in examples]
     width = max(len(ids) for ids, _ in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.int64)
@@ -99,4 +121,5 @@ def make_batch(tokenizer: Tokenizer, examples: list[Example], pad_id: int) -> Ba
         input_ids[i, : len(ids)] = torch.tensor(ids)
         # position t predicts token t+1; the reply's tokens are ids[n_prompt:]
         labels[i, n_prompt - 1 : len(ids) - 1] = torch.tensor(ids[n_prompt:])
-    return Batch(input_ids, labels)
+    spans = tuple(stream_span(tokenizer, ex) for ex in examples) if hide_streams else None
+    return Batch(input_ids, labels, spans)

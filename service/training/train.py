@@ -23,7 +23,7 @@ import torch
 from service.engine.tokenizer import Tokenizer
 from service.evals.tasks import GENERATORS, Example, make_examples
 from service.testing.tiny import tiny_config
-from service.training.data import Batch, make_batch
+from service.training.data import Batch, attention_mask_hiding, make_batch
 
 # Every layer kind (Mamba-2, attention, latent MoE); ~0.8M parameters, ~3 MB in fp32.
 MODEL_OVERRIDES: dict[str, Any] = dict(
@@ -67,6 +67,9 @@ class TrainConfig:
     eval_num: int = 200  # held-out questions per task for the manifest's accuracy
     stop_at: int | None = None  # stop after this many steps (the schedule still spans `steps`)
     init_from: str | None = None  # start from this checkpoint folder's weights instead of random
+    # share of state-task steps whose attention layers cannot see the stream from the question on (the count
+    # must then be carried by the Mamba state); drawn per step from the step's own random stream
+    state_hidden_share: float = 0.0
 
 
 def build_model(tokenizer: Tokenizer, seed: int) -> Any:
@@ -100,12 +103,18 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 def step_examples(cfg: TrainConfig, step: int) -> tuple[str, list[Example]]:
     """Step `step`'s task and examples, a function of (seed, step) only."""
+    return _step_plan(cfg, step)[:2]
+
+
+def _step_plan(cfg: TrainConfig, step: int) -> tuple[str, list[Example], bool]:
+    """(task, examples, whether attention is kept from the state stream), a function of (seed, step) only."""
     rng = random.Random(f"{cfg.seed}/{step}")
     task = rng.choices(list(cfg.mix), weights=list(cfg.mix.values()))[0]
     kw = {}
     if task in ("recall", "state"):
         kw["turns"] = 2 if rng.random() < cfg.multi_turn_share else 1
-    return task, [GENERATORS[task](rng, "train", **kw) for _ in range(cfg.batch_size)]
+    examples = [GENERATORS[task](rng, "train", **kw) for _ in range(cfg.batch_size)]
+    return task, examples, task == "state" and rng.random() < cfg.state_hidden_share
 
 
 class _Steps(torch.utils.data.IterableDataset):
@@ -119,14 +128,21 @@ class _Steps(torch.utils.data.IterableDataset):
         wid, nw = (info.id, info.num_workers) if info else (0, 1)
         pad_id = self.tokenizer.token_to_id("<|pad|>")
         for step in range(wid, self.cfg.steps, nw):
-            task, examples = step_examples(self.cfg, step)
-            yield step, task, make_batch(self.tokenizer, examples, pad_id)
+            task, examples, hide = _step_plan(self.cfg, step)
+            yield step, task, make_batch(self.tokenizer, examples, pad_id, hide_streams=hide)
 
 
 def _ignore_sigterm(worker_id: int) -> None:
     """Data workers outlive a SIGTERM sent to the whole process group (`timeout` does that): the training loop
     stops at the next step and still saves; the loader then ends its workers."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _masks(batch: Batch, device: str) -> dict[str, torch.Tensor | None] | None:
+    """transformers' per-layer-kind masks when the batch hides spans from attention (Mamba layers: no mask)."""
+    if batch.hidden_spans is None:
+        return None
+    return {"full_attention": attention_mask_hiding(batch).to(device), "linear_attention": None}
 
 
 @dataclass(frozen=True)
@@ -175,7 +191,7 @@ def train(
     for step, task, batch in loader:
         if should_stop() or (cfg.stop_at is not None and step >= cfg.stop_at):
             break
-        logits = model(input_ids=batch.input_ids.to(device)).logits
+        logits = model(input_ids=batch.input_ids.to(device), attention_mask=_masks(batch, device)).logits
         loss = torch.nn.functional.cross_entropy(
             logits.flatten(0, 1).float(), batch.labels.to(device).flatten(), ignore_index=-100
         )

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from service.engine.tokenizer import Tokenizer
-from service.evals.tasks import heldout
+from service.evals.tasks import heldout, make_examples, state
 from service.testing.tiny import tokenizer_config
-from service.training.data import train_tokenizer
-from service.training.train import TrainConfig, step_examples, train
+from service.training.data import attention_mask_hiding, make_batch, train_tokenizer
+from service.training.train import TrainConfig, build_model, step_examples, train
 
 
 def _tokenizer() -> Tokenizer:
@@ -43,3 +43,25 @@ def test_digits_and_keys_are_single_tokens():
     tok = _tokenizer()
     assert [tok.decode([i]) for i in tok.encode("482+357")] == list("482+357")
     assert len(tok.encode(" tiger")) == 1 and tok.token_to_id("<think>") is not None
+
+
+def test_hidden_stream_is_the_stream_and_only_later_positions_lose_it():
+    """A hidden-span batch: the span is the `Stream: ... .` text; with the mask, transformers' logits are unchanged
+    up to the span's end and change after it (attention no longer sees the stream there)."""
+    import random
+
+    tok = _tokenizer()
+    rng = random.Random(0)
+    examples = [state(rng, "train", turns=2), *make_examples("state", 2, 0)]
+    batch = make_batch(tok, examples, tok.token_to_id("<|pad|>"), hide_streams=True)
+    for row, (start, end) in zip(batch.input_ids.tolist(), batch.hidden_spans):
+        text = tok.decode(row[start:end])
+        assert text.startswith("Stream: ") and text.endswith(".") and tok.decode(row[end : end + 1]) == "\n"
+    model = build_model(tok, seed=0).eval()
+    with torch.no_grad():
+        plain = model(input_ids=batch.input_ids).logits
+        masks = {"full_attention": attention_mask_hiding(batch), "linear_attention": None}
+        hidden = model(input_ids=batch.input_ids, attention_mask=masks).logits
+    for i, (_, end) in enumerate(batch.hidden_spans):
+        assert torch.allclose(plain[i, :end], hidden[i, :end], atol=1e-5)
+        assert (plain[i, end:] - hidden[i, end:]).abs().amax() > 1e-3
