@@ -1,0 +1,45 @@
+"""Whether a checkpoint keeps the state task's count in its recurrent state: teacher-forced greedy accuracy on
+held-out state questions (transformers' NemotronH), as is (`normal`) and with the attention layers' queries after
+the stream blind to all of its keys (`attention_blind`: the count can then only arrive through the Mamba layers'
+state). A model that counts with attention loses `attention_blind`; one that counts in the state keeps it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from service.engine.tokenizer import Tokenizer
+from service.evals.tasks import make_examples
+from service.testing.tiny import tokenizer_config
+from service.training.data import attention_mask_hiding, make_batch
+
+
+def _load(path: str) -> tuple[object, Tokenizer]:
+    from tokenizers import Tokenizer as HFTokenizer
+    from transformers import NemotronHForCausalLM
+
+    hf = HFTokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    model = NemotronHForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model, Tokenizer(hf, tokenizer_config(hf))
+
+
+@torch.no_grad()
+def state_accuracy_ablations(path: str, num: int, seed: int = 0, batch_size: int = 50) -> dict[str, float]:
+    """Teacher-forced accuracy (every reply token is the argmax) on `num` held-out state questions, per ablation."""
+    model, tokenizer = _load(path)
+    examples = make_examples("state", num, seed)
+    pad_id = tokenizer.token_to_id("<|pad|>")
+    correct = {"normal": 0, "attention_blind": 0}
+    for i in range(0, num, batch_size):
+        batch = make_batch(tokenizer, examples[i : i + batch_size], pad_id, hide_streams=True)
+        masks = {
+            "normal": None,
+            "attention_blind": {"full_attention": attention_mask_hiding(batch), "linear_attention": None},
+        }
+        reply = batch.labels != -100
+        for name, mask in masks.items():
+            pred = model(input_ids=batch.input_ids, attention_mask=mask).logits.argmax(-1)
+            correct[name] += int(((pred == batch.labels) | ~reply).all(dim=1).sum())
+    return {name: n / num for name, n in correct.items()}
