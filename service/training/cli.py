@@ -23,6 +23,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from service.engine.tokenizer import Tokenizer
 from service.testing.tiny import tokenizer_config
 from service.training.data import TOKENIZER_VOCAB_SIZE, train_tokenizer
+from service.training.probe import state_accuracy_ablations
 from service.training.train import MODEL_OVERRIDES, TrainConfig, heldout_accuracy, train
 
 DATA_RECIPE = (
@@ -61,6 +62,7 @@ def run(out: str, cfg: TrainConfig, device: str, data_workers: int, threads: int
     result = train(cfg, tokenizer, device, data_workers, should_stop=stop.is_set)
     train_s = time.monotonic() - start
     accuracy = heldout_accuracy(result.model, tokenizer, cfg.eval_num, device)
+    ablations = state_accuracy_ablations(result.model, tokenizer, cfg.eval_num, device)
     rerun = (
         f"hybrid-serve train-tiny-model OUT --seed {cfg.seed} --steps {cfg.steps} --batch-size {cfg.batch_size} "
         f"--lr {cfg.lr} --mix "
@@ -82,6 +84,7 @@ def run(out: str, cfg: TrainConfig, device: str, data_workers: int, threads: int
             "eval_seed": 0,
             "by_task": accuracy,
             "method": "teacher-forced: every reply token is the argmax",
+            "state_attention_blind": ablations["attention_blind"],
         },
         "train_wall_s": round(train_s, 1),
         "device": device if device == "cpu" else torch.cuda.get_device_name(),
@@ -122,6 +125,7 @@ def _run_cli(args: argparse.Namespace) -> int:
                 "out": args.out,
                 "final_loss": manifest["final_loss"],
                 "accuracy": manifest["heldout_greedy_accuracy"]["by_task"],
+                "state_attention_blind": manifest["heldout_greedy_accuracy"]["state_attention_blind"],
                 "steps_done": manifest["steps_done"],
                 "train_wall_s": manifest["train_wall_s"],
             }

@@ -16,7 +16,8 @@ from service.testing.tiny import tokenizer_config
 from service.training.data import attention_mask_hiding, make_batch
 
 
-def _load(path: str) -> tuple[object, Tokenizer]:
+def load(path: str) -> tuple[object, Tokenizer]:
+    """A checkpoint folder's transformers model (fp32, eval mode) and our tokenizer over its tokenizer.json."""
     from tokenizers import Tokenizer as HFTokenizer
     from transformers import NemotronHForCausalLM
 
@@ -26,9 +27,10 @@ def _load(path: str) -> tuple[object, Tokenizer]:
 
 
 @torch.no_grad()
-def state_accuracy_ablations(path: str, num: int, seed: int = 0, batch_size: int = 50) -> dict[str, float]:
+def state_accuracy_ablations(
+    model: object, tokenizer: Tokenizer, num: int, device: str = "cpu", seed: int = 0, batch_size: int = 50
+) -> dict[str, float]:
     """Teacher-forced accuracy (every reply token is the argmax) on `num` held-out state questions, per ablation."""
-    model, tokenizer = _load(path)
     examples = make_examples("state", num, seed)
     pad_id = tokenizer.token_to_id("<|pad|>")
     correct = {"normal": 0, "attention_blind": 0}
@@ -36,10 +38,10 @@ def state_accuracy_ablations(path: str, num: int, seed: int = 0, batch_size: int
         batch = make_batch(tokenizer, examples[i : i + batch_size], pad_id, hide_streams=True)
         masks = {
             "normal": None,
-            "attention_blind": {"full_attention": attention_mask_hiding(batch), "linear_attention": None},
+            "attention_blind": {"full_attention": attention_mask_hiding(batch).to(device), "linear_attention": None},
         }
         reply = batch.labels != -100
         for name, mask in masks.items():
-            pred = model(input_ids=batch.input_ids, attention_mask=mask).logits.argmax(-1)
+            pred = model(input_ids=batch.input_ids.to(device), attention_mask=mask).logits.argmax(-1).cpu()
             correct[name] += int(((pred == batch.labels) | ~reply).all(dim=1).sum())
     return {name: n / num for name, n in correct.items()}

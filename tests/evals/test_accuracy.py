@@ -64,8 +64,8 @@ def answers(trained_model) -> dict[str, dict[str, list[str | None]]]:
 
 def test_held_out_accuracy_every_strategy(answers, trained_model):
     """200 held-out questions per task (recall and state contexts >= 256 tokens): every strategy reaches the
-    manifest's accuracy (measured teacher-forced on transformers at training time) and the addition and recall
-    targets, with identical answers; the state target is an expected failure while the manifest is below it."""
+    manifest's accuracy (measured teacher-forced on transformers at training time) and every target, with
+    identical answers."""
     manifest = _manifest(trained_model)["heldout_greedy_accuracy"]["by_task"]
     expected = {task: [ex.answer for ex in make_examples(task, NUM_QUESTIONS, 0)] for task in TARGETS}
     for strategy, by_task in answers.items():
@@ -73,10 +73,8 @@ def test_held_out_accuracy_every_strategy(answers, trained_model):
         print(strategy, accuracy)
         for task, target in TARGETS.items():
             assert accuracy[task] >= manifest[task] - 0.01, (strategy, accuracy, manifest)
-            assert task == "state" or accuracy[task] >= target, (strategy, accuracy)
+            assert accuracy[task] >= target, (strategy, accuracy)
         assert by_task == answers["off"], strategy
-    if manifest["state"] < TARGETS["state"]:
-        pytest.xfail(f"the shipped model's state accuracy (manifest: {manifest['state']}) is below the target")
 
 
 def test_readme_example_is_answered(trained_model):
@@ -84,3 +82,13 @@ def test_readme_example_is_answered(trained_model):
     question = Example("addition", ({"role": "user", "content": "What is 482+357?"},), "839", "")
     (reply,) = EngineBackend(_engine(trained_model, "extra_buffer")).answer_sync([question], Sampling(max_tokens=48))
     assert reply[0].content == "839" and reply[0].finish_reason == "stop", reply
+
+
+def test_state_answers_come_through_the_mamba_state(trained_model):
+    """transformers (the oracle), teacher-forced on the held-out state questions: with the attention layers blind to
+    the stream from its end on, the model still answers (the count is carried by the recurrent state)."""
+    from service.training.probe import load, state_accuracy_ablations
+
+    accuracy = state_accuracy_ablations(*load(trained_model), NUM_QUESTIONS)
+    print(accuracy)
+    assert accuracy["attention_blind"] >= 0.85 and accuracy["normal"] >= TARGETS["state"], accuracy
