@@ -69,6 +69,7 @@ def run(out: str, cfg: TrainConfig, device: str, data_workers: int, threads: int
         + ",".join(f"{k}={v}" for k, v in cfg.mix.items())
         + (f" --init-from {cfg.init_from}" if cfg.init_from else "")
         + (f" --state-hidden-share {cfg.state_hidden_share}" if cfg.state_hidden_share else "")
+        + (" --state-hidden-partial" if cfg.state_hidden_partial else "")
         + (f" --stop-at {result.steps_done}" if result.steps_done < cfg.steps else "")
     )
     manifest = {
@@ -114,6 +115,7 @@ def _run_cli(args: argparse.Namespace) -> int:
         stop_at=args.stop_at,
         init_from=args.init_from,
         state_hidden_share=args.state_hidden_share,
+        state_hidden_partial=args.state_hidden_partial,
         mix=mix,
         warmup_steps=min(TrainConfig().warmup_steps, args.steps // 10),
     )
@@ -162,6 +164,11 @@ def add_cli(subparsers: Any) -> None:
         type=float,
         default=d.state_hidden_share,
         help="share of state-task steps whose attention cannot see the stream from the question on",
+    )
+    p.add_argument(
+        "--state-hidden-partial",
+        action="store_true",
+        help="hidden state steps hide each stream from a random point on (attention sees a random prefix of it)",
     )
     p.add_argument("--stop-at", type=int, default=None, help="stop after N steps (the schedule spans --steps)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the initial weights and the data")

@@ -111,8 +111,11 @@ def encode(tokenizer: Tokenizer, example: Example) -> tuple[list[int], int]:
     return prompt + tokenizer.encode(reply_text(example)), len(prompt)
 
 
-def make_batch(tokenizer: Tokenizer, examples: list[Example], pad_id: int, hide_streams: bool = False) -> Batch:
-    """Right-padded rows; `hide_streams` (state examples only) records each row's stream span to hide."""
+def make_batch(
+    tokenizer: Tokenizer, examples: list[Example], pad_id: int, visible_fractions: tuple[float, ...] | None = None
+) -> Batch:
+    """Right-padded rows. `visible_fractions` (state examples only, one per row): hide each row's stream from
+    attention except its first fraction (0.0: the whole stream is hidden)."""
     rows = [encode(tokenizer, ex) for ex in examples]
     width = max(len(ids) for ids, _ in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.int64)
@@ -121,5 +124,10 @@ def make_batch(tokenizer: Tokenizer, examples: list[Example], pad_id: int, hide_
         input_ids[i, : len(ids)] = torch.tensor(ids)
         # position t predicts token t+1; the reply's tokens are ids[n_prompt:]
         labels[i, n_prompt - 1 : len(ids) - 1] = torch.tensor(ids[n_prompt:])
-    spans = tuple(stream_span(tokenizer, ex) for ex in examples) if hide_streams else None
+    spans = None
+    if visible_fractions is not None:
+        spans = tuple(
+            (start + int(f * (end - start)), end)
+            for (start, end), f in zip((stream_span(tokenizer, ex) for ex in examples), visible_fractions)
+        )
     return Batch(input_ids, labels, spans)

@@ -35,7 +35,7 @@ def state_accuracy_ablations(
     pad_id = tokenizer.token_to_id("<|pad|>")
     correct = {"normal": 0, "attention_blind": 0}
     for i in range(0, num, batch_size):
-        batch = make_batch(tokenizer, examples[i : i + batch_size], pad_id, hide_streams=True)
+        batch = make_batch(tokenizer, examples[i : i + batch_size], pad_id, (0.0,) * len(examples[i : i + batch_size]))
         masks = {
             "normal": None,
             "attention_blind": {"full_attention": attention_mask_hiding(batch).to(device), "linear_attention": None},

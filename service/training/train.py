@@ -70,6 +70,9 @@ class TrainConfig:
     # share of state-task steps whose attention layers cannot see the stream from the question on (the count
     # must then be carried by the Mamba state); drawn per step from the step's own random stream
     state_hidden_share: float = 0.0
+    # hidden steps hide each stream from a uniformly drawn point on (attention sees a random prefix of it, so its
+    # count is an undercount) instead of from its start
+    state_hidden_partial: bool = False
 
 
 def build_model(tokenizer: Tokenizer, seed: int) -> Any:
@@ -106,15 +109,18 @@ def step_examples(cfg: TrainConfig, step: int) -> tuple[str, list[Example]]:
     return _step_plan(cfg, step)[:2]
 
 
-def _step_plan(cfg: TrainConfig, step: int) -> tuple[str, list[Example], bool]:
-    """(task, examples, whether attention is kept from the state stream), a function of (seed, step) only."""
+def _step_plan(cfg: TrainConfig, step: int) -> tuple[str, list[Example], tuple[float, ...] | None]:
+    """(task, examples, per-row visible fraction of the state stream or None: nothing hidden), a function of
+    (seed, step) only."""
     rng = random.Random(f"{cfg.seed}/{step}")
     task = rng.choices(list(cfg.mix), weights=list(cfg.mix.values()))[0]
     kw = {}
     if task in ("recall", "state"):
         kw["turns"] = 2 if rng.random() < cfg.multi_turn_share else 1
     examples = [GENERATORS[task](rng, "train", **kw) for _ in range(cfg.batch_size)]
-    return task, examples, task == "state" and rng.random() < cfg.state_hidden_share
+    if not (task == "state" and rng.random() < cfg.state_hidden_share):
+        return task, examples, None
+    return task, examples, tuple(rng.random() if cfg.state_hidden_partial else 0.0 for _ in examples)
 
 
 class _Steps(torch.utils.data.IterableDataset):
@@ -128,8 +134,8 @@ class _Steps(torch.utils.data.IterableDataset):
         wid, nw = (info.id, info.num_workers) if info else (0, 1)
         pad_id = self.tokenizer.token_to_id("<|pad|>")
         for step in range(wid, self.cfg.steps, nw):
-            task, examples, hide = _step_plan(self.cfg, step)
-            yield step, task, make_batch(self.tokenizer, examples, pad_id, hide_streams=hide)
+            task, examples, visible = _step_plan(self.cfg, step)
+            yield step, task, make_batch(self.tokenizer, examples, pad_id, visible)
 
 
 def _ignore_sigterm(worker_id: int) -> None:

@@ -53,10 +53,19 @@ def test_hidden_stream_is_the_stream_and_only_later_positions_lose_it():
     tok = _tokenizer()
     rng = random.Random(0)
     examples = [state(rng, "train", turns=2), *make_examples("state", 2, 0)]
-    batch = make_batch(tok, examples, tok.token_to_id("<|pad|>"), hide_streams=True)
+    batch = make_batch(tok, examples, tok.token_to_id("<|pad|>"), (0.0, 0.0, 0.5))
+    streams = []
     for row, (start, end) in zip(batch.input_ids.tolist(), batch.hidden_spans):
-        text = tok.decode(row[start:end])
-        assert text.startswith("Stream: ") and text.endswith(".") and tok.decode(row[end : end + 1]) == "\n"
+        assert tok.decode(row[start:end]).endswith(".") and tok.decode(row[end : end + 1]) == "\n"
+        streams.append(tok.decode(row[:end]).split("Stream: ")[1])
+    assert all(
+        tok.decode(row[start:end]).startswith("Stream: ")
+        for row, (start, end) in zip(batch.input_ids[:2].tolist(), batch.hidden_spans[:2])
+    )
+    # the third row keeps the first half of its stream visible
+    start, end = batch.hidden_spans[2]
+    visible = tok.decode(batch.input_ids[2, :start].tolist()).split("Stream: ")[1]
+    assert 0.4 < len(visible) / len(streams[2]) < 0.6
     model = build_model(tok, seed=0).eval()
     with torch.no_grad():
         plain = model(input_ids=batch.input_ids).logits
