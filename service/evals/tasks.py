@@ -6,8 +6,9 @@ optional tools, the expected answer string and, for training, the reasoning and 
 - `comparison`: "Which is larger, 482 or 357?"; the answer is the larger number.
 - `recall`: ~45 `key=value` pairs (>= 256 tokens), then a question about a key from the first two thirds
   of the list, i.e. hundreds of tokens back (attention's job).
-- `state`: a stream of filler letters with rare `#`, `@` and `%` marks (>= 256 tokens); "How many #?".
-  The count is accumulated by the Mamba layers as the stream goes by, so it lives in the recurrent state.
+- `state`: a stream of filler letters in which each of `#`, `@` and `%` occurs 0-9 times (>= 256 tokens);
+  "How many #?" (one digit). A count accumulated as the stream goes by: the Mamba state can carry it (training can
+  make it, by hiding the stream from attention; service/training).
 - `tool`: a tools system prompt and "Use the add tool on 12 and 30."; the reply is a `<tool_call>`.
 Held-out split: `addition` and `comparison` operand pairs with `heldout(a, b)` true never appear in training.
 """
@@ -31,7 +32,7 @@ FILLER = tuple("abcdefghijklmnopqrstuvwxyz")
 MARKS = ("#", "@", "%")
 STATE_MAX_COUNT = 9  # each mark occurs 0..9 times: the answer is one digit
 STATE_LENGTHS = (200, 260)  # stream symbols of the eval split (>= 256 tokens with the question and template)
-STATE_TRAIN_LENGTHS = (200, 260)  # stream symbols of the train split
+STATE_TRAIN_LENGTHS = (40, 260)  # stream symbols of the train split (short ones too: cheaper steps)
 TOOL_ADD = {
     "type": "function",
     "function": {
