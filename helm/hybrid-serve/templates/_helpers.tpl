@@ -213,6 +213,14 @@ weights PVC; workers (where the OpenAI ingress replica runs) also mount the API 
 {{- end }}
 {{- end -}}
 
+{{- /* Ray Serve data path settings of every Ray pod (serve.rayServeMode), as a YAML map. */ -}}
+{{- define "hybrid-serve.rayServeEnv" -}}
+{{- if eq .Values.serve.rayServeMode "high_throughput" }}
+RAY_SERVE_ENABLE_HA_PROXY: "1"
+RAY_SERVE_THROUGHPUT_OPTIMIZED: "1"
+{{- end }}
+{{- end -}}
+
 {{- define "hybrid-serve.env" -}}
 {{- range $k, $v := .map }}
 - name: {{ $k }}
