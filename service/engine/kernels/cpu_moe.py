@@ -140,8 +140,9 @@ def _add_routed_dense(
     topk_ids: torch.Tensor,
 ) -> None:
     """out [T, d] fp32 += the routed experts of x [T, d] fp32, every expert on every token (weight 0 where not
-    picked): one GEMM up, one bmm down, a sum over the experts."""
+    picked; a token's picks of one expert add up, as expert parallelism's weight-0 picks of local expert 0 do):
+    one GEMM up, one bmm down, a sum over the experts."""
     T, (E, I, d) = x.shape[0], up.shape
-    dense_w = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_(1, topk_ids, topk_weights.float())
+    dense_w = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_add_(1, topk_ids, topk_weights.float())
     h = _relu2_(F.linear(x, up.reshape(E * I, d))).view(T, E, I).mul_(dense_w[:, :, None])
     out.add_(torch.bmm(h.transpose(0, 1), down.transpose(1, 2)).sum(0))  # [E, T, I] @ [E, I, d] -> [E, T, d]
