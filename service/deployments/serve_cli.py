@@ -147,6 +147,7 @@ def serve_environment(mode: str, state_dir: str) -> dict[str, str]:
         "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(state_dir, "admin.sock"),
         "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": state_dir,
         "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(state_dir, "server-state"),
+        "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(state_dir, "metrics.sock"),
     }
 
 
