@@ -1,6 +1,6 @@
 """The `fp8` group of benchmarks/kernels.py: the Triton FP8 kernels at Nano-30B-A3B shapes.
 
-- Batch-1 linears: `triton_gemv.fp8_linear` (the FP8 GEMV, weight-only) against `fp8.fp8_linear` (the torch
+- Batch-1 linears: `triton_fp8.fp8_linear` (the FP8 GEMV, weight-only) against `fp8.fp8_linear` (the torch
   quantization + `_scaled_mm` path) on the Mamba / shared-expert projections, then every FP8 GEMV launch shape
   (`GEMV_FP8_TILE_VARIANTS`, first = default).
 - Batch-1 MoE layer (routed top-6 + the shared expert): the FP8 grouped GEMVs over launch-shape variants.
@@ -19,7 +19,8 @@ from benchmarks.kernels import BF16, DEV, HIDDEN, INTER, TOPK, Case, E
 from service.engine.kernels import fp8, moe
 from service.engine.kernels.fp8 import FP8_DTYPE, FP8_MAX, Fp8Linear
 from service.engine.kernels.tiles import EXPERT_GEMV_FP8_TILES, GEMV_FP8_TILE_VARIANTS, ExpertGemvTiles, MoeTiles
-from service.engine.kernels.triton_gemv import fp8_linear, gemv, quantize_fp8
+from service.engine.kernels.triton_fp8 import fp8_linear, quantize_fp8
+from service.engine.kernels.triton_gemv import gemv
 from service.engine.kernels.triton_moe import Fp8ExpertScales, moe_experts_tiled
 from service.engine.kernels.triton_moe_gemv import moe_experts_gemv
 

@@ -14,7 +14,8 @@ from service.engine.kernels import fp8
 from service.engine.kernels.fp8 import FP8_DTYPE, FP8_MAX, Fp8Linear
 from service.engine.kernels.moe import relu2
 from service.engine.kernels.tiles import GEMV_FP8_TILE_VARIANTS, GemvTiles, MoeTiles
-from service.engine.kernels.triton_gemv import f32_to_e4m3_bits, fp8_linear, gemv, quantize_fp8
+from service.engine.kernels.triton_fp8 import f32_to_e4m3_bits, fp8_linear, quantize_fp8
+from service.engine.kernels.triton_gemv import gemv
 from service.engine.kernels.triton_moe import Fp8ExpertScales, moe_experts_tiled
 from service.engine.kernels.triton_moe_gemv import MAX_GEMV_PAIRS, fp8_moe_experts, moe_experts_gemv
 from tests.kernels.triton_test_util import DEVICE, TOL, assert_close, gpu, needs_cuda, rel_err
@@ -69,7 +70,7 @@ def test_fp8_gemv_rejects_a_missing_scale():
 
 
 def test_fp8_linear_dispatch_by_shape():
-    """`triton_gemv.fp8_linear`: a single row runs the FP8 GEMV (weight-only, bit-equal to `gemv`), more rows the
+    """`triton_fp8.fp8_linear`: a single row runs the FP8 GEMV (weight-only, bit-equal to `gemv`), more rows the
     W8A8 `_scaled_mm` path (bit-equal to `fp8.fp8_linear`); each matches its own reference."""
     x, w8, ws, xs, b = _linear_inputs(3, 48, 64, torch.bfloat16, seed=3)
     one = fp8_linear(x[:1].reshape(1, 1, 64), w8, ws, xs, b)

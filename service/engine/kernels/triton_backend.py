@@ -11,7 +11,7 @@ Triton ops:  ssd_varlen, selective_state_update, selective_state_update_slots_ra
              linear (triton_gemv.linear: one-launch GEMV for single-row decode linears up to 32 M weights,
              cuBLAS otherwise); add_rms_norm_linear, gated_norm_linear (triton_norm_gemv: a single row runs the norm
              in the GEMV's prologue, one launch; other shapes the norm kernel, then linear);
-             fp8_linear (triton_gemv.fp8_linear: the FP8 GEMV for single-row decode linears, else
+             fp8_linear (triton_fp8.fp8_linear: the FP8 GEMV for single-row decode linears, else
              torch._scaled_mm on FP8 tensor cores), fp8_moe_experts (triton_moe_gemv.fp8_moe_experts: FP8
              grouped GEMVs with the shared expert for <= 16 pairs, else triton_moe's grouped GEMMs, W8A8).
 moe_route, linear, fp8_linear and the norm + linear ops are bound to the bundle's `ArrivalCounters` (one persistent zeroed
@@ -33,6 +33,7 @@ from service.engine.kernels import (
     triton_activation,
     triton_attention,
     triton_conv1d,
+    triton_fp8,
     triton_gemv,
     triton_kv,
     triton_moe_gemv,
@@ -105,8 +106,8 @@ class ArrivalCounters:
         input_scale: torch.Tensor,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`triton_gemv.fp8_linear` with these counters."""
-        return triton_gemv.fp8_linear(x, weight, weight_scale, input_scale, bias, counters=self.on(x.device))
+        """`triton_fp8.fp8_linear` with these counters."""
+        return triton_fp8.fp8_linear(x, weight, weight_scale, input_scale, bias, counters=self.on(x.device))
 
     def moe_route(
         self,

@@ -15,7 +15,7 @@ launch, graph-capturable either way: no host sync); the triton bundle passes its
 bumped only after `pdl_wait` (in `dot_tiles`), so a PDL launch never touches it before its predecessor finished.
 On Hopper+ the launch uses PDL (triton_common): the first weight tile is loaded before waiting for the previous
 kernel, x after; the next kernel is released after the K loop.
-FP8 weights (float8_e4m3fn with an fp32 per-tensor scale; `fp8_linear`): the same kernel with FP8 set reads the
+FP8 weights (float8_e4m3fn with an fp32 per-tensor scale; `triton_fp8.fp8_linear`): the same kernel with FP8 set reads the
 weight's bytes (half of bf16's), turns them into fp32 in registers (`e4m3_to`: the hardware e4m3 conversion, exact)
 and multiplies the row sums by the scale; x stays in its dtype (weight-only: the activation is not quantized).
 Tensor-core tiles (`GemvTiles.mma` > 0, `mma_tiles`): the weight tile (FP8: decoded to x's dtype) times x^T as a
@@ -42,54 +42,8 @@ from service.engine.kernels.triton_common import (
     pdl_wait,
 )
 
-FP8_MAX: tl.constexpr = tl.constexpr(fp8.FP8_MAX)
 MAX_ROWS = 4  # rows of x one launch takes (one fp32 register tile per row)
 ACC_PER_THREAD = 64  # fp32 accumulator registers per thread over all rows before block_k is halved
-
-
-@triton.jit
-def f32_to_e4m3_bits(v):
-    """fp32 values in [-448, 448] -> their float8_e4m3fn bit patterns (int32 in 0..255), rounded to nearest even
-    as torch's cast: integer operations on the fp32 bits (the same on the GPU and in the Triton interpreter, whose
-    float8 cast drops mantissa carries). Normal range: re-biased exponent and the mantissa's top 3 bits, rounded;
-    below 2^-6: the subnormal count of 2^-9 steps, rounded (8 steps carry into the smallest normal's pattern)."""
-    bits = v.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    mag = bits & 0x7FFFFFFF
-    norm = mag - (120 << 23)  # exponent bias 127 -> 7
-    rn = (norm + 0x7FFFF + ((norm >> 20) & 1)) >> 20
-    m = (mag & 0x7FFFFF) | 0x800000
-    shift = tl.minimum(141 - (mag >> 23), 31)  # |v| * 2^9 = m * 2^-shift
-    rs = (m + ((1 << (shift - 1)) - 1) + ((m >> shift) & 1)) >> shift
-    return sign | tl.where(mag >= (121 << 23), rn, rs)
-
-
-@triton.jit
-def _quantize_kernel(x_ptr, scale_ptr, q_ptr, n_cols, s_x, s_q, BLOCK: tl.constexpr):
-    """Row program_id(0), columns of block program_id(1): q = e4m3 bits of clamp(x / scale, +-448)."""
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n_cols
-    v = tl.load(x_ptr + row * s_x + offs, mask=m, other=0.0).to(tl.float32) / tl.load(scale_ptr)
-    v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
-    tl.store(q_ptr + row * s_q + offs, f32_to_e4m3_bits(v).to(tl.uint8), mask=m)
-
-
-def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`fp8.quantize_fp8` in one launch: x [T, K] (unit stride in K), scale fp32 (one element) ->
-    float8_e4m3fn [T, K] contiguous, equal to torch's clamp(x / scale, +-448) cast bit for bit."""
-    check_dim("x", x, 2)
-    check_inner_contiguous("x", x)
-    if scale.numel() != 1 or scale.dtype != torch.float32:
-        raise ValueError(f"the input scale must be one fp32 element, got {scale.dtype} {tuple(scale.shape)}")
-    check_same_device(x=x, scale=scale)
-    q = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
-    if x.numel():
-        block = min(1024, triton.next_power_of_2(x.shape[1]))
-        _quantize_kernel[(x.shape[0], triton.cdiv(x.shape[1], block))](
-            x, scale, q, x.shape[1], x.stride(0), q.stride(0), BLOCK=block, num_warps=4
-        )
-    return q.view(fp8.FP8_DTYPE)
 
 
 @triton.jit
@@ -550,26 +504,3 @@ def linear(
     ):
         return gemv(x.reshape(1, K), weight, bias, counters=counters).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
-
-
-def fp8_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    input_scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    counters: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """An FP8 linear (`fp8.fp8_linear_ref` signature) for x [..., K]: a single row (batch-1 decode) on a weight of
-    <= MAX_GEMV_WEIGHT_ELEMENTS runs the FP8 `gemv` (weight-only: x is not quantized, input_scale is checked and
-    not used; one launch), every other case W8A8 on FP8 tensor cores: x quantized by `quantize_fp8` (one launch),
-    then `fp8.scaled_mm`. Chosen by shape alone."""
-    K = x.shape[-1]
-    if x.numel() == K and weight.numel() <= MAX_GEMV_WEIGHT_ELEMENTS and weight.is_contiguous():
-        fp8.check_fp8_linear_args(x.reshape(1, K), weight, weight_scale, input_scale)
-        y = gemv(x.reshape(1, K), weight, bias, counters=counters, weight_scale=weight_scale.float().reshape(1))
-        return y.view(*x.shape[:-1], weight.shape[0])
-    x2 = x.reshape(-1, K)
-    fp8.check_fp8_linear_args(x2, weight, weight_scale, input_scale)
-    xq = quantize_fp8(x2, input_scale.float().reshape(1))
-    return fp8.scaled_mm(xq, weight, weight_scale, input_scale, bias, x.dtype).view(*x.shape[:-1], -1)

@@ -31,7 +31,8 @@ from service.engine.kernels.triton_common import (
     pdl_release,
     pdl_wait,
 )
-from service.engine.kernels.triton_gemv import FP8_MAX, e4m3_to, f32_to_e4m3_bits, quantize_fp8
+from service.engine.kernels.triton_fp8 import FP8_MAX, f32_to_e4m3_bits, quantize_fp8
+from service.engine.kernels.triton_gemv import e4m3_to
 from service.engine.kernels.triton_moe_align import align_by_expert
 from service.engine.kernels.triton_moe_route import moe_route  # noqa: F401  (the backend's moe_route)
 

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from service.engine.kernels import fp8, moe, triton_gemv, triton_moe
+from service.engine.kernels import fp8, moe, triton_fp8, triton_gemv, triton_moe
 from service.engine.kernels.fp8 import Fp8Linear
 from service.engine.kernels.tiles import EXPERT_GEMV_FP8_TILES, ExpertGemvTiles
 from service.engine.kernels.triton_activation import relu2
@@ -426,7 +426,7 @@ def moe_experts_tiled_shared(
     w8a8: bool = TILED_FP8_W8A8,
 ) -> torch.Tensor:
     """`triton_moe.moe_experts_tiled` (sorted-token grouped GEMMs) for the routed experts, plus the shared expert as
-    linear -> `triton_activation.relu2` -> linear when given (`triton_gemv.linear`; FP8: `triton_gemv.fp8_linear`,
+    linear -> `triton_activation.relu2` -> linear when given (`triton_gemv.linear`; FP8: `triton_fp8.fp8_linear`,
     W8A8 for more than one row). Same shapes as `moe.moe_experts_ref`; FP8 experts with `scales` (w8a8: activations
     quantized with the static input scales, e4m3 tensor cores; else weight-only), the shared expert as `Fp8Linear`s.
     The routed sum is rounded to x's dtype once before the add (torch adds fp16/bf16 in fp32 and rounds once): one
@@ -438,8 +438,8 @@ def moe_experts_tiled_shared(
     if scales is None:
         return routed + triton_gemv.linear(relu2(triton_gemv.linear(x, shared_up)), shared_down)
     u, d = shared_up, shared_down
-    h = relu2(triton_gemv.fp8_linear(x, u.weight, u.weight_scale, u.input_scale))
-    return routed + triton_gemv.fp8_linear(h, d.weight, d.weight_scale, d.input_scale)
+    h = relu2(triton_fp8.fp8_linear(x, u.weight, u.weight_scale, u.input_scale))
+    return routed + triton_fp8.fp8_linear(h, d.weight, d.weight_scale, d.input_scale)
 
 
 def moe_experts_by_size(
