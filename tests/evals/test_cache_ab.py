@@ -13,7 +13,7 @@ from service.evals.ab import ab_rounds, run_ab
 from service.evals.harness import EngineBackend
 from tests.engine.cache_helpers import buggy_snapshot_chunk_indices
 
-NUM_CONTEXTS = 4
+NUM_CONTEXTS = 8
 
 
 def _engine(path: str, strategy: str) -> Engine:
@@ -59,9 +59,9 @@ def test_strategies_answer_identically(ab_results):
 
 def test_reinjected_snapshot_offset_bug_changes_state_answers(ab_results, trained_model, monkeypatch):
     """SGLang's `cumsum(extend_len // chunk)` snapshot index: the contexts behind the unaligned additions resume
-    from the state of 128+ tokens earlier. State answers change (here: accuracy 0.917 -> 0.750 on 12 questions,
-    2 answers differ) and addition answers survive; the model counts partly with attention, which the bug leaves
-    intact, so not every resumed state question changes."""
+    from a snapshot 128+ tokens early (further back, the later a context sits in the packed batch: some from another
+    request's chunks). Here state accuracy falls 0.917 -> 0.542 on 24 questions (11 answers differ; recall
+    1.000 -> 0.625) while addition answers survive."""
     monkeypatch.setattr(batch_mod, "snapshot_chunk_indices", buggy_snapshot_chunk_indices)
     (buggy,) = asyncio.run(
         run_ab({"extra_buffer": EngineBackend(_engine(trained_model, "extra_buffer"))}, NUM_CONTEXTS)
@@ -72,5 +72,5 @@ def test_reinjected_snapshot_offset_bug_changes_state_answers(ab_results, traine
     changed = {t: sum(a != b for a, b, tt in zip(good.answers, buggy.answers, tasks) if tt == t) for t in set(tasks)}
     print("answers changed by the bug:", changed)
     assert buggy.hit_ratio == good.hit_ratio
-    assert changed["state"] >= 1 and changed["addition"] == 0
-    assert buggy.scores["state"].pass_at_1 < good.scores["state"].pass_at_1
+    assert changed["state"] >= 6 and changed["addition"] == 0
+    assert buggy.scores["state"].pass_at_1 <= good.scores["state"].pass_at_1 - 0.2
