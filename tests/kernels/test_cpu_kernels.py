@@ -255,6 +255,19 @@ def test_moe_experts_unused_experts_and_every_layout():
         close(cpu_moe.moe_experts(x, up, down, w, ids), moe.moe_experts_ref(x, up, down, w, ids), torch.float32)
 
 
+def test_moe_experts_repeated_picks_with_zero_weight():
+    """Expert parallelism hands the op another rank's picks as weight 0 on local expert 0, so an expert can appear
+    several times in a token's picks (one real pick among zeros): every layout sums them as the reference does."""
+    torch.manual_seed(9)
+    E, I, d = 4, 16, 16
+    up, down = torch.randn(E, I, d), torch.randn(E, d, I)
+    for tokens in (1, 3, cpu_moe.ROWS_LAYOUT_MIN_PAIRS // 4):  # columns, dense, rows
+        x = torch.randn(tokens, d)
+        ids = torch.tensor([[0, 0, 3, 0]]).repeat(tokens, 1)
+        w = torch.tensor([[0.7, 0.0, 0.2, 0.0]]).repeat(tokens, 1)
+        close(cpu_moe.moe_experts(x, up, down, w, ids), moe.moe_experts_ref(x, up, down, w, ids), torch.float32)
+
+
 def test_moe_experts_checks_shared_expert():
     x = torch.zeros(2, 4)
     with pytest.raises(ValueError, match="shared_up"):
