@@ -66,7 +66,9 @@ def split_trace(trace: dict) -> StepSplit:
     """The split of a Chrome trace (`torch.profiler.profile(...).export_chrome_trace`) holding one or more
     STEP_RANGE ranges; device events outside the first range's start .. the last range's end are left out."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
-    steps = [e for e in events if e.get("name") == STEP_RANGE]
+    # the CPU range only: the profiler also mirrors each record_function range on the GPU timeline
+    # (cat "gpu_user_annotation"), which would count every step twice
+    steps = [e for e in events if e.get("name") == STEP_RANGE and e.get("cat") != "gpu_user_annotation"]
     if not steps:
         raise ValueError(f"the trace has no {STEP_RANGE!r} ranges: profile the steps inside record_function")
     lo = min(float(e["ts"]) for e in steps)

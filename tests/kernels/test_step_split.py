@@ -45,6 +45,9 @@ def test_split_of_two_steps_by_hand():
         "traceEvents": [
             _x(step_split.STEP_RANGE, 1000, 150, "user_annotation"),
             _x(step_split.STEP_RANGE, 1150, 250, "user_annotation"),
+            # the profiler's GPU-timeline copies of the two ranges: not steps of their own
+            _x(step_split.STEP_RANGE, 1000, 150, "gpu_user_annotation"),
+            _x(step_split.STEP_RANGE, 1150, 250, "gpu_user_annotation"),
             _x("_ssu_kernel", 1000, 100),
             _x("nvjet_tst_64x8", 1050, 100),
             _x("Memcpy HtoD (Pinned -> Device)", 1200, 10, "gpu_memcpy"),
