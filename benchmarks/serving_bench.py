@@ -356,6 +356,10 @@ def run_inprocess(args: argparse.Namespace, model_path: str, cases: list[Case]) 
         summary = closed_loop_engine(engine, case.engine_prompts, case.workload.osl, case.workload.concurrency)
         out[_key(case)] = {"summary": asdict(summary), "cpu_s": {"engine (this process)": own_cpu_seconds() - own0}}
         print(f"  in-process {_key(case)}: {summary.output_tokens_per_s:.0f} tok/s", flush=True)
+    engine.shutdown()  # the device memory goes back before a server (--inprocess-first) builds its engine
+    del engine
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
     return out
 
 
