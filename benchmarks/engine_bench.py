@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import shutil
@@ -592,6 +593,7 @@ def main() -> None:
             notes.append(f"{fmt} {variant}:")
             results[f"{fmt} {variant}"] = bench_variant(engine, args, variant in tp_variants, ceilings, notes)
             del engine
+            gc.collect()  # the engine's reference cycles hold its pools and graphs until collected
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
         del model
