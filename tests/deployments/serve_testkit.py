@@ -22,15 +22,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def replica_stats(app_name: str, num_replicas: int, timeout_s: float = 30.0) -> dict[str, dict[str, Any]]:
-    """engine.stats() of every replica of the app's engine deployment, keyed by replica id (the handle's
+def replica_stats(
+    app_name: str, num_replicas: int, timeout_s: float = 30.0, audit: bool = False
+) -> dict[str, dict[str, Any]]:
+    """engine.stats(audit) of every replica of the app's engine deployment, keyed by replica id (the handle's
     router spreads prompt-less calls over the least-loaded replicas, so a few calls reach them all)."""
     handle = serve.get_deployment_handle("engine", app_name=app_name)
     seen: dict[str, dict[str, Any]] = {}
     deadline = time.monotonic() + timeout_s
     while len(seen) < num_replicas:
         assert time.monotonic() < deadline, f"only reached replicas {sorted(seen)} of {num_replicas}"
-        stats = handle.stats.remote().result(timeout_s=timeout_s)
+        stats = handle.stats.remote(audit=audit).result(timeout_s=timeout_s)
         seen[stats["replica_id"]] = stats
     return seen
 
