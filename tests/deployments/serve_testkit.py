@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import ray
 from ray import serve
 
 # The router experiment: 8 prefix groups x 8 requests, interleaved, sent one by one, against 2 replicas whose
@@ -22,18 +23,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def replica_stats(
-    app_name: str, num_replicas: int, timeout_s: float = 30.0, audit: bool = False
+def reachable_replica_stats(
+    app_name: str, num_replicas: int, timeout_s: float, audit: bool = False
 ) -> dict[str, dict[str, Any]]:
-    """engine.stats(audit) of every replica of the app's engine deployment, keyed by replica id (the handle's
-    router spreads prompt-less calls over the least-loaded replicas, so a few calls reach them all)."""
+    """engine.stats(audit) of the replicas of the app's engine deployment that this process' handle reaches within
+    timeout_s, keyed by replica id: all num_replicas, or fewer when the time runs out (the handle's router spreads
+    prompt-less calls over the least-loaded replicas it knows, so a few calls reach them all; a replica that Serve
+    has just started is known to it only after the controller's next update). A replica that dies during the call
+    is left out. Repeated hits on a known replica are spaced, so polling does not keep a core busy."""
     handle = serve.get_deployment_handle("engine", app_name=app_name)
     seen: dict[str, dict[str, Any]] = {}
     deadline = time.monotonic() + timeout_s
-    while len(seen) < num_replicas:
-        assert time.monotonic() < deadline, f"only reached replicas {sorted(seen)} of {num_replicas}"
-        stats = handle.stats.remote(audit=audit).result(timeout_s=timeout_s)
+    while len(seen) < num_replicas and (left_s := deadline - time.monotonic()) > 0:
+        try:
+            stats = handle.stats.remote(audit=audit).result(timeout_s=left_s)
+        except (TimeoutError, ray.exceptions.RayActorError):
+            continue
+        if stats["replica_id"] in seen:
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
         seen[stats["replica_id"]] = stats
+    return seen
+
+
+def replica_stats(
+    app_name: str, num_replicas: int, timeout_s: float = 30.0, audit: bool = False
+) -> dict[str, dict[str, Any]]:
+    """engine.stats(audit) of every replica of the app's engine deployment, keyed by replica id; fails when the
+    handle does not reach num_replicas replicas within timeout_s."""
+    seen = reachable_replica_stats(app_name, num_replicas, timeout_s, audit)
+    assert len(seen) >= num_replicas, f"only reached replicas {sorted(seen)} of {num_replicas}"
     return seen
 
 
