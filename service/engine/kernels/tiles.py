@@ -267,8 +267,8 @@ def default_tiles(pairs_per_expert: float, element_size: int) -> MoeTiles:
         return MoeTiles(32, 64, 256, 4, 4) if pairs_per_expert <= 48 else MoeTiles(128, 256, 128, 8, 3)
     if pairs_per_expert <= 16:
         return MOE_DECODE_TILE_VARIANTS[0]
-    if pairs_per_expert <= 48:
-        return MoeTiles(32, 64, 128, 4, 4)
+    if pairs_per_expert <= 48:  # large decode batches: bf16 streams the weights best through 64x128 tiles
+        return MoeTiles(64, 128, 64, 4, 3) if element_size == 2 else MoeTiles(32, 64, 128, 4, 4)
     return MoeTiles(128, 256, 64, 8, 4) if element_size == 2 else MoeTiles(64, 128, 64, 4, 3)
 
 
