@@ -227,10 +227,12 @@ def test_paged_attention_checks_bounds():
     [(1, 4, True), (5, 2, True), (5, 4, False), (64, 2, False), (300, 4, True), (300, 4, False), (2100, 2, True)],
 )  # 1 token: columns; 5 tokens (fp32): dense; 64 tokens: columns; 1200 pairs: the rows layout; 2100: two blocks
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_moe_experts(tokens, k, shared, dtype):
+@pytest.mark.parametrize("layout", [moe.moe_weight_layout_ref, cpu_moe.moe_weight_layout])  # as loaded; the bundle's
+def test_moe_experts(tokens, k, shared, dtype, layout):
     torch.manual_seed(6)
     E, I, d, S = 8, 24, 32, 20
     up, down = torch.randn(E, I, d, dtype=dtype) / 6, torch.randn(E, d, I, dtype=dtype) / 5
+    up, down = layout(up, down)
     x = torch.randn(tokens, d, dtype=dtype)
     weights, ids = moe.moe_route_ref(x, torch.randn(E, d), 0.1 * torch.randn(E), k, 1, 1, True, 2.5)
     kw = (
@@ -242,12 +244,22 @@ def test_moe_experts(tokens, k, shared, dtype):
     close(out, moe.moe_experts_ref(x, up, down, weights, ids, **kw), dtype)
 
 
+def test_moe_weight_layout():
+    """The bundle's layout stores down as rows ([E, I, d] row-major, seen through its [E, d, I] transposed view) with
+    the same values; the reference layout makes any layout row-major again."""
+    up, down = torch.randn(3, 8, 4), torch.randn(3, 4, 8)
+    up2, down2 = cpu_moe.moe_weight_layout(up, down)
+    assert up2 is up and torch.equal(down2, down) and down2.transpose(1, 2).is_contiguous()
+    up3, down3 = moe.moe_weight_layout_ref(up2, down2)
+    assert up3 is up2 and down3.is_contiguous() and torch.equal(down3, down)
+
+
 def test_moe_experts_unused_experts_and_every_layout():
     """Every token on the same 2 of 8 experts (six idle experts); the same pairs through the three layouts (columns,
     dense: 8 pairs for 8 experts, rows)."""
     torch.manual_seed(7)
     E, I, d = 8, 16, 16
-    up, down = torch.randn(E, I, d), torch.randn(E, d, I)
+    up, down = cpu_moe.moe_weight_layout(torch.randn(E, I, d), torch.randn(E, d, I))
     for tokens in (3, 4, cpu_moe.ROWS_LAYOUT_MIN_PAIRS):
         x = torch.randn(tokens, d)
         ids = torch.tensor([[5, 2]]).repeat(tokens, 1)
@@ -292,3 +304,4 @@ def test_torch_bundle_runs_the_fast_kernels():
     assert fast.conv_windows is cpu_conv1d.conv_state_windows
     assert fast.paged_attention is cpu_attention.paged_attention
     assert fast.moe_experts is cpu_moe.moe_experts and ref.moe_experts is moe.moe_experts_ref
+    assert fast.moe_weight_layout is cpu_moe.moe_weight_layout and ref.moe_weight_layout is moe.moe_weight_layout_ref

@@ -41,6 +41,9 @@ class Kernels:
     gated_norm_linear: Callable  # norm.gated_norm_linear_ref signature (mamba gated norm + out_proj)
     fp8_linear: Callable  # fp8.fp8_linear_ref signature (FP8 weight, per-tensor scales)
     fp8_moe_experts: Callable  # fp8.fp8_moe_experts_ref signature (FP8 experts, per-expert weight scales)
+    # moe.moe_weight_layout_ref signature: the (non-FP8) expert weights in the memory layout this bundle's
+    # moe_experts reads fastest, same shapes and values; applied once after loading (`prepare_weights` of the model)
+    moe_weight_layout: Callable
 
 
 def torch_reference_kernels() -> Kernels:
@@ -67,13 +70,14 @@ def torch_reference_kernels() -> Kernels:
         gated_norm_linear=norm.gated_norm_linear_ref,
         fp8_linear=fp8.fp8_linear_dequant_ref,
         fp8_moe_experts=fp8.fp8_moe_experts_ref,
+        moe_weight_layout=moe.moe_weight_layout_ref,
     )
 
 
 def torch_kernels() -> Kernels:
     """The "torch" bundle: the fast pure-torch kernels (cpu_attention, cpu_conv1d, cpu_moe, cpu_ssd) for the
-    prefill scan, conv and conv state windows, the decode recurrence, paged attention and the routed experts;
-    references for the rest.
+    prefill scan, conv and conv state windows, the decode recurrence, paged attention and the routed experts (with
+    their down weights stored as rows at load, `cpu_moe.moe_weight_layout`); references for the rest.
     cpu_moe.moe_experts runs `F.grouped_mm`, whose CUDA kernel takes bf16 only: off the CPU it is the reference."""
     return dataclasses.replace(
         torch_reference_kernels(),
@@ -84,6 +88,7 @@ def torch_kernels() -> Kernels:
         conv_windows=cpu_conv1d.conv_state_windows,
         paged_attention=cpu_attention.paged_attention,
         moe_experts=cpu_moe.moe_experts,
+        moe_weight_layout=cpu_moe.moe_weight_layout,
     )
 
 

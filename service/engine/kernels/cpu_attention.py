@@ -40,9 +40,10 @@ def _pages(
     """cache [S, Hkv, Dh] -> [len(rows), Hkv, length, Dh] (a strided view of the gathered pages); with a scale,
     the pages times it in `dtype` (FP8 pages: in `dtype` also without one)."""
     n_pages = -(-length // page_size)
-    pages = raw_kv(cache).view(-1, page_size, *cache.shape[1:])[page_table[rows, :n_pages]]  # [b, n, ps, Hkv, Dh]
-    blocks = pages.view(cache.dtype)
-    return _dequant(blocks, scale, dtype).flatten(1, 2)[:, :length].transpose(1, 2)
+    flat = raw_kv(cache).view(-1, page_size * cache[0].numel())  # one row per page
+    pages = flat.index_select(0, page_table[rows, :n_pages].flatten()).view(cache.dtype)
+    blocks = pages.view(len(rows), n_pages * page_size, *cache.shape[1:])
+    return _dequant(blocks, scale, dtype)[:, :length].transpose(1, 2)
 
 
 def _dequant(blocks: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor:
@@ -111,7 +112,11 @@ def _prefill(
     rows = torch.tensor(reqs, device=dev)
     keys = _pages(k_cache, page_table, rows, L, page_size, kv_scales[0], q.dtype)  # [b, Hkv, L, Dh]
     vals = _pages(v_cache, page_table, rows, L, page_size, kv_scales[1], q.dtype)
-    tok = (torch.tensor(starts, device=dev)[:, None] + torch.arange(n, device=dev)[None, :]).flatten()
+    run = starts == list(range(starts[0], starts[0] + len(reqs) * n, n))  # one run of rows: views of q and out
+    if run:
+        tok = slice(starts[0], starts[0] + len(reqs) * n)
+    else:
+        tok = (torch.tensor(starts, device=dev)[:, None] + torch.arange(n, device=dev)[None, :]).flatten()
     qt = q[tok].to(keys.dtype).view(len(reqs), n, *q.shape[1:]).transpose(1, 2)  # [b, Hq, n, Dh]
     gqa = q.shape[1] != keys.shape[1]
     if prefix == 0:
@@ -119,7 +124,10 @@ def _prefill(
     else:
         mask = torch.arange(L, device=dev)[None, :] <= prefix + torch.arange(n, device=dev)[:, None]
         o = F.scaled_dot_product_attention(qt, keys, vals, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    out[tok] = o.transpose(1, 2).flatten(0, 1).to(out.dtype)
+    if run:
+        out[tok].view(len(reqs), n, *q.shape[1:]).copy_(o.transpose(1, 2))
+    else:
+        out[tok] = o.transpose(1, 2).flatten(0, 1).to(out.dtype)
 
 
 def paged_attention(

@@ -2,19 +2,20 @@
 (the oracle the tests compare against).
 
 The (token, slot) pairs are sorted by expert once and every expert runs inside two `F.grouped_mm` calls (up, then
-down), with no Python loop over experts. Three layouts, by the number of tokens and pairs (measured on the 2-core dev machine,
-benchmarks/RESULTS.md):
-- few pairs (decode): the expert weights are the grouped operand as stored ([E, I, d] and [E, d, I], row-major) and
-  the tokens are gathered as columns ([d, pairs]): nothing but the small activations is copied.
+down), with no Python loop over experts. The down weights are read as rows [E, I, d] (`moe_weight_layout` stores
+them so at load: a view; weights in the loaded layout cost one copy per call). Three layouts, by the number of tokens
+and pairs (measured on the 2-core dev machine, benchmarks/RESULTS.md):
+- few pairs (decode): up as stored ([E, I, d], row-major) is the grouped operand and the tokens are gathered as
+  columns ([d, pairs]); the activations come back as rows ([pairs, I], a small copy) for the down rows.
 - few tokens that reach every expert in fp32 (decode batches; pairs >= experts, at most `DENSE_MAX_TOKENS`): every
   expert runs on every token, dense: up as one GEMM over the stacked weights ([T, d] @ [E * I, d]^T, a view), the
-  routing weight (0 for an expert not picked) on the activation, down as one `bmm` over the experts ([E, T, I] @
-  [E, I, d], a transposed view) summed over them. 4x the routed FLOPs at 16 experts top-4, but every expert's
-  weights are read anyway, and no sort, bincount or per-expert GEMM loop (`F.grouped_mm` loops over the experts on
-  the CPU): 1.24 vs 1.76 ms at 16 tokens, 1.51 vs 1.78 ms at 32 (16 experts of 128 x 256, cold cache).
-- many pairs (prefill): the tokens are rows ([pairs, d]) and the weights are the grouped operand transposed to
-  [E, d, I] / [E, I, d] once per call (a copy of the expert weights, small against the GEMMs it feeds; the CPU
-  grouped GEMM is several times slower on a transposed view).
+  routing weight (0 for an expert not picked) on the activation, down as one GEMM over the experts' stacked down
+  rows ([T, E * I] @ [E * I, d], a view: the sum over the experts is the GEMM's own). 4x the routed FLOPs at 16
+  experts top-4, but every expert's weights are read anyway, and no sort, bincount or per-expert GEMM loop
+  (`F.grouped_mm` loops over the experts on the CPU).
+- many pairs (prefill): the tokens are rows ([pairs, d]) and the up weights are the grouped operand transposed to
+  [E, d, I] once per call (a copy of the up weights, small against the GEMMs it feeds; the CPU grouped GEMM is
+  several times slower on a transposed view).
 As in the reference, each expert output is weighted in fp32, the shared expert (when given) and the routed sum
 accumulate in fp32, and the result is rounded once to x's dtype.
 `F.grouped_mm` needs row strides that are multiples of 16 bytes and, on CUDA, bf16: on any device other than the
@@ -33,6 +34,15 @@ ROWS_LAYOUT_MIN_PAIRS = 1024  # (token, slot) pairs from which the tokens-as-row
 DENSE_MAX_TOKENS = 32  # tokens up to which an fp32 batch whose pairs cover the experts runs every expert densely
 ROWS_BLOCK_TOKENS = 2048  # tokens per block of the rows layout: its gathered rows and outputs stay cache-sized
 GROUPED_MM_ALIGN = 16  # bytes: F.grouped_mm needs every operand's row stride a multiple of this
+
+
+def moe_weight_layout(up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe.moe_weight_layout_ref` for this op: on the CPU, down [E, d_in, I] returned as the transposed view of its
+    values stored as rows [E, I, d_in] (what every path of `moe_experts` reads), up as loaded; off the CPU (where
+    this op is the reference) both as loaded. Same shapes and values: every bundle's ops take either layout."""
+    if down.device.type != "cpu":
+        return up, down
+    return up, down.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def moe_experts(
@@ -61,12 +71,13 @@ def moe_experts(
         out = F.linear(_relu2_(F.linear(x, shared_up)), shared_down).float()
     else:
         out = torch.zeros(T, d, dtype=torch.float32, device=x.device)
+    down_rows = down.transpose(1, 2).contiguous()  # [E, I, d]: a view in `moe_weight_layout`'s layout, else a copy
     if x.dtype == torch.float32 and up.shape[0] <= topk_ids.numel() and T <= DENSE_MAX_TOKENS:
-        _add_routed_dense(out, x, up, down, topk_weights, topk_ids)
+        _add_routed_dense(out, x, up, down_rows, topk_weights, topk_ids)
     elif topk_ids.numel() < ROWS_LAYOUT_MIN_PAIRS:
-        _add_routed_columns(out, x, up, down, topk_weights, topk_ids)
+        _add_routed_columns(out, x, up, down_rows, topk_weights, topk_ids)
     else:
-        up_rows, down_rows = up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
+        up_rows = up.transpose(1, 2).contiguous()
         for t0 in range(0, T, ROWS_BLOCK_TOKENS):
             t1 = min(T, t0 + ROWS_BLOCK_TOKENS)
             _add_routed_rows(out[t0:t1], x[t0:t1], up_rows, down_rows, topk_weights[t0:t1], topk_ids[t0:t1])
@@ -116,18 +127,18 @@ def _add_routed_columns(
     out: torch.Tensor,
     x: torch.Tensor,
     up: torch.Tensor,
-    down: torch.Tensor,
+    down_rows: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> None:
-    """out [T, d] fp32 += the routed experts, pairs as columns padded to an aligned row stride (columns past the
-    last pair are not computed)."""
+    """out [T, d] fp32 += the routed experts (up [E, I, d], down_rows [E, I, d]): up with the pairs as columns padded
+    to an aligned row stride (columns past the last pair are not computed), down with them as rows."""
     order, tok, offs = _sorted_pairs(topk_ids, up.shape[0])
     n = order.numel()
     cols = -(-n * x.element_size() // GROUPED_MM_ALIGN) * GROUPED_MM_ALIGN // x.element_size()
     xs = x.t().index_select(1, F.pad(tok, (0, cols - n)))  # [d, cols]
     h = _relu2_(F.grouped_mm(up, xs, offs=offs))  # [I, cols]
-    routed = F.grouped_mm(down, h, offs=offs)[:, :n].t()  # [n, d]
+    routed = F.grouped_mm(h[:, :n].t().contiguous(), down_rows, offs=offs)  # [n, d]
     out.index_add_(0, tok, routed.float() * _weighted(topk_weights, order))
 
 
@@ -135,14 +146,14 @@ def _add_routed_dense(
     out: torch.Tensor,
     x: torch.Tensor,
     up: torch.Tensor,
-    down: torch.Tensor,
+    down_rows: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> None:
-    """out [T, d] fp32 += the routed experts of x [T, d] fp32, every expert on every token (weight 0 where not
-    picked; a token's picks of one expert add up, as expert parallelism's weight-0 picks of local expert 0 do):
-    one GEMM up, one bmm down, a sum over the experts."""
+    """out [T, d] fp32 += the routed experts of x [T, d] fp32 (up [E, I, d], down_rows [E, I, d]), every expert on
+    every token (weight 0 where not picked; a token's picks of one expert add up, as expert parallelism's weight-0
+    picks of local expert 0 do): one GEMM up, one GEMM down over the stacked experts."""
     T, (E, I, d) = x.shape[0], up.shape
     dense_w = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_add_(1, topk_ids, topk_weights.float())
     h = _relu2_(F.linear(x, up.reshape(E * I, d))).view(T, E, I).mul_(dense_w[:, :, None])
-    out.add_(torch.bmm(h.transpose(0, 1), down.transpose(1, 2)).sum(0))  # [E, T, I] @ [E, I, d] -> [E, T, d]
+    out.addmm_(h.view(T, E * I), down_rows.view(E * I, d))  # [T, E * I] @ [E * I, d]: sum over the experts

@@ -43,6 +43,13 @@ def moe_route_ref(
     return weights * scaling, ids
 
 
+def moe_weight_layout_ref(up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The expert weights in the loaded layout, row-major up [E, I, d_in] and down [E, d_in, I] (the same tensors
+    when they are; a bundle whose `moe_experts` reads another memory layout faster returns the same values in that
+    layout)."""
+    return up.contiguous(), down.contiguous()
+
+
 def relu2(x: torch.Tensor) -> torch.Tensor:
     return torch.relu(x).square()
 

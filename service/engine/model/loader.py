@@ -49,7 +49,8 @@ def build_model(
     device: torch.device,
     parallel: ParallelContext | None = None,
 ) -> NemotronHForCausalLM:
-    """This rank's model with its weights, read from cfg.model_path or drawn (cfg.load_format), in eval mode."""
+    """This rank's model with its weights, read from cfg.model_path or drawn (cfg.load_format), laid out for
+    `kernels` (`prepare_weights`), in eval mode."""
     quant = read_quant_config(cfg.model_path)
     model = create_model(model_cfg, kernels, dtype, device, quant, parallel)
     if cfg.load_format == "dummy":
@@ -59,4 +60,5 @@ def build_model(
     else:
         load_weights(model, cfg.model_path, model_cfg.tie_word_embeddings, model.parallel)
     finalize_fp8(model)
+    model.prepare_weights()
     return model.eval()

@@ -69,6 +69,17 @@ class NemotronHForCausalLM(nn.Module):
         self.attn_pool_index = {lid: j for j, lid in enumerate(cfg.attention_layer_ids)}
         self.mamba_pool_index = {lid: j for j, lid in enumerate(cfg.mamba_layer_ids)}
 
+    @torch.no_grad()
+    def prepare_weights(self) -> None:
+        """Lays the loaded weights out for `self.kernels` (the one place a bundle's layouts are applied; same
+        shapes and values, so every bundle's ops still take them): the non-FP8 routed experts through
+        `Kernels.moe_weight_layout`. Called after loading and after the bundle changes."""
+        for block in self.backbone.layers:
+            if block.layer_type != MOE or block.mixer.experts.up_proj.dtype == torch.float8_e4m3fn:
+                continue
+            e = block.mixer.experts
+            e.up_proj.data, e.down_proj.data = self.kernels.moe_weight_layout(e.up_proj.data, e.down_proj.data)
+
     @torch.inference_mode()
     def forward(
         self,

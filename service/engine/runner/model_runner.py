@@ -139,6 +139,7 @@ class ModelRunner:
         if model is not None:  # a prebuilt model runs the configured backend (a bundle of that backend with
             if model.kernels.name != cfg.kernel_backend:  # some ops swapped, e.g. by a benchmark, is kept)
                 model.kernels = get_kernels(cfg.kernel_backend)
+                model.prepare_weights()
             log.info("kernel backend: %s", model.kernels.name)
         self.model = model if model is not None else build_model(cfg, model_cfg, self.dtype, self.device, parallel)
         # on CUDA without an explicit num_kv_pages the pools fill the memory left (memory_plan.py); else max_num_seqs
