@@ -27,7 +27,7 @@ from loadtests.workloads import multi_turn_sessions, shared_prefix_workload
 class RequestResult:
     """Measurements of one streamed completion or chat completion."""
 
-    ttft_s: float | None  # request start -> first event carrying a choice
+    ttft_s: float | None  # request start -> first event carrying a choice (a token, even one with no text yet)
     itl_s: tuple[float, ...]  # gaps between consecutive choice events (one event may hold several tokens)
     e2e_s: float  # request start -> [DONE]
     prompt_tokens: int
@@ -37,6 +37,9 @@ class RequestResult:
     error: str | None = None  # error message when the request failed
     num_chunks: int = 0  # choice events received
     finish_reason: str | None = None  # the last finish_reason seen
+    # request start -> first event whose choice has text (content or reasoning): a token that ends inside a UTF-8
+    # character, or a special token, streams with empty text; guidellm stamps its TTFT here
+    ttft_text_s: float | None = None
 
     @property
     def tpot_s(self) -> float | None:
@@ -56,6 +59,7 @@ class Summary:
     output_tokens_per_s: float
     cache_hit_ratio: float  # sum(cached_tokens) / sum(prompt_tokens)
     ttft: dict[str, float] = field(default_factory=dict)
+    ttft_text: dict[str, float] = field(default_factory=dict)  # to the first event with text (RequestResult)
     itl: dict[str, float] = field(default_factory=dict)
     e2e: dict[str, float] = field(default_factory=dict)
     tpot: dict[str, float] = field(default_factory=dict)
@@ -70,6 +74,14 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     values = sorted(values)
     pick = lambda q: values[min(len(values) - 1, int(q * len(values)))]  # noqa: E731
     return {"mean": statistics.fmean(values), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+
+
+def _has_text(choice: dict[str, Any]) -> bool:
+    """Whether a stream choice carries any text: completion text, chat content or reasoning."""
+    delta = choice.get("delta")
+    if delta is None:
+        return bool(choice.get("text"))
+    return bool(delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning"))
 
 
 def _choice_text(choice: dict[str, Any]) -> str:
@@ -98,6 +110,7 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict[str, A
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     ttft, last, gaps, text, usage, chunks, finish = None, start, [], [], {}, 0, None
+    ttft_text = None
     try:
         async with client.stream("POST", path, json=body) as resp:
             if resp.status_code != 200:
@@ -121,6 +134,7 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict[str, A
                         event["error"].get("message", "error"),
                         chunks,
                         finish,
+                        ttft_text,
                     )
                 usage = event.get("usage") or usage
                 choices = event.get("choices") or []
@@ -134,6 +148,8 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict[str, A
                 for choice in choices:
                     text.append(_choice_text(choice))
                     finish = choice.get("finish_reason") or finish
+                    if ttft_text is None and _has_text(choice):
+                        ttft_text = now - start
     except httpx.HTTPError as exc:
         return RequestResult(
             ttft,
@@ -146,6 +162,7 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict[str, A
             f"{type(exc).__name__}: {exc}",
             chunks,
             finish,
+            ttft_text,
         )
     details = usage.get("prompt_tokens_details") or {}
     return RequestResult(
@@ -159,6 +176,7 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict[str, A
         None,
         chunks,
         finish,
+        ttft_text,
     )
 
 
@@ -187,6 +205,7 @@ def summarize(results: list[RequestResult], duration_s: float) -> Summary:
         output_tokens_per_s=output / duration_s if duration_s > 0 else 0.0,
         cache_hit_ratio=sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
         ttft=_percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
+        ttft_text=_percentiles([r.ttft_text_s for r in ok if r.ttft_text_s is not None]),
         itl=_percentiles([g for r in ok for g in r.itl_s]),
         e2e=_percentiles([r.e2e_s for r in ok]),
         tpot=_percentiles([t for r in ok if (t := r.tpot_s) is not None]),

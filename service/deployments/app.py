@@ -57,6 +57,7 @@ def engine_deployment_options(args: AppArgs) -> dict[str, Any]:
         "graceful_shutdown_wait_loop_s": 1.0,
         "health_check_period_s": 5.0,
         "health_check_timeout_s": 30.0,
+        "logging_config": {"enable_access_log": args.access_log},
     }
     if args.min_replicas is not None or args.max_replicas is not None:
         lo = args.min_replicas or 1
@@ -84,6 +85,7 @@ def ingress_deployment_options(args: AppArgs) -> dict[str, Any]:
         "ray_actor_options": {"num_cpus": 0.1},
         "graceful_shutdown_timeout_s": ENGINE_GRACEFUL_SHUTDOWN_S,
         "graceful_shutdown_wait_loop_s": 1.0,
+        "logging_config": {"enable_access_log": args.access_log},
     }
 
 

@@ -50,6 +50,9 @@ class DeploymentArgs(BaseModel):
     # new tokens leave an engine replica in about this many chunks per second over all its streams: each stream
     # sends every (open streams / this) seconds (at most MAX_STREAM_INTERVAL_S), its first and last token at once
     stream_chunks_per_s: float = Field(500.0, gt=0)
+    # Ray Serve's access log line per call of the ingress and engine replicas (one per HTTP request and one per
+    # engine call); off, a burst of calls is not slowed by formatting and writing a log record for each
+    access_log: bool = False
     route_prefix: str = "/"
     api_keys_file: str | None = Field(
         None,

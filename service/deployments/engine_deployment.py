@@ -124,8 +124,8 @@ class EngineDeployment:
                 if chunk.token_ids:
                     if ttft is None:
                         ttft = now - start
-                    else:
-                        gaps.extend([(now - last) / len(chunk.token_ids)] * len(chunk.token_ids))
+                    else:  # one observation per chunk: its gap shared by its tokens
+                        gaps.append((now - last) / len(chunk.token_ids))
                     last = now
                 sent_tokens, sent_text = out.num_output_tokens, sent_text + chunk.text
                 finished = out.finish_reason is not None

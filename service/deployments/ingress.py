@@ -98,7 +98,11 @@ class OpenAIIngress:
     async def __init__(self, engine: DeploymentHandle, app_args: dict[str, Any]):
         self._args = AppArgs.model_validate(app_args)
         self._engine = engine
-        self._engine_stream = engine.options(stream=True)
+        # the engine calls' arguments and chunks are module-level types: the C pickler serializes them (Serve's
+        # default, cloudpickle, costs more per chunk); used on Serve's gRPC path between deployments
+        self._engine_stream = engine.options(
+            stream=True, request_serialization="pickle", response_serialization="pickle"
+        )
         self._tokenizer = Tokenizer.from_model_path(self._args.model_path)
         self._model_name = self._args.served_model_name or os.path.basename(self._args.model_path.rstrip("/"))
         self._gate = RequestGate.from_args(self._args.api_keys_file, self._args.limits)

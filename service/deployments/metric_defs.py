@@ -34,7 +34,11 @@ ENGINE_METRICS: tuple[MetricDef, ...] = (
     MetricDef(_P + "num_requests_running", "gauge", "Requests in the running batch"),
     MetricDef(_P + "num_requests_waiting", "gauge", "Requests waiting for admission"),
     MetricDef(_P + "time_to_first_token_seconds", "histogram", "Time to first token"),
-    MetricDef(_P + "inter_token_latency_seconds", "histogram", "Time between consecutive output tokens"),
+    MetricDef(
+        _P + "inter_token_latency_seconds",
+        "histogram",
+        "Time between consecutive output tokens (one observation per streamed chunk: its gap over its tokens)",
+    ),
     MetricDef(_P + "e2e_request_latency_seconds", "histogram", "End-to-end request latency"),
     MetricDef(_P + "prompt_tokens_total", "counter", "Prompt tokens processed"),
     MetricDef(_P + "generation_tokens_total", "counter", "Tokens generated"),

@@ -30,6 +30,7 @@ _DEPLOYMENT_FLAGS = (
     "tool_call_parser",  # -> AppArgs
     "ingress_replicas",
     "stream_chunks_per_s",
+    "access_log",
 )
 
 
@@ -57,6 +58,12 @@ def add_cli(subparsers: Any) -> None:
         default=None,
         help="streamed chunks per second an engine replica sends over all its requests (new tokens "
         "are coalesced: a request sends every open-requests / this seconds)",
+    )
+    p.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Ray Serve's access log line for every HTTP request and engine call (default: off)",
     )
     p.add_argument(
         "--router",

@@ -65,11 +65,11 @@ class CoreLoop:
     def _command(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "add":
-            _, rid, ids, params, bypass_cache, capture_states = msg
-            try:
-                self.engine.add_request(ids, params, rid, bypass_cache, capture_states)
-            except ValueError as exc:
-                self._send(("refused", rid, ValueError(str(exc))))
+            for rid, ids, params, bypass_cache, capture_states in msg[1]:
+                try:
+                    self.engine.add_request(ids, params, rid, bypass_cache, capture_states)
+                except ValueError as exc:
+                    self._send(("refused", rid, ValueError(str(exc))))
         elif kind == "abort":
             self._abort(msg[1])
         elif kind == "call":

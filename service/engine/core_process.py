@@ -7,7 +7,8 @@ loop no longer share one interpreter lock. The API is `AsyncEngine`'s: `generate
 `RequestOutput`s; `abort`, `stats`, `inspect`, `check_alive`, `shutdown` and the canary calls work the same.
 
 Messages (pickled tuples on one duplex pipe; the child answers in order):
-  parent -> child  ("add", request_id, prompt ids, SamplingParams, bypass_cache, capture_states)
+  parent -> child  ("add", [(request_id, prompt ids, SamplingParams, bypass_cache, capture_states), ...])
+                                                              the requests added since the last message, in order
                    ("abort", request_id)                      fire and forget (a stream closed early)
                    ("call", seq, name, args)                  answered by ("reply", seq, ok, value)
                    ("stop",)
@@ -90,6 +91,7 @@ class EngineProcess:
         self._send_lock = threading.Lock()
         self._streams: dict[str, OutputStream] = {}  # request_id -> its accumulated output (reader thread writes)
         self._calls: dict[int, Future] = {}  # seq -> caller waiting for the child's reply
+        self._adds: list[tuple] = []  # requests not yet sent to the child (under _send_lock); see _queue_add
         self._seq = 0
         self._dead: str | None = None  # why the child is unusable
         self._stopping = False
@@ -130,7 +132,7 @@ class EngineProcess:
         self._streams[rid] = stream
         finished = False
         try:
-            self._send(("add", rid, ids, params, bypass_cache, capture_states))
+            self._queue_add((rid, ids, params, bypass_cache, capture_states))
             while True:
                 item = await stream.take(min_interval_s)
                 if isinstance(item, BaseException):
@@ -194,13 +196,45 @@ class EngineProcess:
             raise ValueError("prompt is text but the model folder has no tokenizer.json; pass token ids")
         return self.tokenizer.encode(prompt)
 
-    def _send(self, msg: tuple) -> None:
-        payload = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    def _queue_add(self, add: tuple) -> None:
+        """Queues one request for the child; the requests queued during one pass of the event loop leave in one
+        message (a burst of arrivals costs one pickle, one pipe write and one read in the child, not one each)."""
+        with self._send_lock:
+            if self._dead:
+                raise EngineDeadError(self._dead)
+            self._adds.append(add)
+            first = len(self._adds) == 1
+        if first:
+            asyncio.get_running_loop().call_soon(self._flush_adds)
+
+    def _flush_adds(self) -> None:
+        try:
+            self._send(None)
+        except EngineDeadError:  # the reader thread fails the queued requests' streams
+            pass
+        except Exception as exc:  # noqa: BLE001 - e.g. arguments that do not pickle: those requests fail, not the loop
+            with self._send_lock:
+                adds, self._adds = self._adds, []
+            due: dict[asyncio.AbstractEventLoop, list[OutputStream]] = {}
+            for add in adds:
+                if (stream := self._streams.get(add[0])) is not None:
+                    stream.fail(exc)
+                    due.setdefault(stream.loop, []).append(stream)
+            wake_loops(due)
+
+    def _send(self, msg: tuple | None) -> None:
+        """Sends the queued adds (first: every later message, an abort of one of them too, follows them), then
+        `msg` if not None."""
+        payload = None if msg is None else pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         with self._send_lock:
             if self._dead:
                 raise EngineDeadError(self._dead)
             try:
-                self._conn.send_bytes(payload)
+                if self._adds:
+                    self._conn.send_bytes(pickle.dumps(("add", self._adds), protocol=pickle.HIGHEST_PROTOCOL))
+                    self._adds = []
+                if payload is not None:
+                    self._conn.send_bytes(payload)
             except OSError as exc:  # the child is gone; the reader thread is about to notice
                 raise EngineDeadError(f"engine core process is unreachable: {exc}") from exc
 

@@ -41,6 +41,23 @@ def _wait_for_line(lines: queue.Queue[str], needle: str, timeout_s: float) -> li
             return seen
 
 
+def test_access_log_flag_reaches_both_deployments():
+    """Serve's per-call access log lines are off unless `--access-log` asks for them, on the ingress and the engine."""
+    from service.cli import build_parser
+    from service.deployments.app import engine_deployment_options, ingress_deployment_options
+    from service.deployments.args import AppArgs
+    from service.deployments.serve_cli import app_args_from_cli
+
+    def options(*flags: str) -> list[dict]:
+        ns = build_parser().parse_args(["serve", "--model-path", "m", "--device", "cpu", *flags])
+        args = AppArgs.model_validate(app_args_from_cli(ns))
+        return [engine_deployment_options(args)["logging_config"], ingress_deployment_options(args)["logging_config"]]
+
+    assert options() == [{"enable_access_log": False}] * 2
+    assert options("--access-log") == [{"enable_access_log": True}] * 2
+    assert options("--no-access-log") == [{"enable_access_log": False}] * 2
+
+
 DRAIN_TOKENS = 800
 N = 40  # tokens of the streamed completion in the high-throughput test
 

@@ -127,6 +127,46 @@ def test_abort_early_exit_and_pool_audit(core):
     assert stats["num_requests_running"] == 0 and stats["num_requests_waiting"] == 0
 
 
+class _CountingConn:
+    """The parent's end of the pipe, counting the messages it sends (everything else passes through)."""
+
+    def __init__(self, conn):
+        self.conn, self.sent = conn, 0
+
+    def send_bytes(self, payload):
+        self.sent += 1
+        return self.conn.send_bytes(payload)
+
+    def __getattr__(self, name):
+        return getattr(self.conn, name)
+
+
+def test_a_burst_is_one_message_and_a_request_cancelled_before_it_left_does_not_run(core, ref, monkeypatch):
+    """Requests added in one pass of the event loop reach the child in one message and stream what the
+    in-process engine gives; a request cancelled while still queued is aborted after its add, never left running."""
+    prompts = [random_ids(6 + i, 40 + i) for i in range(12)]
+    counting = _CountingConn(core._conn)
+    monkeypatch.setattr(core, "_conn", counting)
+
+    async def main():
+        streams = await asyncio.gather(*[_collect(core, p, greedy(5)) for p in prompts])
+        sent_for_burst = counting.sent
+        queued = core.generate(random_ids(20, 9), greedy(10_000), request_id="queued")
+        first = asyncio.ensure_future(queued.__anext__())
+        await asyncio.sleep(0)  # the request is queued; its message has not left yet
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        await core.check_alive()  # a round trip: the child has handled the add and the abort before it
+        return streams, sent_for_burst, await core.inspect(audit_pools)
+
+    streams, sent_for_burst, audit = asyncio.run(main())
+    assert sent_for_burst == 1
+    for outs, want in zip(streams, ref.generate(prompts, [greedy(5)] * len(prompts))):
+        assert outs[-1].token_ids == want.token_ids and outs[-1].finish_reason == "length"
+    assert audit["requests_in_engine"] == 0 and audit["live_slots_in_use"] == 0, audit
+
+
 def test_bad_prompt_duplicate_id_and_unpicklable_inspect_are_refused(core):
     async def main():
         with pytest.raises(ValueError, match="empty"):
