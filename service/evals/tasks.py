@@ -33,6 +33,7 @@ MARKS = ("#", "@", "%")
 STATE_MAX_COUNT = 9  # each mark occurs 0..9 times: the answer is one digit
 STATE_LENGTHS = (200, 260)  # stream symbols of the eval split (>= 256 tokens with the question and template)
 STATE_TRAIN_LENGTHS = (40, 260)  # stream symbols of the train split (short ones too: cheaper steps)
+RECALL_PAIRS = (42, 48)  # key=value pairs of a recall context (>= 256 tokens with the question and template)
 TOOL_ADD = {
     "type": "function",
     "function": {
@@ -102,15 +103,19 @@ def recall_context(rng: random.Random, num_pairs: int = 45) -> tuple[str, dict[s
     return "Remember: " + "; ".join(f"{k}={values[k]}" for k in keys) + ".", values, keys
 
 
-def recall_questions(rng: random.Random, num: int) -> tuple[str, list[tuple[str, str, str]]]:
-    """A recall context and `num` (question, answer, reasoning) about keys from its first two thirds."""
-    text, values, keys = recall_context(rng, rng.randint(42, 48))
+def recall_questions(
+    rng: random.Random, num: int, pairs: tuple[int, int] = RECALL_PAIRS
+) -> tuple[str, list[tuple[str, str, str]]]:
+    """A recall context of `pairs` (inclusive range) key=value pairs and `num` (question, answer, reasoning) about
+    keys from its first two thirds."""
+    text, values, keys = recall_context(rng, rng.randint(*pairs))
     asked = [rng.choice(keys[: 2 * len(keys) // 3]) for _ in range(num)]
     return text, [(f"What is {k}?", str(values[k]), f"find {k}") for k in asked]
 
 
-def recall(rng: random.Random, split: str = "train", turns: int = 1) -> Example:
-    return conversation("recall", *recall_questions(rng, turns))
+def recall(rng: random.Random, split: str = "train", turns: int = 1, pairs: tuple[int, int] = RECALL_PAIRS) -> Example:
+    """`pairs`: the context's key=value pairs (inclusive range; training may draw shorter contexts)."""
+    return conversation("recall", *recall_questions(rng, turns, pairs))
 
 
 def state_context(rng: random.Random, lengths: tuple[int, int] = STATE_LENGTHS) -> tuple[str, dict[str, int]]:
@@ -133,8 +138,10 @@ def state_questions(
     return text, [(f"How many {m}?", str(counts[m]), f"count {m}") for m in asked]
 
 
-def state(rng: random.Random, split: str = "train", turns: int = 1) -> Example:
-    lengths = STATE_TRAIN_LENGTHS if split == "train" else STATE_LENGTHS
+def state(rng: random.Random, split: str = "train", turns: int = 1, lengths: tuple[int, int] | None = None) -> Example:
+    """`lengths`: stream symbols (inclusive range); None: the split's own range."""
+    if lengths is None:
+        lengths = STATE_TRAIN_LENGTHS if split == "train" else STATE_LENGTHS
     return conversation("state", *state_questions(rng, turns, lengths))
 
 

@@ -58,9 +58,9 @@ def run(out: str, cfg: TrainConfig, device: str, data_workers: int, threads: int
     tokenizer = Tokenizer(hf_tokenizer, tokenizer_config(hf_tokenizer))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    start = time.monotonic()
+    start, cpu_start, load_start = time.monotonic(), _cpu_s(), os.getloadavg()[0]
     result = train(cfg, tokenizer, device, data_workers, should_stop=stop.is_set)
-    train_s = time.monotonic() - start
+    train_s, train_cpu_s, load_end = time.monotonic() - start, _cpu_s() - cpu_start, os.getloadavg()[0]
     accuracy = heldout_accuracy(result.model, tokenizer, cfg.eval_num, device)
     ablations = state_accuracy_ablations(result.model, tokenizer, cfg.eval_num, device)
     rerun = (
@@ -70,6 +70,7 @@ def run(out: str, cfg: TrainConfig, device: str, data_workers: int, threads: int
         + (f" --init-from {cfg.init_from}" if cfg.init_from else "")
         + (f" --state-hidden-share {cfg.state_hidden_share}" if cfg.state_hidden_share else "")
         + (" --state-hidden-partial" if cfg.state_hidden_partial else "")
+        + _size_flags(cfg)
         + (f" --stop-at {result.steps_done}" if result.steps_done < cfg.steps else "")
     )
     manifest = {
@@ -88,6 +89,9 @@ def run(out: str, cfg: TrainConfig, device: str, data_workers: int, threads: int
             "state_attention_blind": ablations["attention_blind"],
         },
         "train_wall_s": round(train_s, 1),
+        # process CPU time of training (all torch threads, plus the data workers once they have exited)
+        "train_cpu_s": round(train_cpu_s, 1),
+        "load_average_1m": [round(load_start, 2), round(load_end, 2)],  # at the start and at the end of training
         "device": device if device == "cpu" else torch.cuda.get_device_name(),
         "threads": threads,
         "torch": torch.__version__,
@@ -99,6 +103,35 @@ def run(out: str, cfg: TrainConfig, device: str, data_workers: int, threads: int
             manifest["init_manifest"] = json.load(f)
     write_folder(out, result.model, hf_tokenizer, manifest)
     return manifest
+
+
+def _cpu_s() -> float:
+    """User + system CPU seconds of this process and of its exited children."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def _size_flags(cfg: TrainConfig) -> str:
+    """The reproduce command's flags for the training context sizes (only those that differ from the defaults)."""
+    d, flags = TrainConfig(), ""
+    if cfg.warmup_steps != min(d.warmup_steps, cfg.steps // 10):
+        flags += f" --warmup-steps {cfg.warmup_steps}"
+    if cfg.recall_pairs != d.recall_pairs:
+        flags += " --recall-pairs {},{}".format(*cfg.recall_pairs)
+    if cfg.state_lengths != d.state_lengths:
+        flags += " --state-lengths {},{}".format(*cfg.state_lengths)
+    if cfg.length_bands:
+        flags += " --length-bands"
+    if cfg.ramp_steps:
+        flags += f" --ramp-steps {cfg.ramp_steps}"
+    return flags
+
+
+def _pair(text: str) -> tuple[int, int]:
+    low, high = (int(x) for x in text.split(","))
+    if not 0 < low <= high:
+        raise argparse.ArgumentTypeError(f"expected LOW,HIGH with 0 < LOW <= HIGH, got {text!r}")
+    return low, high
 
 
 def _run_cli(args: argparse.Namespace) -> int:
@@ -117,7 +150,13 @@ def _run_cli(args: argparse.Namespace) -> int:
         state_hidden_share=args.state_hidden_share,
         state_hidden_partial=args.state_hidden_partial,
         mix=mix,
-        warmup_steps=min(TrainConfig().warmup_steps, args.steps // 10),
+        warmup_steps=min(TrainConfig().warmup_steps, args.steps // 10)
+        if args.warmup_steps is None
+        else args.warmup_steps,
+        recall_pairs=args.recall_pairs,
+        state_lengths=args.state_lengths,
+        length_bands=args.length_bands,
+        ramp_steps=args.ramp_steps,
     )
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     manifest = run(args.out, cfg, device, args.data_workers, args.threads)
@@ -130,6 +169,7 @@ def _run_cli(args: argparse.Namespace) -> int:
                 "state_attention_blind": manifest["heldout_greedy_accuracy"]["state_attention_blind"],
                 "steps_done": manifest["steps_done"],
                 "train_wall_s": manifest["train_wall_s"],
+                "train_cpu_s": manifest["train_cpu_s"],
             }
         )
     )
@@ -169,6 +209,32 @@ def add_cli(subparsers: Any) -> None:
         "--state-hidden-partial",
         action="store_true",
         help="hidden state steps hide each stream from a random point on (attention sees a random prefix of it)",
+    )
+    p.add_argument(
+        "--warmup-steps", type=int, default=None, help="learning-rate warm-up steps (default: min(200, steps/10))"
+    )
+    p.add_argument(
+        "--recall-pairs",
+        type=_pair,
+        default=d.recall_pairs,
+        help="LOW,HIGH key=value pairs of training recall contexts",
+    )
+    p.add_argument(
+        "--state-lengths",
+        type=_pair,
+        default=d.state_lengths,
+        help="LOW,HIGH stream symbols of training state contexts",
+    )
+    p.add_argument(
+        "--length-bands",
+        action="store_true",
+        help="each recall/state step's rows have similar sizes (a tenth of the range ending at a drawn size)",
+    )
+    p.add_argument(
+        "--ramp-steps",
+        type=int,
+        default=d.ramp_steps,
+        help="with --length-bands: the drawn size's upper limit grows from a tenth of the range to all of it over N steps",
     )
     p.add_argument("--stop-at", type=int, default=None, help="stop after N steps (the schedule spans --steps)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the initial weights and the data")

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from service.engine.tokenizer import Tokenizer
-from service.evals.tasks import GENERATORS, Example, make_examples
+from service.evals.tasks import GENERATORS, RECALL_PAIRS, STATE_TRAIN_LENGTHS, Example, make_examples
 from service.testing.tiny import tiny_config
 from service.training.data import Batch, attention_mask_hiding, make_batch
 
@@ -73,6 +73,13 @@ class TrainConfig:
     # hidden steps hide each stream from a uniformly drawn point on (attention sees a random prefix of it, so its
     # count is an undercount) instead of from its start
     state_hidden_partial: bool = False
+    recall_pairs: tuple[int, int] = RECALL_PAIRS  # key=value pairs of the training recall contexts (inclusive)
+    state_lengths: tuple[int, int] = STATE_TRAIN_LENGTHS  # stream symbols of the training state contexts (inclusive)
+    # each recall/state step draws an upper size u from its range (from the range's first `ramp_steps`-th part up to
+    # all of it by step `ramp_steps`: short contexts first), and its rows from [u - a tenth of the range, u]: rows of
+    # one step have similar lengths (little padding). False: every row draws from the whole range.
+    length_bands: bool = False
+    ramp_steps: int = 0
 
 
 def build_model(tokenizer: Tokenizer, seed: int) -> Any:
@@ -114,13 +121,25 @@ def _step_plan(cfg: TrainConfig, step: int) -> tuple[str, list[Example], tuple[f
     (seed, step) only."""
     rng = random.Random(f"{cfg.seed}/{step}")
     task = rng.choices(list(cfg.mix), weights=list(cfg.mix.values()))[0]
-    kw = {}
+    kw: dict[str, Any] = {}
     if task in ("recall", "state"):
         kw["turns"] = 2 if rng.random() < cfg.multi_turn_share else 1
+        size_range = cfg.recall_pairs if task == "recall" else cfg.state_lengths
+        kw["pairs" if task == "recall" else "lengths"] = (
+            _band(cfg, step, size_range, rng) if cfg.length_bands else size_range
+        )
     examples = [GENERATORS[task](rng, "train", **kw) for _ in range(cfg.batch_size)]
     if not (task == "state" and rng.random() < cfg.state_hidden_share):
         return task, examples, None
     return task, examples, tuple(rng.random() if cfg.state_hidden_partial else 0.0 for _ in examples)
+
+
+def _band(cfg: TrainConfig, step: int, size_range: tuple[int, int], rng: random.Random) -> tuple[int, int]:
+    """The step's (low, high) row sizes: a tenth of `size_range` ending at a drawn upper size (see `length_bands`)."""
+    low, high = size_range
+    reach = 1.0 if step >= cfg.ramp_steps else max(0.1, step / cfg.ramp_steps)
+    upper = rng.randint(low, low + round(reach * (high - low)))
+    return max(low, upper - (high - low) // 10), upper
 
 
 class _Steps(torch.utils.data.IterableDataset):

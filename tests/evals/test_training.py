@@ -74,3 +74,31 @@ def test_hidden_stream_is_the_stream_and_only_later_positions_lose_it():
     for i, (_, end) in enumerate(batch.hidden_spans):
         assert torch.allclose(plain[i, :end], hidden[i, :end], atol=1e-5)
         assert (plain[i, end:] - hidden[i, end:]).abs().amax() > 1e-3
+
+
+def test_length_bands_keep_rows_of_a_step_alike_and_ramp_up():
+    """With length bands, a recall step's contexts differ by at most a tenth of the pair range and a state step's
+    streams by a tenth of the length range; during the ramp the early steps draw only short contexts; the eval split
+    keeps its own sizes (recall 42-48 pairs)."""
+    cfg = TrainConfig(
+        mix={"recall": 0.5, "state": 0.5},
+        batch_size=8,
+        recall_pairs=(4, 48),
+        state_lengths=(40, 260),
+        length_bands=True,
+        ramp_steps=100,
+        multi_turn_share=0.0,
+    )
+    seen: dict[str, list[int]] = {"recall": [], "state": []}
+    for step in range(300):
+        task, examples = step_examples(cfg, step)
+        text = [ex.messages[0]["content"] for ex in examples]
+        # recall: pairs in the context; state: symbols in the stream
+        sizes = [t.count("=") if task == "recall" else len(t.split("\n")[0].split()) - 1 for t in text]
+        assert max(sizes) - min(sizes) <= (4 if task == "recall" else 22), (step, task, sizes)
+        if step < 10:
+            assert max(sizes) <= (4 + 5 if task == "recall" else 40 + 22 + 3), (step, task, sizes)
+        seen[task].extend(sizes)
+    assert min(seen["recall"]) <= 6 and max(seen["recall"]) >= 46
+    assert min(seen["state"]) <= 60 and max(seen["state"]) >= 240
+    assert all(42 <= ex.messages[0]["content"].count("=") <= 48 for ex in make_examples("recall", 20, 0))
