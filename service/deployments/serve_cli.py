@@ -9,6 +9,7 @@ import importlib.util
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 from typing import Any
@@ -155,7 +156,18 @@ def serve_environment(mode: str, state_dir: str) -> dict[str, str]:
         "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": state_dir,
         "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(state_dir, "server-state"),
         "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(state_dir, "metrics.sock"),
+        # HAProxy's stats page and Prometheus exporter listen on every interface at fixed ports (8404, 9101) unless
+        # told otherwise: a second local server's HAProxy would fail to bind them and never start
+        "RAY_SERVE_HAPROXY_STATS_PORT": str(_free_port()),
+        "RAY_SERVE_HAPROXY_METRICS_PORT": str(_free_port()),
     }
+
+
+def _free_port() -> int:
+    """A TCP port nothing listens on now (the kernel's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def default_ingress_replicas(cpus: int) -> int:

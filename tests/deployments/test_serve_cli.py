@@ -4,6 +4,7 @@ removes its app and exits; the replica's processes (its engine core included) en
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import queue
@@ -165,6 +166,43 @@ def _listener_pids(port: int) -> set[int]:
     return pids
 
 
+def _descendants(root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+                children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(pid))
+        except OSError:
+            continue
+    out, todo = set(), [root]
+    while todo:
+        out.add(pid := todo.pop())
+        todo.extend(children.get(pid, ()))
+    return out
+
+
+def _listen_addresses(pids: set[int], ports: range) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """Local addresses of the listening TCP sockets on `ports` that the processes `pids` hold (from /proc)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            inodes |= {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        except OSError:  # gone, or not ours to read
+            continue
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table, encoding="ascii") as f:
+            for row in f.read().splitlines()[1:]:
+                cols = row.split()
+                addr, port = cols[1].rsplit(":", 1)
+                if cols[3] != "0A" or int(port, 16) not in ports or f"socket:[{cols[9]}]" not in inodes:
+                    continue
+                raw = bytes.fromhex(addr)  # 32-bit words in host (little-endian) order
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                out.append(ipaddress.ip_address(raw))
+    return out
+
+
 def test_serve_cli_high_throughput_mode_streams_exactly_through_haproxy(tiny_model_path):
     """The default data path of a server this command starts itself: HAProxy answers the HTTP port and forwards to
     the ingress replicas' own HTTP servers; a streamed completion of N tokens still arrives once, in order, in at
@@ -181,6 +219,14 @@ def test_serve_cli_high_throughput_mode_streams_exactly_through_haproxy(tiny_mod
         _wait_for_line(_lines(proc), "Press Ctrl-C", timeout_s=240)
         listeners = _listener_pids(port)
         assert listeners and all(Path(f"/proc/{p}/exe").resolve().name == "haproxy" for p in listeners), listeners
+        # the ingress replicas' own HTTP servers (Ray's direct-ingress ports, 30000 up) bind --host (127.0.0.1 here)
+        direct = _listen_addresses(_descendants(proc.pid), range(30000, 31000))
+        assert len(direct) >= 2 and all(a.is_loopback for a in direct), direct
+        # HAProxy's stats page and exporter are on ports picked per server, not Ray's fixed 8404 / 9101 (a second
+        # local server could not start its HAProxy)
+        assert not _listen_addresses(listeners, range(8404, 8405)) and not _listen_addresses(
+            listeners, range(9101, 9102)
+        )
         body = {
             "model": "tiny",
             "prompt": "The robot counts",
