@@ -13,9 +13,11 @@ from service.engine.kernels import (
     conv1d,
     cpu_attention,
     cpu_conv1d,
+    cpu_linear,
     cpu_moe,
     cpu_ssd,
     get_kernels,
+    linear,
     moe,
     ssd,
     torch_reference_kernels,
@@ -224,8 +226,8 @@ def test_paged_attention_checks_bounds():
 # ---------------------------------------------------------------- MoE
 @pytest.mark.parametrize(
     "tokens, k, shared",
-    [(1, 4, True), (5, 2, True), (5, 4, False), (64, 2, False), (300, 4, True), (300, 4, False), (2100, 2, True)],
-)  # 1 token: columns; 5 tokens (fp32): dense; 64 tokens: columns; 1200 pairs: the rows layout; 2100: two blocks
+    [(1, 4, True), (2, 4, False), (5, 2, True), (5, 4, False), (64, 2, False), (300, 4, True), (2100, 2, True)],
+)  # 1-2 tokens: pair by pair; 5 tokens: dense (fp32), rows (bf16); 64, 300 tokens: rows; 2100: rows in two blocks
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", [moe.moe_weight_layout_ref, cpu_moe.moe_weight_layout])  # as loaded; the bundle's
 def test_moe_experts(tokens, k, shared, dtype, layout):
@@ -245,22 +247,30 @@ def test_moe_experts(tokens, k, shared, dtype, layout):
 
 
 def test_moe_weight_layout():
-    """The bundle's layout stores down as rows ([E, I, d] row-major, seen through its [E, d, I] transposed view) with
-    the same values; the reference layout makes any layout row-major again."""
+    """The bundle's layout stores up as [d, E, I] and down as [E, I, d] (row-major, seen through [E, I, d] / [E, d, I]
+    views) with the same values; the reference layout makes any layout row-major again. The linears' layout stores
+    a weight transposed."""
     up, down = torch.randn(3, 8, 4), torch.randn(3, 4, 8)
     up2, down2 = cpu_moe.moe_weight_layout(up, down)
-    assert up2 is up and torch.equal(down2, down) and down2.transpose(1, 2).is_contiguous()
+    assert torch.equal(up2, up) and up2.permute(2, 0, 1).is_contiguous()
+    assert torch.equal(down2, down) and down2.transpose(1, 2).is_contiguous()
     up3, down3 = moe.moe_weight_layout_ref(up2, down2)
-    assert up3 is up2 and down3.is_contiguous() and torch.equal(down3, down)
+    assert up3.is_contiguous() and down3.is_contiguous() and torch.equal(up3, up) and torch.equal(down3, down)
+    w = torch.randn(5, 3)
+    w2 = cpu_linear.linear_weight_layout(w)
+    assert torch.equal(w2, w) and w2.t().is_contiguous() and linear.linear_weight_layout_ref(w) is w
+    bf16 = w.to(torch.bfloat16)  # not measured: as loaded
+    assert cpu_linear.linear_weight_layout(bf16) is bf16
+    assert cpu_moe.moe_weight_layout(up.bfloat16(), down.bfloat16())[1].is_contiguous()
 
 
 def test_moe_experts_unused_experts_and_every_layout():
-    """Every token on the same 2 of 8 experts (six idle experts); the same pairs through the three layouts (columns,
-    dense: 8 pairs for 8 experts, rows)."""
+    """Every token on the same 2 of 8 experts (six idle experts); the same pairs through every way (3 tokens: pair by
+    pair; 5: dense, 10 pairs for 8 experts; 40: rows; and rows in two blocks)."""
     torch.manual_seed(7)
     E, I, d = 8, 16, 16
     up, down = cpu_moe.moe_weight_layout(torch.randn(E, I, d), torch.randn(E, d, I))
-    for tokens in (3, 4, cpu_moe.ROWS_LAYOUT_MIN_PAIRS):
+    for tokens in (3, 5, 40, cpu_moe.ROWS_BLOCK_TOKENS + 5):
         x = torch.randn(tokens, d)
         ids = torch.tensor([[5, 2]]).repeat(tokens, 1)
         w = torch.rand(tokens, 2)
@@ -273,7 +283,7 @@ def test_moe_experts_repeated_picks_with_zero_weight():
     torch.manual_seed(9)
     E, I, d = 4, 16, 16
     up, down = torch.randn(E, I, d), torch.randn(E, d, I)
-    for tokens in (1, 3, cpu_moe.ROWS_LAYOUT_MIN_PAIRS // 4):  # columns, dense, rows
+    for tokens in (1, 3, 40):  # pair by pair, dense, rows
         x = torch.randn(tokens, d)
         ids = torch.tensor([[0, 0, 3, 0]]).repeat(tokens, 1)
         w = torch.tensor([[0.7, 0.0, 0.2, 0.0]]).repeat(tokens, 1)
@@ -305,3 +315,5 @@ def test_torch_bundle_runs_the_fast_kernels():
     assert fast.paged_attention is cpu_attention.paged_attention
     assert fast.moe_experts is cpu_moe.moe_experts and ref.moe_experts is moe.moe_experts_ref
     assert fast.moe_weight_layout is cpu_moe.moe_weight_layout and ref.moe_weight_layout is moe.moe_weight_layout_ref
+    assert fast.linear_weight_layout is cpu_linear.linear_weight_layout
+    assert ref.linear_weight_layout is linear.linear_weight_layout_ref

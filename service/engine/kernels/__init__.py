@@ -15,7 +15,20 @@ from dataclasses import dataclass
 
 import torch.nn.functional as F
 
-from service.engine.kernels import attention, conv1d, cpu_attention, cpu_conv1d, cpu_moe, cpu_ssd, fp8, moe, norm, ssd
+from service.engine.kernels import (
+    attention,
+    conv1d,
+    cpu_attention,
+    cpu_conv1d,
+    cpu_linear,
+    cpu_moe,
+    cpu_ssd,
+    fp8,
+    linear,
+    moe,
+    norm,
+    ssd,
+)
 
 
 @dataclass(frozen=True)
@@ -41,9 +54,10 @@ class Kernels:
     gated_norm_linear: Callable  # norm.gated_norm_linear_ref signature (mamba gated norm + out_proj)
     fp8_linear: Callable  # fp8.fp8_linear_ref signature (FP8 weight, per-tensor scales)
     fp8_moe_experts: Callable  # fp8.fp8_moe_experts_ref signature (FP8 experts, per-expert weight scales)
-    # moe.moe_weight_layout_ref signature: the (non-FP8) expert weights in the memory layout this bundle's
-    # moe_experts reads fastest, same shapes and values; applied once after loading (`prepare_weights` of the model)
-    moe_weight_layout: Callable
+    # weight layouts, applied once after loading (the model's `prepare_weights`): the same shapes and values in the
+    # memory layout this bundle's ops read fastest (every bundle's ops take any layout)
+    linear_weight_layout: Callable  # linear.linear_weight_layout_ref signature (non-FP8 linear weights [out, in])
+    moe_weight_layout: Callable  # moe.moe_weight_layout_ref signature (non-FP8 routed experts)
 
 
 def torch_reference_kernels() -> Kernels:
@@ -70,6 +84,7 @@ def torch_reference_kernels() -> Kernels:
         gated_norm_linear=norm.gated_norm_linear_ref,
         fp8_linear=fp8.fp8_linear_dequant_ref,
         fp8_moe_experts=fp8.fp8_moe_experts_ref,
+        linear_weight_layout=linear.linear_weight_layout_ref,
         moe_weight_layout=moe.moe_weight_layout_ref,
     )
 
@@ -77,7 +92,8 @@ def torch_reference_kernels() -> Kernels:
 def torch_kernels() -> Kernels:
     """The "torch" bundle: the fast pure-torch kernels (cpu_attention, cpu_conv1d, cpu_moe, cpu_ssd) for the
     prefill scan, conv and conv state windows, the decode recurrence, paged attention and the routed experts (with
-    their down weights stored as rows at load, `cpu_moe.moe_weight_layout`); references for the rest.
+    their weights laid out at load, `cpu_moe.moe_weight_layout`); references for the rest, with the linears' weights
+    stored transposed at load (`cpu_linear.linear_weight_layout`).
     cpu_moe.moe_experts runs `F.grouped_mm`, whose CUDA kernel takes bf16 only: off the CPU it is the reference."""
     return dataclasses.replace(
         torch_reference_kernels(),
@@ -88,6 +104,7 @@ def torch_kernels() -> Kernels:
         conv_windows=cpu_conv1d.conv_state_windows,
         paged_attention=cpu_attention.paged_attention,
         moe_experts=cpu_moe.moe_experts,
+        linear_weight_layout=cpu_linear.linear_weight_layout,
         moe_weight_layout=cpu_moe.moe_weight_layout,
     )
 

@@ -1,21 +1,20 @@
 """Fast pure-torch routed experts for the `torch` bundle (tuned on CPU). Same contract as `moe.moe_experts_ref`
 (the oracle the tests compare against).
 
-The (token, slot) pairs are sorted by expert once and every expert runs inside two `F.grouped_mm` calls (up, then
-down), with no Python loop over experts. The down weights are read as rows [E, I, d] (`moe_weight_layout` stores
-them so at load: a view; weights in the loaded layout cost one copy per call). Three layouts, by the number of tokens
-and pairs (measured on the 2-core dev machine, benchmarks/RESULTS.md):
-- few pairs (decode): up as stored ([E, I, d], row-major) is the grouped operand and the tokens are gathered as
-  columns ([d, pairs]); the activations come back as rows ([pairs, I], a small copy) for the down rows.
+The expert weights are read as the grouped operands of the tokens-as-rows GEMMs: up as [E, d, I] and down as
+[E, I, d], each a view of the weights `moe_weight_layout` lays out at load (up stored [d, E, I], down [E, I, d],
+row-major; weights in the loaded layout cost a copy per call). Three ways, by the number of tokens and pairs
+(measured on the 2-core dev machine, benchmarks/RESULTS.md):
 - few tokens that reach every expert in fp32 (decode batches; pairs >= experts, at most `DENSE_MAX_TOKENS`): every
-  expert runs on every token, dense: up as one GEMM over the stacked weights ([T, d] @ [E * I, d]^T, a view), the
+  expert runs on every token, dense: up as one GEMM over the stacked experts ([T, d] @ [d, E * I], a view), the
   routing weight (0 for an expert not picked) on the activation, down as one GEMM over the experts' stacked down
   rows ([T, E * I] @ [E * I, d], a view: the sum over the experts is the GEMM's own). 4x the routed FLOPs at 16
-  experts top-4, but every expert's weights are read anyway, and no sort, bincount or per-expert GEMM loop
-  (`F.grouped_mm` loops over the experts on the CPU).
-- many pairs (prefill): the tokens are rows ([pairs, d]) and the up weights are the grouped operand transposed to
-  [E, d, I] once per call (a copy of the up weights, small against the GEMMs it feeds; the CPU grouped GEMM is
-  several times slower on a transposed view).
+  experts top-4, but every expert's weights are read anyway, and no sort or per-expert GEMM loop (`F.grouped_mm`
+  loops over the experts on the CPU).
+- at most `LOOP_MAX_PAIRS` pairs (batch 1-2 decode): each pair as two GEMMs on its expert's matrices.
+- otherwise (prefill, larger batches): the (token, slot) pairs are sorted by expert once and every expert runs
+  inside two `F.grouped_mm` calls (up, then down) over the gathered token rows, `ROWS_BLOCK_TOKENS` tokens at a time,
+  with no Python loop over experts.
 As in the reference, each expert output is weighted in fp32, the shared expert (when given) and the routed sum
 accumulate in fp32, and the result is rounded once to x's dtype.
 `F.grouped_mm` needs row strides that are multiples of 16 bytes and, on CUDA, bf16: on any device other than the
@@ -30,19 +29,20 @@ import torch.nn.functional as F
 
 from service.engine.kernels.moe import check_shared_expert, moe_experts_ref
 
-ROWS_LAYOUT_MIN_PAIRS = 1024  # (token, slot) pairs from which the tokens-as-rows layout is used
+LOOP_MAX_PAIRS = 8  # (token, slot) pairs up to which each pair runs as its own two GEMMs (batch 1-2 decode)
 DENSE_MAX_TOKENS = 32  # tokens up to which an fp32 batch whose pairs cover the experts runs every expert densely
 ROWS_BLOCK_TOKENS = 2048  # tokens per block of the rows layout: its gathered rows and outputs stay cache-sized
 GROUPED_MM_ALIGN = 16  # bytes: F.grouped_mm needs every operand's row stride a multiple of this
 
 
 def moe_weight_layout(up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`moe.moe_weight_layout_ref` for this op: on the CPU, down [E, d_in, I] returned as the transposed view of its
-    values stored as rows [E, I, d_in] (what every path of `moe_experts` reads), up as loaded; off the CPU (where
-    this op is the reference) both as loaded. Same shapes and values: every bundle's ops take either layout."""
-    if down.device.type != "cpu":
+    """`moe.moe_weight_layout_ref` for this op: fp32 on the CPU, up [E, I, d_in] returned as a view of its values
+    stored [d_in, E, I] and down [E, d_in, I] as a view of its values stored [E, I, d_in] (row-major: what every path
+    of `moe_experts` reads without a copy); other dtypes (not measured) and devices (where this op is the
+    reference) as loaded."""
+    if down.device.type != "cpu" or down.dtype != torch.float32:
         return up, down
-    return up, down.transpose(1, 2).contiguous().transpose(1, 2)
+    return up.permute(2, 0, 1).contiguous().permute(1, 2, 0), down.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def moe_experts(
@@ -71,17 +71,25 @@ def moe_experts(
         out = F.linear(_relu2_(F.linear(x, shared_up)), shared_down).float()
     else:
         out = torch.zeros(T, d, dtype=torch.float32, device=x.device)
-    down_rows = down.transpose(1, 2).contiguous()  # [E, I, d]: a view in `moe_weight_layout`'s layout, else a copy
+    if topk_ids.numel() <= LOOP_MAX_PAIRS:
+        _add_routed_pairs(out, x, up, down, topk_weights, topk_ids)
+        return out.to(x.dtype)
+    up_rows, down_rows = _operand(up.transpose(1, 2)), _operand(down.transpose(1, 2))  # [E, d, I], [E, I, d]
     if x.dtype == torch.float32 and up.shape[0] <= topk_ids.numel() and T <= DENSE_MAX_TOKENS:
-        _add_routed_dense(out, x, up, down_rows, topk_weights, topk_ids)
-    elif topk_ids.numel() < ROWS_LAYOUT_MIN_PAIRS:
-        _add_routed_columns(out, x, up, down_rows, topk_weights, topk_ids)
+        _add_routed_dense(out, x, up_rows, down_rows, topk_weights, topk_ids)
     else:
-        up_rows = up.transpose(1, 2).contiguous()
         for t0 in range(0, T, ROWS_BLOCK_TOKENS):
             t1 = min(T, t0 + ROWS_BLOCK_TOKENS)
             _add_routed_rows(out[t0:t1], x[t0:t1], up_rows, down_rows, topk_weights[t0:t1], topk_ids[t0:t1])
     return out.to(x.dtype)
+
+
+def _operand(w: torch.Tensor) -> torch.Tensor:
+    """Stacked expert matrices [E, r, c] as a grouped GEMM operand: w itself when its rows are contiguous and
+    16-byte aligned (the `moe_weight_layout` views), else a row-major copy."""
+    if w.stride(2) == 1 and (w.stride(1) * w.element_size()) % GROUPED_MM_ALIGN == 0:
+        return w
+    return w.contiguous()
 
 
 def _relu2_(h: torch.Tensor) -> torch.Tensor:
@@ -123,37 +131,40 @@ def _add_routed_rows(
         out.index_add_(0, tok, F.grouped_mm(h, down_rows, offs=offs).float().mul_(w))
 
 
-def _add_routed_columns(
+def _add_routed_pairs(
     out: torch.Tensor,
     x: torch.Tensor,
     up: torch.Tensor,
-    down_rows: torch.Tensor,
+    down: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> None:
-    """out [T, d] fp32 += the routed experts (up [E, I, d], down_rows [E, I, d]): up with the pairs as columns padded
-    to an aligned row stride (columns past the last pair are not computed), down with them as rows."""
-    order, tok, offs = _sorted_pairs(topk_ids, up.shape[0])
-    n = order.numel()
-    cols = -(-n * x.element_size() // GROUPED_MM_ALIGN) * GROUPED_MM_ALIGN // x.element_size()
-    xs = x.t().index_select(1, F.pad(tok, (0, cols - n)))  # [d, cols]
-    h = _relu2_(F.grouped_mm(up, xs, offs=offs))  # [I, cols]
-    routed = F.grouped_mm(h[:, :n].t().contiguous(), down_rows, offs=offs)  # [n, d]
-    out.index_add_(0, tok, routed.float() * _weighted(topk_weights, order))
+    """out [T, d] fp32 += the routed experts of x [T, d] (up [E, I, d], down [E, d, I], any layout), each (token,
+    slot) pair as two `F.linear`s on its expert's matrices (views, no copy): at a few pairs this is fewer ops than
+    `F.grouped_mm`, which runs a GEMM for every expert, picked or not. Weighted as `_add_routed_rows` does."""
+    k = topk_ids.shape[1]
+    for p, (e, w) in enumerate(zip(topk_ids.flatten().tolist(), topk_weights.float().flatten().tolist())):
+        t = p // k
+        h = _relu2_(F.linear(x[t : t + 1], up[e]))  # [1, I]
+        if x.dtype == torch.float32:
+            out[t : t + 1].add_(F.linear(h.mul_(w), down[e]))
+        else:
+            out[t : t + 1].add_(F.linear(h, down[e]).float(), alpha=w)
 
 
 def _add_routed_dense(
     out: torch.Tensor,
     x: torch.Tensor,
-    up: torch.Tensor,
+    up_rows: torch.Tensor,
     down_rows: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> None:
-    """out [T, d] fp32 += the routed experts of x [T, d] fp32 (up [E, I, d], down_rows [E, I, d]), every expert on
-    every token (weight 0 where not picked; a token's picks of one expert add up, as expert parallelism's weight-0
-    picks of local expert 0 do): one GEMM up, one GEMM down over the stacked experts."""
-    T, (E, I, d) = x.shape[0], up.shape
+    """out [T, d] fp32 += the routed experts of x [T, d] fp32 (up_rows [E, d, I], down_rows [E, I, d]), every
+    expert on every token (weight 0 where not picked; a token's picks of one expert add up, as expert parallelism's
+    weight-0 picks of local expert 0 do): one GEMM up, one GEMM down over the stacked experts."""
+    T, (E, d, I) = x.shape[0], up_rows.shape
     dense_w = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_add_(1, topk_ids, topk_weights.float())
-    h = _relu2_(F.linear(x, up.reshape(E * I, d))).view(T, E, I).mul_(dense_w[:, :, None])
-    out.addmm_(h.view(T, E * I), down_rows.view(E * I, d))  # [T, E * I] @ [E * I, d]: sum over the experts
+    h = torch.mm(x, up_rows.transpose(0, 1).reshape(d, E * I))  # [T, d] @ [d, E * I] (a view when laid out)
+    h = _relu2_(h).view(T, E, I).mul_(dense_w[:, :, None])
+    out.addmm_(h.view(T, E * I), down_rows.reshape(E * I, d))  # [T, E * I] @ [E * I, d]: sum over the experts

@@ -41,19 +41,20 @@ def _inter_chunk(
     B = initial.shape[0]
     nch = layout.num_chunks.tolist()
     prev = torch.empty_like(local)
-    carry = initial.to(torch.float32, copy=True)
     lossy = initial.dtype != torch.float32
-    if B and all(n == nch[0] for n in nch):  # every request has the same chunk count
-        n = nch[0]
+    if B and all(n == nch[0] for n in nch):  # every request has the same chunk count: one pass per chunk index,
+        n = nch[0]  # each chunk's end state written straight into states (and read from there as the next carry)
         lv, dv = local.view(B, n, *local.shape[1:]), decay.view(B, n, -1)
         pv, sv = prev.view_as(lv), states.view_as(lv)
+        carry = initial
         for j in range(n):
             pv[:, j] = carry
-            carry.mul_(dv[:, j, :, None, None]).add_(lv[:, j])
+            torch.addcmul(lv[:, j], carry, dv[:, j, :, None, None], out=sv[:, j])
             if lossy:
-                carry.copy_(carry.to(initial.dtype))
-            sv[:, j] = carry
+                sv[:, j] = sv[:, j].to(initial.dtype)
+            carry = sv[:, j]
         return prev
+    carry = initial.to(torch.float32, copy=True)
     first = layout.first_chunk.tolist()
     for j in range(layout.max_chunks):
         reqs = [i for i in range(B) if nch[i] > j]
@@ -169,9 +170,11 @@ def _ssd_group(
     scores = torch.matmul(Cg, Bg.transpose(-1, -2))  # [Nc, G, C, C]
     decay_ls.view(Nc, G, rep, c, c).mul_(scores[:, :, None])
     y = torch.matmul(decay_ls, xdt)  # [Nc, H, C, P]
-    # chunk-local end states: sum_s exp(acs_end - acs_s) dt_s x_s B_s^T, one matmul per group
-    xw = (xdt * torch.exp(acs[:, :, -1:] - acs)[..., None]).view(Nc, G, rep, c, P).transpose(-1, -2)
-    local = torch.matmul(xw, Bg[:, :, None]).view(Nc, H, P, N)  # [Nc, G, rep, P, C] @ [Nc, G, 1, C, N]
+    # chunk-local end states: sum_s exp(acs_end - acs_s) dt_s x_s B_s^T, one matmul per group over its heads' rows
+    # (the weighted dt x written P-major, [Nc, H, P, C], so the group's rows are one [rep * P, C] operand: no
+    # broadcast copy of B per head)
+    xw = torch.mul(xdt.transpose(-1, -2), torch.exp(acs[:, :, -1:] - acs)[:, :, None, :], out=torch.empty(Nc, H, P, c))
+    local = torch.matmul(xw.view(Nc, G, rep * P, c), Bg).view(Nc, H, P, N)  # [Nc, G, rep * P, C] @ [Nc, G, C, N]
     prev = _inter_chunk(local, torch.exp(acs[:, :, -1]), initial_states, layout, chunk_states)
     # state entering the chunk, read by C and decayed to each position: one matmul per group over its heads'
     # rows ([C, N] @ [N, rep * P]), added to y through a strided view with the decay (one addcmul_)

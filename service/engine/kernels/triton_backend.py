@@ -30,6 +30,7 @@ import torch
 from service.engine.kernels import (
     Kernels,
     conv1d,
+    linear,
     moe,
     triton_activation,
     triton_attention,
@@ -44,7 +45,8 @@ from service.engine.kernels import (
     triton_ssd,
 )
 
-TORCH_REFERENCE_OPS = ("conv_windows", "moe_weight_layout")  # fields that hold the torch reference
+# fields that hold the torch reference
+TORCH_REFERENCE_OPS = ("conv_windows", "linear_weight_layout", "moe_weight_layout")
 ARRIVAL_COUNTER_SLOTS = 1 << 16  # int32 counters per device (256 KB): see `ArrivalCounters`
 
 
@@ -191,6 +193,7 @@ def triton_kernels(counters: ArrivalCounters | None = None, fuse_norm_linear: bo
         gated_norm_linear=counters.gated_norm_linear,
         fp8_linear=counters.fp8_linear,
         fp8_moe_experts=triton_moe_gemv.fp8_moe_experts,
+        linear_weight_layout=linear.linear_weight_layout_ref,
         moe_weight_layout=moe.moe_weight_layout_ref,
     )
     return bundle if fuse_norm_linear else triton_norm_gemv.without_norm_fusion(bundle)

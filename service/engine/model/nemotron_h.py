@@ -72,13 +72,20 @@ class NemotronHForCausalLM(nn.Module):
     @torch.no_grad()
     def prepare_weights(self) -> None:
         """Lays the loaded weights out for `self.kernels` (the one place a bundle's layouts are applied; same
-        shapes and values, so every bundle's ops still take them): the non-FP8 routed experts through
+        shapes and values, so every bundle's ops still take them): every non-FP8 linear weight (but one tied to the
+        embedding) through `Kernels.linear_weight_layout`, the non-FP8 routed experts through
         `Kernels.moe_weight_layout`. Called after loading and after the bundle changes."""
+        k, fp8 = self.kernels, torch.float8_e4m3fn
+        for mod in self.modules():
+            if isinstance(mod, nn.Linear) and mod.weight.dtype != fp8 and mod.weight is not self._embedding_weight():
+                mod.weight.data = k.linear_weight_layout(mod.weight.data)
         for block in self.backbone.layers:
-            if block.layer_type != MOE or block.mixer.experts.up_proj.dtype == torch.float8_e4m3fn:
-                continue
-            e = block.mixer.experts
-            e.up_proj.data, e.down_proj.data = self.kernels.moe_weight_layout(e.up_proj.data, e.down_proj.data)
+            if block.layer_type == MOE and block.mixer.experts.up_proj.dtype != fp8:
+                e = block.mixer.experts
+                e.up_proj.data, e.down_proj.data = k.moe_weight_layout(e.up_proj.data, e.down_proj.data)
+
+    def _embedding_weight(self) -> torch.Tensor:
+        return self.backbone.embeddings.weight
 
     @torch.inference_mode()
     def forward(
