@@ -447,8 +447,9 @@ class OpenAIIngress:
                     choice = state.add_completion(chunk)
                 if choice is not None:
                     yield event(choices=[choice])
-            if include_usage:
-                yield event(choices=[], usage=usage())
+            if include_usage:  # the usage event and [DONE] leave in one write
+                yield event(choices=[], usage=usage()) + SSE_DONE
+                return
         except APIError as exc:
             yield f"data: {exc.response.model_dump_json()}\n\n"
         except BackPressureError:
