@@ -17,9 +17,24 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402 - after OMP_NUM_THREADS, which torch reads when it starts
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case a plugin imported torch before this file
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# Tests that start a Ray cluster or a `hybrid-serve serve` process: under pytest-xdist (`make test` runs two workers)
+# they form one group that one worker runs, so two Ray clusters never run at once and the package-scoped cluster of
+# tests/deployments starts once.
+RAY_TEST_PATHS = ("tests/deployments/", "tests/evals/test_endpoint_evals.py")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    root = str(config.rootpath)
+    for item in items:
+        rel = os.path.relpath(str(item.path), root)
+        if rel.startswith(RAY_TEST_PATHS):
+            item.add_marker(pytest.mark.xdist_group("ray"))
