@@ -30,6 +30,10 @@ if not torch.cuda.is_available():
 # they form one group that one worker runs, so two Ray clusters never run at once and the package-scoped cluster of
 # tests/deployments starts once.
 RAY_TEST_PATHS = ("tests/deployments/", "tests/evals/test_endpoint_evals.py")
+# How much lower the scheduling priority (nice) of an xdist worker is while it runs tests outside the `ray` group
+# than that of the run: the tests of the group wait on servers (timeouts, latency bounds), the others only use CPU,
+# so on a machine with few cores the servers go first and the CPU-bound tests take the time they leave.
+CPU_TESTS_NICE_INCREMENT = 10
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -38,3 +42,14 @@ def pytest_collection_modifyitems(config, items) -> None:
         rel = os.path.relpath(str(item.path), root)
         if rel.startswith(RAY_TEST_PATHS):
             item.add_marker(pytest.mark.xdist_group("ray"))
+
+
+def pytest_runtest_setup(item) -> None:
+    """An xdist worker lowers its priority (once: nice only goes up) before its first test outside the `ray` group;
+    the processes it starts (engine cores, tensor-parallel ranks) inherit it. The worker that runs the group does
+    so only after the group, when its Ray cluster has stopped."""
+    if "PYTEST_XDIST_WORKER" not in os.environ or item.get_closest_marker("xdist_group") is not None:
+        return
+    target = min(19, os.getpriority(os.PRIO_PROCESS, os.getppid()) + CPU_TESTS_NICE_INCREMENT)
+    if os.getpriority(os.PRIO_PROCESS, 0) < target:
+        os.setpriority(os.PRIO_PROCESS, 0, target)

@@ -15,6 +15,10 @@ from ray import serve
 # repeat hits; a prefix-blind router makes every replica cycle through all 8 groups and thrash its LRU.
 ROUTER_GROUPS, ROUTER_PER_GROUP, ROUTER_PREFIX_TOKENS, ROUTER_SUFFIX_TOKENS = 8, 8, 256, 8
 ROUTER_CACHE_ARGS = {"replicas": 2, "max_mamba_snapshots": 4, "num_kv_pages": 90, "max_num_seqs": 8}
+# Bound on the wait for a value to show on Ray's metrics endpoint: each process exports through the node's metrics
+# agent every metrics_report_interval (1 s in these tests), but on a 2-core machine where other processes keep the
+# cores busy the first exports after a cluster or app start have taken over 30 s.
+METRICS_EXPORT_TIMEOUT_S = 120.0
 
 
 def free_port() -> int:

@@ -16,7 +16,7 @@ from service.deployments.metric_defs import (
 )
 from service.deployments.metrics import _MEMORY_PLAN_STATS, RAY_EXPORT_PREFIX, EngineMetrics, scraped_name
 from service.engine.runner.memory_plan import StateBytes, plan_memory
-from tests.deployments.serve_testkit import wait_until
+from tests.deployments.serve_testkit import METRICS_EXPORT_TIMEOUT_S, wait_until
 
 
 def scrape(url: str) -> dict[str, list]:
@@ -63,7 +63,7 @@ def test_every_engine_and_router_metric_is_exported(cluster, main_app, http, rou
         return got if wanted.keys() <= got.keys() and kinds == {"pinned", "audit"} else None
 
     try:
-        samples = wait_until(complete_scrape, timeout_s=60, interval_s=1, what="all metrics")
+        samples = wait_until(complete_scrape, timeout_s=METRICS_EXPORT_TIMEOUT_S, interval_s=1, what="all metrics")
     except AssertionError:
         got = scrape(cluster.metrics_url)
         raise AssertionError(
@@ -94,7 +94,7 @@ def test_hit_tokens_grow_after_repeated_prompts(cluster, main_app, http):
     assert cached > 0
     wait_until(
         lambda: _hit_tokens(scrape(cluster.metrics_url), main_app.name) >= before + cached,
-        timeout_s=30,
+        timeout_s=METRICS_EXPORT_TIMEOUT_S,
         interval_s=1,
         what="hit-token counter to grow",
     )
@@ -129,7 +129,7 @@ def test_memory_plan_metrics_equal_the_plan(cluster):
                     got[(name, s.labels[label])] = s.value
         return got if len(got) == len(_MEMORY_PLAN_STATS) else None
 
-    got = wait_until(exported, timeout_s=60, interval_s=1, what="memory plan metrics")
+    got = wait_until(exported, timeout_s=METRICS_EXPORT_TIMEOUT_S, interval_s=1, what="memory plan metrics")
     want = {(name, value): float(plan.stats()[key]) for key, name, (_, value) in _MEMORY_PLAN_STATS}
     assert got == want
     assert {v for (n, v) in want if n.endswith("_bytes")} == set(MEMORY_PLAN_PARTS)
