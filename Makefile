@@ -43,10 +43,10 @@ lint: install
 
 # The default run leaves out tests marked slow (each has a bounded version in the default run); test-slow runs them.
 # TEST_WORKERS pytest-xdist processes share the tests; those that start Ray or a server run on one of them
-# (the `ray` xdist group, tests/conftest.py). -x: the first failure stops the run.
+# (tests/conftest.py schedules them as one unit). -x: the first failure stops the run.
 TEST_WORKERS ?= 2
 test: install lint
-	$(BIN)/python -m pytest -q -x -n $(TEST_WORKERS) --dist loadgroup --durations=15 -m "not slow" tests
+	$(BIN)/python -m pytest -q -x -n $(TEST_WORKERS) --durations=15 -m "not slow" tests
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m "slow and not gpu" tests
