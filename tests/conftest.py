@@ -37,6 +37,7 @@ if not torch.cuda.is_available():
 # (`make test` runs two workers) they are one unit of work, which one worker runs, so two Ray clusters never run at
 # once and the package-scoped cluster of tests/deployments starts once.
 RAY_TEST_PATHS = ("tests/deployments/", "tests/evals/test_endpoint_evals.py")
+RAY_UNIT = "ray"
 # How much lower the scheduling priority (nice) of an xdist worker is while it runs tests outside that unit than
 # that of the run: those tests wait on servers (timeouts, latency bounds), the others only use CPU, so on a machine
 # with few cores the servers go first and the CPU-bound tests take the time they leave.
@@ -46,14 +47,19 @@ CPU_TESTS_NICE_INCREMENT = 10
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """xdist's scope scheduling with these units: the tests under RAY_TEST_PATHS together, every other test module
-    on its own (its module fixtures are set up once). The largest units are handed out first. (xdist's own
-    `xdist_group` marks do not reach its scheduler with this pytest: it renames items through an attribute pytest
-    no longer reads.)"""
+    on its own (its module fixtures are set up once). The Ray unit goes first (the longest in wall time, and its
+    worker keeps the run's priority), then the largest modules. (xdist's own `xdist_group` marks do not reach its
+    scheduler with this pytest: it renames items through an attribute pytest no longer reads.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     class RayUnitScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "ray" if nodeid.startswith(RAY_TEST_PATHS) else nodeid.split("::", 1)[0]
+            return RAY_UNIT if nodeid.startswith(RAY_TEST_PATHS) else nodeid.split("::", 1)[0]
+
+        def _assign_work_unit(self, node) -> None:
+            if RAY_UNIT in self.workqueue:
+                self.workqueue.move_to_end(RAY_UNIT, last=False)
+            super()._assign_work_unit(node)
 
     return RayUnitScheduling(config, log)
 
