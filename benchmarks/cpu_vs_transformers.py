@@ -154,6 +154,7 @@ def make_engine(path: str, shape: Shape, reference: bool = False) -> Engine:
         max_num_seqs=max(shape.batch, 1),
         max_num_batched_tokens=max(2048, shape.batch * shape.prompt),
         max_model_len=shape.prompt + shape.new + 16,
+        mamba_cache_strategy="off",  # a repeat of the same prompts must recompute them, as transformers does
     )
     engine = Engine(cfg)
     if reference:
