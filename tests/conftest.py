@@ -49,7 +49,10 @@ def pytest_xdist_make_scheduler(config, log):
     """xdist's scope scheduling with these units: the tests under RAY_TEST_PATHS together, every other test module
     on its own (its module fixtures are set up once). The Ray unit goes first (the longest in wall time, and its
     worker keeps the run's priority), then the largest modules. (xdist's own `xdist_group` marks do not reach its
-    scheduler with this pytest: it renames items through an attribute pytest no longer reads.)"""
+    scheduler with this pytest: it renames items through an attribute pytest no longer reads.) Only for xdist's
+    default `--dist load`; another --dist value gets xdist's own scheduler."""
+    if config.getvalue("dist") != "load":
+        return None
     from xdist.scheduler import LoadScopeScheduling
 
     class RayUnitScheduling(LoadScopeScheduling):
