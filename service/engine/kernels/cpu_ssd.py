@@ -173,7 +173,8 @@ def _ssd_group(
     # chunk-local end states: sum_s exp(acs_end - acs_s) dt_s x_s B_s^T, one matmul per group over its heads' rows
     # (the weighted dt x written P-major, [Nc, H, P, C], so the group's rows are one [rep * P, C] operand: no
     # broadcast copy of B per head)
-    xw = torch.mul(xdt.transpose(-1, -2), torch.exp(acs[:, :, -1:] - acs)[:, :, None, :], out=torch.empty(Nc, H, P, c))
+    decay_end = torch.exp(acs[:, :, -1:] - acs)[:, :, None, :]  # [Nc, H, 1, C]
+    xw = torch.mul(xdt.transpose(-1, -2), decay_end, out=torch.empty(Nc, H, P, c, device=x.device))
     local = torch.matmul(xw.view(Nc, G, rep * P, c), Bg).view(Nc, H, P, N)  # [Nc, G, rep * P, C] @ [Nc, G, C, N]
     prev = _inter_chunk(local, torch.exp(acs[:, :, -1]), initial_states, layout, chunk_states)
     # state entering the chunk, read by C and decayed to each position: one matmul per group over its heads'
