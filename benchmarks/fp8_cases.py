@@ -47,6 +47,18 @@ W8A8_TILE_VARIANTS = {
         MoeTiles(32, 64, 256, 4, 3),
         MoeTiles(64, 64, 256, 4, 3),
     ),
+    1024: (
+        MoeTiles(32, 64, 256, 4, 3),
+        MoeTiles(32, 128, 256, 4, 3),
+        MoeTiles(32, 128, 128, 4, 4),
+        MoeTiles(64, 64, 256, 4, 3),
+        MoeTiles(64, 128, 64, 4, 3),
+        MoeTiles(64, 128, 128, 4, 3),
+        MoeTiles(64, 128, 128, 4, 4),
+        MoeTiles(64, 128, 256, 4, 3),
+        MoeTiles(64, 256, 128, 8, 3),
+        MoeTiles(128, 128, 128, 8, 3),
+    ),
     8192: (
         MoeTiles(128, 256, 128, 8, 3),
         MoeTiles(128, 128, 128, 8, 4),
@@ -162,7 +174,7 @@ def moe_cases() -> list[Case]:
                 ref1,
             )
         )
-    for T in (64, 256, 1024, 8192):
+    for T in (64, 256, 512, 1024, 8192):
         make, moved, flops, bf16 = _experts(T)
         w8a8_ref = functools.partial(fp8.fp8_moe_experts_ref, quantize_activations=True)
         out += [
@@ -170,7 +182,7 @@ def moe_cases() -> list[Case]:
             Case(f"fp8 moe T={T} weight-only", make, _tiled, None, moved, flops, fp8.fp8_moe_experts_ref),
             Case(f"fp8 moe T={T} w8a8", make, functools.partial(_tiled, w8a8=True), None, moved, flops, w8a8_ref),
         ]
-        for t in W8A8_TILE_VARIANTS.get(T, ()):
+        for t in W8A8_TILE_VARIANTS.get(T, W8A8_TILE_VARIANTS[1024] if T == 512 else ()):
             fn = functools.partial(_tiled, tiles=t, w8a8=True)
             out.append(Case(f"fp8 moe T={T} w8a8 {t}", make, fn, None, moved, flops, w8a8_ref))
     return out
