@@ -67,7 +67,7 @@ class Engine:
             self.cache,
             config.max_num_seqs,
             config.max_num_batched_tokens,
-            self.workers.limits if config.async_scheduling else None,
+            config.async_scheduling,
             # rounded (bf16) SSM states: budget cuts of a prefill land on SSD chunk ends, where the scan rounds
             self.model_config.chunk_size if resolve_ssm_dtype(config, self.model_config) != torch.float32 else 0,
         )
@@ -82,6 +82,7 @@ class Engine:
         self.num_generation_tokens = 0  # tokens sampled
         self.num_steps = 0  # steps that ran a forward
         self.num_steps_ahead = 0  # steps launched before the previous step's tokens were read
+        self.num_prefill_steps_ahead = 0  # of those, steps holding a prefill chunk (a row of more than one token)
         self.num_preemptions = 0  # requests preempted (recomputed later) by the scheduler
         # phase -> host seconds spent in it over all steps ("execute" includes waiting for the device)
         self.step_seconds = {"schedule": 0.0, "execute": 0.0, "update": 0.0}
@@ -149,10 +150,11 @@ class Engine:
 
     def _finish(self, req: Request) -> None:
         """Ends req in the scheduler (its pages and slot are freed). If the in-flight step holds req, that step
-        computes req's last known token: count it first, so a state published at release (no_buffer) covers
-        exactly the tokens it is keyed by (the publishing copy is enqueued after that step)."""
-        if self._inflight is not None and self._inflight.sched.holds(req):
-            req.num_computed_tokens += 1
+        computes req's row (its last known token, or a prefill chunk): count it first, so a state published at
+        release (no_buffer) covers exactly the tokens it is keyed by (the publishing copy is enqueued after that
+        step)."""
+        if self._inflight is not None:
+            req.num_computed_tokens += self._inflight.sched.new_tokens_of(req)
         self.scheduler.finish(req)
 
     def has_unfinished(self) -> bool:
@@ -176,6 +178,7 @@ class Engine:
         nxt = self.scheduler.lookahead(cur.sched, lambda req: self.output.reaches_length(req, 1))
         self._inflight = InFlight(nxt, self.workers.launch(nxt.plan)) if nxt is not None else None
         self.num_steps_ahead += nxt is not None
+        self.num_prefill_steps_ahead += nxt is not None and nxt.has_prefill
         t1 = time.perf_counter()
         sampled = cur.pending.result()  # waits for cur's tokens only; the device goes on with nxt
         return self._finish_step(cur.sched, sampled, t0, t1, time.perf_counter())
@@ -212,6 +215,7 @@ class Engine:
             req = s.request
             if req.finish_reason is not None:  # ended while this step was in flight: its row is dropped
                 row += int(s.sample)
+                self.cache.drop_snapshots(s.snapshots)
                 continue
             req.num_computed_tokens += s.num_new_tokens
             if req.capture_states and s.prefix_len < len(req.prompt_token_ids) <= req.num_computed_tokens:

@@ -12,10 +12,12 @@ def cold_state(engine_off, tokens: list[int]) -> list[tuple[torch.Tensor, torch.
     """Per rank: conv [L_m, D, K-1] and ssm [L_m, H, P, N] after one cold prefill of exactly `tokens`."""
     assert engine_off.config.mamba_cache_strategy == "off"
     assert engine_off.config.max_num_batched_tokens >= len(tokens)
-    rid = engine_off.add_request(tokens, greedy(2))
+    # a request that captures states runs one step at a time: after this step its live slot holds the prompt
+    rid = engine_off.add_request(tokens, greedy(2), capture_states=True)
     engine_off.step()
     state = engine_off.workers.read_slot(engine_off.requests[rid].live_slot)
     engine_off.abort(rid)
+    engine_off.pop_captured_states(rid)
     return state
 
 

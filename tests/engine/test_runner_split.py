@@ -80,7 +80,7 @@ def _checking_execute(runner, stats: dict):
     return execute
 
 
-def _engine(path: str) -> Engine:
+def _engine(path: str, async_scheduling: bool = True) -> Engine:
     engine = Engine(
         EngineConfig(
             model_path=path,
@@ -90,6 +90,7 @@ def _engine(path: str) -> Engine:
             page_size=4,
             max_num_seqs=6,
             max_num_batched_tokens=24,
+            async_scheduling=async_scheduling,
         )
     )
     engine.runner.split_steps = True
@@ -103,7 +104,7 @@ def _prompts(engine: Engine, lens, seed: int) -> list[list[int]]:
 
 def test_split_step_equals_one_forward(tiny_model_dir):
     """Prefill chunks arrive while others decode: every step's logits and state pools match one forward."""
-    engine = _engine(tiny_model_dir)
+    engine = _engine(tiny_model_dir, async_scheduling=False)  # every step through `execute`
     stats = {"mixed": 0}
     engine.runner.execute = _checking_execute(engine.runner, stats)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -111,21 +111,25 @@ class CacheManager:
         return True
 
     # ---------- snapshots ----------
-    def plan_snapshots(self, req: Request, num_new_tokens: int) -> tuple[SnapshotPoint, ...]:
-        """Snapshot points of the extend (p, p+n] under extra_buffer, with slots allocated now."""
-        decode = num_new_tokens == 1 and len(req.output_token_ids) > 0
+    def plan_snapshots(
+        self, req: Request, prefix_len: int, num_new_tokens: int, decode: bool
+    ) -> tuple[SnapshotPoint, ...]:
+        """Snapshot points of the extend (p, p+n] (p = prefix_len) under extra_buffer, with slots allocated now.
+        decode: one token after at least one output (the interval grid applies, not the extend's)."""
         points = []
-        for s in sorted(self._snapshot_positions(req, req.num_computed_tokens, num_new_tokens, decode)):
+        for s in sorted(self._snapshot_positions(req, prefix_len, num_new_tokens, decode)):
             slot = self._alloc_snapshot_slot()
             if slot is None:
                 break
             points.append(SnapshotPoint(s, slot))
         return tuple(points)
 
-    def decode_snapshot_due(self, req: Request, prefix_len: int) -> bool:
-        """Whether a decode step of req (one token after >= 1 output) from prefix_len takes a snapshot, i.e. would
-        get points from `plan_snapshots` (allocates nothing: async scheduling asks before it launches a step)."""
-        return bool(self._snapshot_positions(req, prefix_len, 1, decode=True))
+    def drop_snapshots(self, points: tuple[SnapshotPoint, ...]) -> None:
+        """Frees the slots of planned snapshots that will not be published (their request ended while the step
+        that fills them was in flight; a later step writes a reused slot after that one in device order)."""
+        for pt in points:
+            self.pending_slots.discard(pt.slot_id)
+            self.pools.snapshots.free(pt.slot_id)
 
     def _snapshot_positions(self, req: Request, p: int, num_new_tokens: int, decode: bool) -> set[int]:
         """Grid positions in (p, p+n] to snapshot under extra_buffer: a decode step every track_interval tokens,

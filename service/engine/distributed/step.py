@@ -23,14 +23,16 @@ class SnapshotPoint:
 class StepRow:
     """One request's part of a step (its tokens are fed at positions [prefix_len, prefix_len + num_new_tokens))."""
 
-    request_id: str  # names the row's seeded generator (sampling rank) and carried token
+    request_id: str  # names the row's seeded generator (sampling rank) and, carried, its input token
     prefix_len: int  # p: tokens already in the request's KV pages and live slot
     num_new_tokens: int  # l: tokens fed this step
     live_slot: int  # mamba slot holding the request's live state
     page_ids: tuple[int, ...]  # KV pages covering positions [0, p + l), in order
-    token_ids: tuple[int, ...]  # the l tokens fed; () when the plan's tokens are carried
+    token_ids: tuple[int, ...]  # the l tokens fed; () when carried
     snapshots: tuple[SnapshotPoint, ...]  # states to copy into snapshot slots during the forward
     params: SamplingParams | None  # set iff the row samples (its chunk ends at the last known token)
+    carried: bool = False  # l == 1 and the token fed is the request's sample of the previous launched step, read
+    #                        on the device (the host does not know it yet)
 
     @property
     def sample(self) -> bool:
@@ -46,11 +48,15 @@ class StepPlan:
     slot_zeros: tuple[int, ...] = ()  # fresh live slots to zero before the forward
     publish_copies: tuple[tuple[int, int], ...] = ()  # (src live slot, dst snapshot slot): states published since
     #                                                   the previous plan, copied first (a slot may be reused here)
-    carried: bool = False  # every row decodes one token: the previous launched plan's sampled token of its request
 
     @property
     def num_tokens(self) -> int:
         return sum(r.num_new_tokens for r in self.rows)
+
+    @property
+    def carried(self) -> bool:
+        """Whether a row's input token is a sample of the previous launched step (the plan must be launched)."""
+        return any(r.carried for r in self.rows)
 
 
 @dataclass(frozen=True)
@@ -66,7 +72,7 @@ class SlotOps:
 
 @dataclass(frozen=True)
 class LaunchLimits:
-    """What a rank can launch without waiting (a plain decode step, graph-replayed when it has graphs)."""
+    """What a rank's decode graphs replay (plain decode rows; the other rows of a step run eagerly)."""
 
     max_batch: int  # rows at most
     max_pages: int  # pages per row at most (the static page table's width)
@@ -87,4 +93,4 @@ def sub_plan(plan: StepPlan, rows: tuple[int, ...]) -> StepPlan:
     any part runs."""
     if len(rows) == len(plan.rows) and not (plan.slot_copies or plan.slot_zeros or plan.publish_copies):
         return plan
-    return StepPlan(tuple(plan.rows[i] for i in rows), carried=plan.carried)
+    return StepPlan(tuple(plan.rows[i] for i in rows))

@@ -33,7 +33,7 @@ import torch
 from service.engine.cache.pools import PoolSizes
 from service.engine.config import EngineConfig, ModelConfig
 from service.engine.distributed.parallel import ParallelContext
-from service.engine.distributed.step import LaunchLimits, SlotOps, StepPlan
+from service.engine.distributed.step import SlotOps, StepPlan
 from service.engine.runner.model_runner import ModelRunner
 from service.engine.runner.sampler import SamplerOutput
 
@@ -54,7 +54,6 @@ class LocalWorkers:
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
-        self.limits: LaunchLimits = runner.limits
         self.pool_sizes: PoolSizes = runner.pool_sizes  # what the engine's allocators hand out
         self.memory_stats: dict[str, float] = runner.memory_plan.stats() if runner.memory_plan is not None else {}
         self.tp = 1
@@ -127,12 +126,11 @@ class ProcessWorkers:
         self._replies: dict[int, Any] = {}  # seq -> reply read from rank 0 ahead of its turn
         self._failed: str | None = None  # why the group is unusable
         ready = [self._read(rank, time.monotonic() + START_TIMEOUT_S)[1] for rank in range(self.tp)]
-        self.limits: LaunchLimits = ready[0][0]
         # every rank's tensors hold at least these ids (ranks may plan their memory apart)
         self.pool_sizes = PoolSizes(
-            *(min(getattr(r[1], f) for r in ready) for f in ("num_kv_pages", "num_live_slots", "num_snapshot_slots"))
+            *(min(getattr(r[0], f) for r in ready) for f in ("num_kv_pages", "num_live_slots", "num_snapshot_slots"))
         )
-        self.memory_stats: dict[str, float] = ready[0][2]  # rank 0's memory plan (memory_plan_* keys)
+        self.memory_stats: dict[str, float] = ready[0][1]  # rank 0's memory plan (memory_plan_* keys)
         log.info("tensor parallelism: %d rank processes %s ready", self.tp, [p.pid for p in self.procs])
 
     # ---------- engine-facing calls ----------
@@ -287,7 +285,7 @@ def _rank_main(
         parallel = ParallelContext(cfg.tp, cfg.ep, rank, torch.distributed.group.WORLD)
         runner = ModelRunner(cfg, model_cfg, max_model_len, parallel=parallel)
         plan = runner.memory_plan.stats() if runner.memory_plan is not None else {}
-        _send(conn, "ready", 0, (runner.limits, runner.pool_sizes, plan))
+        _send(conn, "ready", 0, (runner.pool_sizes, plan))
         _serve(runner, conn)
     except (EOFError, KeyboardInterrupt):
         pass

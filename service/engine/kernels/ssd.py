@@ -55,8 +55,9 @@ def build_chunk_layout(
         counts.append(len(chunk_req) - first[-1])
         tok += l
 
-    def t(x: list[int]) -> torch.Tensor:
-        return torch.tensor(x, dtype=torch.int64, device=device)
+    def t(x: list[int]) -> torch.Tensor:  # without waiting for the device (pinned, non-blocking on CUDA)
+        host = torch.tensor(x, dtype=torch.int64)
+        return host.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else host
 
     return ChunkLayout(
         c,

@@ -30,9 +30,13 @@ def scheduled_token_ids(plan: StepPlan) -> np.ndarray:
 
 
 def to_device_async(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """values as a 1-d tensor on device without waiting for the device: on CUDA a non-blocking copy from pinned
-    memory (a pageable copy would wait for every kernel queued before it)."""
-    host = torch.tensor(values, dtype=dtype)
+    """values as a 1-d tensor on device without waiting for the device (see `host_to_device`)."""
+    return host_to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on device without waiting for the device: on CUDA a non-blocking copy from pinned memory (a
+    pageable copy would wait for every kernel queued before it; the pinned block is kept until the copy ran)."""
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
@@ -61,7 +65,7 @@ def build_forward_batch(
     logits_idx = qsl[1:][list(sample_rows)] - 1
 
     def dev(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+        return host_to_device(torch.from_numpy(np.ascontiguousarray(a)), device)
 
     qsl_dev = dev(qsl)
     attn = AttentionMeta(
@@ -97,6 +101,6 @@ def _snapshot_plan(plan: StepPlan, layout, device: torch.device) -> SnapshotPlan
     )
 
     def t(x: list[int]) -> torch.Tensor:
-        return torch.tensor(x, dtype=torch.int64, device=device)
+        return to_device_async(x, torch.int64, device)
 
     return SnapshotPlan(t(req_idx), t(num_new), t(chunk_idx), t(dests))

@@ -12,7 +12,7 @@ import torch
 from service.engine.cache.pools import PoolSizes
 from service.engine.config import EngineConfig, ModelConfig
 from service.engine.distributed.parallel import ParallelContext, RankShapes
-from service.engine.distributed.step import LaunchLimits, SlotOps, StepPlan, StepRow, sub_plan
+from service.engine.distributed.step import SlotOps, StepPlan, StepRow, sub_plan
 from service.engine.kernels import get_kernels
 from service.engine.model import loader
 from service.engine.model.nemotron_h import NemotronHForCausalLM
@@ -105,15 +105,27 @@ def state_shapes(m: ModelConfig, s: RankShapes) -> StateShapes:
 
 @dataclass(frozen=True)
 class InFlightStep:
-    """A plain decode step that was launched and whose results are not read yet (async scheduling)."""
+    """A step that was launched and whose results are not read yet (async scheduling)."""
 
-    rows: dict[str, int]  # request_id -> its row in the plan
-    token_ids: torch.Tensor  # [B] int64 sampled tokens on the device (every rank): the next inputs
-    host: HostSample | None  # rank 0: the sampled tokens (and logprobs) on their way to the host
+    rows: dict[str, int]  # request_id of a sampling row -> its index k in token_ids
+    token_ids: torch.Tensor  # [R] int64 sampled tokens on the device (every rank): a carried row's input
+    host: HostSample | None  # rank 0: the sampled tokens (and logprobs) on their way to the host (None: R = 0)
+    order: tuple[int, ...]  # [R] the plan row (index into plan.rows) that sample k belongs to
 
     def result(self) -> SamplerOutput:
-        """Waits for this step's results only (rank 0)."""
-        return self.host.result()
+        """Waits for this step's results only (rank 0); one per sampling row, in batch order."""
+        if self.host is None:
+            return SamplerOutput([], None, None)
+        return in_batch_order(self.host.result(), list(self.order))
+
+
+def in_batch_order(out: SamplerOutput, rows: list[int]) -> SamplerOutput:
+    """out's results (result k belongs to plan row rows[k]) sorted by plan row."""
+    return SamplerOutput(
+        restore_batch_order(out.token_ids, rows),
+        None if out.logprobs is None else restore_batch_order(out.logprobs, rows),
+        None if out.top_logprobs is None else restore_batch_order(out.top_logprobs, rows),
+    )
 
 
 class ModelRunner:
@@ -171,12 +183,6 @@ class ModelRunner:
             sizes, self.cfg.page_size, shapes, self.dtype, self.device, self.kv_dtype, ssm_dtype=self.ssm_dtype
         )
 
-    @property
-    def limits(self) -> LaunchLimits:
-        """What `launch` takes: plain decode rows that one forward runs (a graph replay when there are graphs)."""
-        g = self.graphs
-        return LaunchLimits(g.max_batch, g.max_pages) if g is not None else LaunchLimits(1 << 62, 1 << 62)
-
     def _capture_graphs(self, max_model_len: int) -> DecodeGraphs | None:
         """Decode graphs only on CUDA with the triton kernels (the torch reference path reads the device)."""
         cfg = self.cfg
@@ -216,31 +222,24 @@ class ModelRunner:
             return None
         if not rows:
             return SamplerOutput([], None, None)
-        out = self._sample([plan.rows[i] for i in rows], logits).to_host().result()
-        return SamplerOutput(
-            restore_batch_order(out.token_ids, rows),
-            None if out.logprobs is None else restore_batch_order(out.logprobs, rows),
-            None if out.top_logprobs is None else restore_batch_order(out.top_logprobs, rows),
-        )
+        return in_batch_order(self._sample([plan.rows[i] for i in rows], logits).to_host().result(), rows)
 
     def launch(self, plan: StepPlan) -> InFlightStep:
-        """Enqueues a plain decode step (`is_launchable(plan, self.limits)`): slot work, the forward, sampling and
-        the copy of the results to the host, without waiting for the device. A carried plan's input tokens are
-        the last launched step's samples (every request of the plan is in it)."""
+        """Enqueues a step as `execute` runs it (slot work, the forward, sampling) and the copy of its results to
+        the host, without waiting for them. A carried row's input token is its request's sample in the last
+        launched step, read on the device (every rank has it)."""
         self._apply_slot_ops(plan)
-        token_ids = self._carried_tokens(plan) if plan.carried else None
-        if self.graphs is not None:
-            logits = self.graphs.run(plan, token_ids)
-        else:
-            logits = self._eager(plan, token_ids)[0]
-        rows = {r.request_id: i for i, r in enumerate(plan.rows)}
-        if self.rank == 0:
-            sample = self._sample(list(plan.rows), logits)
+        logits, rows = self.forward(plan, self._split(plan))
+        if not rows:
+            sampled, host = torch.zeros(0, dtype=torch.int64, device=self.device), None
+        elif self.rank == 0:
+            sample = self._sample([plan.rows[i] for i in rows], logits)
             sampled, host = self._share_tokens(sample.token_ids), sample.to_host()
         else:
-            zeros = torch.zeros(len(plan.rows), dtype=torch.int64, device=self.device)
+            zeros = torch.zeros(len(rows), dtype=torch.int64, device=self.device)
             sampled, host = self._share_tokens(zeros), None
-        self._last = InFlightStep(rows, sampled, host)
+        index = {plan.rows[i].request_id: k for k, i in enumerate(rows)}
+        self._last = InFlightStep(index, sampled, host, tuple(rows))
         return self._last
 
     def _share_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -268,13 +267,25 @@ class ModelRunner:
         gens = [self._generator(r.request_id, r.params.seed) for r in rows]
         return self.sampler.sample(logits, [r.params for r in rows], gens)
 
-    def _carried_tokens(self, plan: StepPlan) -> torch.Tensor:
-        """[B] int64 on the device: the last launched step's sampled token of each of the plan's requests."""
+    def _input_ids(self, plan: StepPlan) -> torch.Tensor | None:
+        """[T] int64 on the device: the plan's tokens, request-major, a carried row's token read from the last
+        launched step's samples; None when no row is carried (the rows' token_ids are the inputs)."""
+        if not plan.carried:
+            return None
         last = self._last
-        rows = [last.rows[r.request_id] for r in plan.rows]
-        if rows == list(range(len(last.rows))):
-            return last.token_ids
-        return last.token_ids.index_select(0, to_device_async(rows, torch.int64, self.device))
+        src = [last.rows[r.request_id] for r in plan.rows if r.carried]
+        if len(src) == len(plan.rows):  # decode rows only
+            if src == list(range(len(last.order))):
+                return last.token_ids
+            return last.token_ids.index_select(0, to_device_async(src, torch.int64, self.device))
+        flat, dst = [], []
+        for r in plan.rows:
+            if r.carried:
+                dst.append(len(flat))
+            flat.extend(r.token_ids or (0,))  # a carried row's place, filled on the device
+        ids = to_device_async(flat, torch.int64, self.device)
+        picked = last.token_ids.index_select(0, to_device_async(src, torch.int64, self.device))
+        return ids.index_copy_(0, to_device_async(dst, torch.int64, self.device), picked)
 
     def _split(self, plan: StepPlan) -> StepSplit | None:
         """How to run the step: None = one eager forward (no graphs, or no plain decode row)."""
@@ -296,7 +307,7 @@ class ModelRunner:
         if split is not None and split.graph_rows:
             sub = sub_plan(plan, split.graph_rows)
             g = self.graphs
-            logits = g.run(sub) if g is not None else self._run_one(sub)[0]
+            logits = g.run(sub, self._input_ids(sub)) if g is not None else self._run_one(sub)[0]
             parts.append((logits, list(split.graph_rows)))
         eager_rows = split.eager_rows if split is not None else tuple(range(len(plan.rows)))
         if eager_rows:
@@ -313,13 +324,14 @@ class ModelRunner:
     def _run_one(self, plan: StepPlan, may_replay: bool = True) -> tuple[torch.Tensor, tuple[int, ...]]:
         """One forward (a graph replay if allowed and the whole step is a plain decode step, else eager):
         logits [R, vocab] and the R sampled rows (indices into plan.rows)."""
+        ids = self._input_ids(plan)
         if may_replay and self.graphs is not None and is_graphable(plan, self.graphs.max_batch, self.graphs.max_pages):
-            return self.graphs.run(plan), tuple(range(len(plan.rows)))
-        return self._eager(plan)
+            return self.graphs.run(plan, ids), tuple(range(len(plan.rows)))
+        return self._eager(plan, ids)
 
     def _eager(self, plan: StepPlan, input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[int, ...]]:
         """One eager forward of the step: logits [R, vocab] and the R sampled rows. input_ids: [T] on the device
-        when the tokens are not on the host (None: the rows' token_ids)."""
+        when some tokens are not on the host (None: the rows' token_ids)."""
         batch = build_forward_batch(plan, self.cfg.page_size, self.model_cfg.chunk_size, self.device, input_ids)
         logits = self.model(
             batch.input_ids,

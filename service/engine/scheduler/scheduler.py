@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from service.engine.cache.manager import CacheManager
-from service.engine.distributed.step import LaunchLimits, SnapshotPoint, StepPlan, StepRow, is_launchable
+from service.engine.distributed.step import SnapshotPoint, StepPlan, StepRow
 from service.engine.request import FinishReason, Request, RequestStatus
 
 
@@ -20,6 +20,7 @@ class ScheduledRequest:
     num_new_tokens: int  # l: tokens fed this step
     sample: bool  # this chunk ends at the last known token: sample the next one
     snapshots: tuple[SnapshotPoint, ...]  # states to snapshot during the forward
+    carried: bool = False  # decodes the request's sample of the in-flight step (not known to the host yet)
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,17 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
+    @property
+    def has_prefill(self) -> bool:
+        """Whether a row feeds more than one token (a prefill chunk)."""
+        return _has_prefill(self.scheduled)
+
     def holds(self, req: Request) -> bool:
         return any(s.request is req for s in self.scheduled)
+
+    def new_tokens_of(self, req: Request) -> int:
+        """The tokens this step feeds req (0 when req has no row)."""
+        return next((s.num_new_tokens for s in self.scheduled if s.request is req), 0)
 
 
 def fed_tokens(req: Request, p: int, n: int) -> tuple[int, ...]:
@@ -50,32 +60,23 @@ def fed_tokens(req: Request, p: int, n: int) -> tuple[int, ...]:
     return tuple(prompt[p:]) + tuple(out[: p + n - lp])
 
 
-def step_row(s: ScheduledRequest, carried: bool = False) -> StepRow:
+def step_row(s: ScheduledRequest) -> StepRow:
     """The plan row of a scheduled request: ids, positions and the tokens it feeds (none when carried)."""
     req, p, n = s.request, s.prefix_len, s.num_new_tokens
-    tokens = () if carried else fed_tokens(req, p, n)
-    return StepRow(
-        req.request_id, p, n, req.live_slot, tuple(req.page_ids), tokens, s.snapshots, req.params if s.sample else None
-    )
+    tokens = () if s.carried else fed_tokens(req, p, n)
+    params = req.params if s.sample else None
+    return StepRow(req.request_id, p, n, req.live_slot, tuple(req.page_ids), tokens, s.snapshots, params, s.carried)
 
 
 def make_output(
-    scheduled: tuple[ScheduledRequest, ...],
-    copies=(),
-    zeros=(),
-    publish=(),
-    preempted=(),
-    finished=(),
-    carried: bool = False,
+    scheduled: tuple[ScheduledRequest, ...], copies=(), zeros=(), publish=(), preempted=(), finished=()
 ) -> SchedulerOutput:
     """A SchedulerOutput and its plan (copies: (src snapshot, dst live); zeros: live slots; publish: (live, snap))."""
-    plan = StepPlan(
-        tuple(step_row(s, carried) for s in scheduled), tuple(copies), tuple(zeros), tuple(publish), carried
-    )
+    plan = StepPlan(tuple(step_row(s) for s in scheduled), tuple(copies), tuple(zeros), tuple(publish))
     return SchedulerOutput(scheduled, plan, tuple(preempted), tuple(finished))
 
 
-def _has_prefill(out: list[ScheduledRequest]) -> bool:
+def _has_prefill(out) -> bool:
     """Whether the step being built holds a row of more than one token."""
     return any(s.num_new_tokens > 1 for s in out)
 
@@ -86,13 +87,13 @@ class Scheduler:
         cache: CacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        launch_limits: LaunchLimits | None = None,
+        launch_ahead: bool = False,
         prefill_align: int = 0,
     ):
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
-        self.launch_limits = launch_limits  # None: never launch ahead (async scheduling off)
+        self.launch_ahead = launch_ahead  # async scheduling: steps are launched before the previous one's tokens
         # a prefill cut by the token budget ends at a multiple of this many tokens (0: anywhere); set to the SSD
         # chunk size when the SSM state pool rounds states (bf16): the scan rounds at chunk ends, a step's end
         # rounds too, so cuts at chunk ends keep a request's numbers independent of how its prompt was cut
@@ -117,83 +118,121 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._cut(req, min(req.num_tokens - req.num_computed_tokens, budget), out)
+            p, known = req.num_computed_tokens, req.num_tokens
+            n = self._cut(p, known, min(known - p, budget), _has_prefill(out))
             if n == 0:  # no chunk end within the budget left: the request's prefill goes on next step
                 i += 1
                 continue
             if not self._grow_or_preempt(req, n, preempted, finished):
                 continue  # req itself was preempted or finished: the list shrank
-            out.append(self._scheduled(req, n))
+            out.append(self._scheduled(req, p, n, known))
             budget -= n
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+        if not preempted:
+            self._admit(out, budget, copies, zeros, ahead=False)
+        return make_output(tuple(out), copies, zeros, self.cache.take_publish_copies(), preempted, finished)
+
+    def _admit(self, out: list[ScheduledRequest], budget: int, copies: list, zeros: list, ahead: bool) -> None:
+        """Admits waiting requests in order while seats, memory and budget last: their first chunks join `out`
+        (copies: (snapshot, live slot) of cache hits; zeros: fresh live slots). ahead: the step is launched
+        ahead, where a request that captures states is not admitted (its capture reads the state after the step)."""
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if budget < self.prefill_align and _has_prefill(out):
                 break  # it could only be cut mid-chunk: admitted next step
+            if ahead and req.capture_states:
+                break
             n = self.cache.admit(req, budget)
             if n is None:
                 break
-            n = self._cut(req, n, out) or n
+            n = self._cut(req.num_computed_tokens, req.num_tokens, n, _has_prefill(out)) or n
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             copy = self.cache.initial_slot_copy(req)
             copies.append(copy) if copy else zeros.append(req.live_slot)
-            out.append(self._scheduled(req, n))
+            out.append(self._scheduled(req, req.num_computed_tokens, n, req.num_tokens))
             budget -= n
-        return make_output(tuple(out), copies, zeros, self.cache.take_publish_copies(), preempted, finished)
 
     # ---------- async scheduling ----------
     def may_launch(self, sched: SchedulerOutput) -> bool:
-        """Whether sched can be launched without waiting for its tokens: a plain decode step the ranks can launch,
-        and no row captures states (a capture reads the state right after the step)."""
-        return (
-            self.launch_limits is not None
-            and is_launchable(sched.plan, self.launch_limits)
-            and not any(s.request.capture_states for s in sched.scheduled)
-        )
+        """Whether sched can be launched without waiting for its tokens: async scheduling is on and no row captures
+        states (a capture reads the state right after the step)."""
+        return self.launch_ahead and not any(s.request.capture_states for s in sched.scheduled)
 
     def lookahead(self, cur: SchedulerOutput, ends_next: Callable[[Request], bool]) -> SchedulerOutput | None:
-        """The step after the in-flight `cur`, when it is certain without cur's tokens: nobody waits for a free
-        seat, and each of cur's requests that can go on decodes one more token, no snapshot due (a request that
-        stops on cur's token costs one wasted row; the token it feeds is real, so its KV and state stay right).
-        ends_next(req): req ends on cur's token whatever it is (length). None: decide after cur's results.
-        Allocates the rows' pages. The plan's tokens are carried: cur's samples, on the device."""
-        if self.waiting and len(self.running) < self.max_num_seqs:
+        """The step after the in-flight `cur`, planned before cur's tokens are read, as `schedule` plans it with
+        every running request where cur leaves it: one that samples in cur decodes that sample (carried: cur's
+        token, read on the device; a request that stops on it costs one wasted row, and the token it feeds is
+        real, so its KV and state stay right), one mid-prefill feeds its next chunk; then waiting requests are
+        admitted (a state that cur publishes is not hit yet). ends_next(req): req ends on cur's token whatever it
+        is (length). None: decide after cur's results (a row would need preemption or captures states, or there
+        is nothing to run). Allocates the rows' pages and snapshot slots."""
+        if not self.launch_ahead or (
+            self.waiting and self.waiting[0].capture_states and len(self.running) < self.max_num_seqs
+        ):
             return None
-        in_cur = {id(s.request) for s in cur.scheduled}
-        if any(id(r) not in in_cur for r in self.running):  # someone waits for budget (a prefill cut to chunk ends)
+        rows = self._next_rows({id(s.request): s for s in cur.scheduled}, ends_next)
+        if rows is None:
             return None
-        rows = []
-        for s in cur.scheduled:
-            req = s.request
-            if req.finish_reason is not None or ends_next(req):
-                continue
-            p = s.prefix_len + 1  # cur feeds position s.prefix_len; the next step feeds the token after
-            if self.cache.decode_snapshot_due(req, p) or not self.cache.grow(req, p + 1):
-                return None
-            rows.append(ScheduledRequest(req, p, 1, True, ()))
-        nxt = make_output(tuple(rows), carried=True)
-        ok = 0 < len(rows) <= self.token_budget and is_launchable(nxt.plan, self.launch_limits)
-        return nxt if ok else None
+        budget = self.token_budget - sum(s.num_new_tokens for s in rows)
+        out = [self._with_snapshots(s) for s in rows]
+        copies: list[tuple[int, int]] = []
+        zeros: list[int] = []
+        self._admit(out, budget, copies, zeros, ahead=True)
+        if not out:
+            return None
+        return make_output(tuple(out), copies, zeros, self.cache.take_publish_copies())
 
-    def _cut(self, req: Request, n: int, out: list[ScheduledRequest]) -> int:
-        """The tokens to feed req this step when n fit the budget: n if they reach its last known token, else n
-        rounded down to a multiple of prefill_align (absolute positions). 0 when that leaves none and the step
-        already holds a prefill chunk; the step's first prefill takes n unrounded then, so some prefill always
-        progresses (with a budget of at least max_num_seqs - 1 + prefill_align the first one always ends on a
-        chunk end)."""
-        a, p = self.prefill_align, req.num_computed_tokens
-        if a <= 1 or p + n >= req.num_tokens:
+    def _next_rows(
+        self, in_cur: dict[int, ScheduledRequest], ends_next: Callable[[Request], bool]
+    ) -> list[ScheduledRequest] | None:
+        """The running requests' rows of the step after cur (in_cur: id(request) -> its row in cur) with their
+        pages, no snapshots planned yet; None if one would not get its pages without preemption or captures states
+        (nothing is held then but pages the requests need anyway)."""
+        rows, budget = [], self.token_budget
+        for req in self.running:
+            if budget <= 0:
+                break
+            s = in_cur.get(id(req))
+            carried = s is not None and s.sample
+            if carried and ends_next(req):
+                continue
+            p = req.num_computed_tokens if s is None else s.prefix_len + s.num_new_tokens
+            known = req.num_tokens + carried  # cur's sample is known to the device only
+            n = self._cut(p, known, min(known - p, budget), _has_prefill(rows))
+            if n == 0:
+                continue
+            if req.capture_states or not self.cache.grow(req, p + n):
+                return None
+            rows.append(ScheduledRequest(req, p, n, p + n == known, (), carried))
+            budget -= n
+        return rows
+
+    def _cut(self, p: int, num_tokens: int, n: int, has_prefill: bool) -> int:
+        """The tokens to feed a request with p computed of its num_tokens known tokens this step when n fit the
+        budget: n if they reach its last known token, else n rounded down to a multiple of prefill_align (absolute
+        positions). 0 when that leaves none and the step already holds a prefill chunk (has_prefill); the step's
+        first prefill takes n unrounded then, so some prefill always progresses (with a budget of at least
+        max_num_seqs - 1 + prefill_align the first one always ends on a chunk end)."""
+        a = self.prefill_align
+        if a <= 1 or p + n >= num_tokens:
             return n
         m = (p + n) // a * a - p
         if m > 0:
             return m
-        return 0 if _has_prefill(out) else n
+        return 0 if has_prefill else n
 
-    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
-        sample = req.num_computed_tokens + n == req.num_tokens
-        return ScheduledRequest(req, req.num_computed_tokens, n, sample, self.cache.plan_snapshots(req, n))
+    def _scheduled(self, req: Request, p: int, n: int, num_tokens: int) -> ScheduledRequest:
+        """req's row feeding tokens [p, p + n) of its num_tokens known ones, with its snapshot slots allocated."""
+        return self._with_snapshots(ScheduledRequest(req, p, n, p + n == num_tokens, ()))
+
+    def _with_snapshots(self, s: ScheduledRequest) -> ScheduledRequest:
+        """s with its snapshot points planned (slots allocated). A carried row decodes: its request has an output
+        (cur's sample) even when req holds none yet."""
+        req, n = s.request, s.num_new_tokens
+        decode = n == 1 and (s.carried or len(req.output_token_ids) > 0)
+        return replace(s, snapshots=self.cache.plan_snapshots(req, s.prefix_len, n, decode))
 
     def _grow_or_preempt(self, req: Request, n: int, preempted: list[str], finished: list[Request]) -> bool:
         """Pages for req's next n tokens, preempting the most recently admitted requests if needed.
