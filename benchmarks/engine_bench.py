@@ -235,6 +235,7 @@ def throughput_run(
     pending = random_prompts(num_prompts, isl, vocab, seed)[::-1]
     sent, first, done = {}, {}, {}
     split0 = engine.runner.num_split_steps
+    ahead0, prefill_ahead0 = engine.num_steps_ahead, engine.num_prefill_steps_ahead
     phases0 = step_phases(engine)
     kinds = {k: [0, 0.0, 0] for k in ("mixed", "ahead", "other")}  # kind -> [steps, seconds, sampled rows]
     traces: dict[int, step_split.StepSplit] = {}
@@ -283,6 +284,8 @@ def throughput_run(
         "tp seconds": elapsed,
         "tp split steps": float(engine.runner.num_split_steps - split0),
         "tp steps": float(engine.num_steps - phases0[0]),
+        "tp steps launched ahead": float(engine.num_steps_ahead - ahead0),
+        "tp prefill steps launched ahead": float(engine.num_prefill_steps_ahead - prefill_ahead0),
         **phase_ms(engine, phases0, "tp"),
     }
     for kind, (n, sec, rows) in kinds.items():

@@ -9,8 +9,9 @@ is scheduled), and for cached states a cold prefill of exactly the tokens a snap
 from __future__ import annotations
 
 import pytest
+import torch
 
-from service.engine import SamplingParams
+from service.engine import Engine, EngineConfig, SamplingParams
 from tests.engine.cache_helpers import snapshot_errors
 from tests.engine.helpers import greedy, make_engine, random_ids
 from tests.outputs import assert_same_outputs
@@ -99,12 +100,12 @@ def _assert_all_free(eng) -> None:
     eng.check_integrity()
 
 
-def _in_flight_chunk(eng, rid: str) -> int:
-    """Tokens of rid's row in the in-flight step when it is a prefill chunk, else 0."""
-    if eng._inflight is None:
-        return 0
-    n = eng._inflight.sched.new_tokens_of(eng.requests[rid])
-    return n if n > 1 else 0
+def _in_flight_chunk(eng, rid: str, with_snapshots: bool):
+    """rid's row in the in-flight step when it is a prefill chunk (taking snapshots if asked), else None."""
+    rows = [s for s in eng._inflight.sched.scheduled if s.request.request_id == rid] if eng._inflight else []
+    if rows and rows[0].num_new_tokens > 1 and (rows[0].snapshots or not with_snapshots):
+        return rows[0]
+    return None
 
 
 @pytest.mark.parametrize("strategy", ["no_buffer", "extra_buffer", "off"])
@@ -119,13 +120,12 @@ def test_abort_while_a_prefill_chunk_is_in_flight(mixed_ckpt, strategy):
     rid_v = eng.add_request(victim, greedy(8))
     rids.append(eng.add_request(keep[2], greedy(8, logprobs=True)))
     steps = 0
-    while not _in_flight_chunk(eng, rid_v):
+    while (row := _in_flight_chunk(eng, rid_v, strategy == "extra_buffer")) is None:
         eng.step()
         steps += 1
         assert steps < 40, "the victim's prefill never ran in a step launched ahead"
-    chunk = _in_flight_chunk(eng, rid_v)
-    p = eng._inflight.sched.scheduled[[s.request.request_id for s in eng._inflight.sched.scheduled].index(rid_v)]
-    assert p.request.num_computed_tokens == p.prefix_len  # the chunk is not counted yet
+    assert row.request.num_computed_tokens == row.prefix_len  # the chunk is not counted yet
+    assert {pt.slot_id for pt in row.snapshots} <= eng.cache.pending_slots
     aborted = eng.abort(rid_v)
     assert aborted.finish_reason == "abort" and not aborted.token_ids
     final = {}
@@ -137,7 +137,7 @@ def test_abort_while_a_prefill_chunk_is_in_flight(mixed_ckpt, strategy):
     if strategy == "no_buffer":
         off = make_engine(mixed_ckpt, page_size=4, mamba_cache_strategy="off", max_num_batched_tokens=1024)
         errors = snapshot_errors(eng, off)
-        assert p.prefix_len + chunk in errors, (errors, p.prefix_len, chunk)
+        assert row.prefix_len + row.num_new_tokens in errors, (errors, row)
         assert max(errors.values()) <= 1e-5, errors
 
 
@@ -160,3 +160,42 @@ def test_requests_added_between_steps_join_steps_launched_ahead(mixed_ckpt):
     sync = _engine(mixed_ckpt, "off", async_scheduling=False)
     assert_same_outputs(final[rid_a], sync.generate([a], greedy(20, logprobs=True))[0], LOGPROB_TOL)
     assert_same_outputs([final[r] for r in rids], sync.generate(late, greedy(6, logprobs=True)), LOGPROB_TOL)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_mixed_steps_ahead_with_graphs_equal_one_step_at_a_time(tiny_model_dir):
+    """CUDA graphs + triton kernels, steps split into a replayed decode part and an eager prefill part: carried
+    tokens reach both parts on the device, and the outputs equal one step at a time's (more requests than seats,
+    chunked prompts, seeded sampling, a stop token)."""
+
+    def engine(async_scheduling: bool) -> Engine:
+        cfg = EngineConfig(
+            model_path=tiny_model_dir,
+            device="cuda",
+            kernel_backend="triton",
+            dtype="float32",
+            mamba_cache_strategy="off",
+            page_size=4,
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            async_scheduling=async_scheduling,
+        )
+        return Engine(cfg)
+
+    sync = engine(False)
+    vocab = sync.model_config.vocab_size
+    prompts = [random_ids(n, 200 + n, vocab) for n in (9, 45, 5, 70, 17, 33, 3, 52, 12, 28)]
+    probe = sync.generate([prompts[4]], greedy(10))[0].token_ids
+    params = [greedy(6 + i % 5, logprobs=True) for i in range(len(prompts))]
+    params[4] = SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=(probe[3],), logprobs=True)
+    params[7] = SamplingParams(max_tokens=9, temperature=0.9, seed=11, logprobs=True)
+    ref = sync.generate(prompts, params)
+    eng = engine(True)
+    assert_same_outputs(eng.generate(prompts, params), ref, 1e-4, finish_reason=True)
+    assert ref[4].finish_reason == "stop"
+    assert eng.num_prefill_steps_ahead >= 5, (eng.num_prefill_steps_ahead, eng.num_steps)
+    assert eng.runner.num_split_steps >= 3 and eng.runner.graphs.num_replays >= 10
