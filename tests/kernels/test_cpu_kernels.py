@@ -15,10 +15,12 @@ from service.engine.kernels import (
     cpu_conv1d,
     cpu_linear,
     cpu_moe,
+    cpu_norm,
     cpu_ssd,
     get_kernels,
     linear,
     moe,
+    norm,
     ssd,
     torch_reference_kernels,
 )
@@ -303,6 +305,36 @@ def test_moe_experts_checks_shared_expert():
         )
 
 
+# ---------------------------------------------------------------- norms
+@pytest.mark.parametrize("rows", [5, 2 * cpu_norm.NORM_BLOCK_ROWS + 7])  # one block (the reference); three blocks
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_norms(rows, dtype, bias):
+    """The row-blocked norms are the reference's math per block: bit-equal norms, the fused linears within the
+    tolerance (one GEMM per block)."""
+    torch.manual_seed(8)
+    d, Di, N, group = 32, 48, 40, 16
+    x, res = torch.randn(rows, d, dtype=dtype), torch.randn(rows, d, dtype=dtype)
+    nw, gw = 1 + 0.1 * torch.randn(d, dtype=dtype), 1 + 0.1 * torch.randn(Di, dtype=dtype)
+    w_in, w_out = cpu_linear.linear_weight_layout(torch.randn(N, d, dtype=dtype)), torch.randn(N, Di, dtype=dtype)
+    b = torch.randn(N, dtype=dtype) if bias else None
+    y, z = torch.randn(rows, Di, dtype=dtype), torch.randn(rows, Di, dtype=dtype)
+    assert torch.equal(cpu_norm.rms_norm(x, nw, 1e-5), norm.rms_norm_ref(x, nw, 1e-5))
+    for out, ref in zip(cpu_norm.add_rms_norm(x, res, nw, 1e-5), norm.add_rms_norm_ref(x, res, nw, 1e-5)):
+        assert torch.equal(out, ref)
+    got, ref = (
+        cpu_norm.add_rms_norm_linear(x, res, nw, 1e-5, w_in, b),
+        norm.add_rms_norm_linear_ref(x, res, nw, 1e-5, w_in, b),
+    )
+    close(got[0], ref[0], dtype)
+    assert torch.equal(got[1], ref[1])
+    close(
+        cpu_norm.gated_norm_linear(y, z, gw, group, 1e-5, w_out, b),
+        norm.gated_norm_linear_ref(y, z, gw, group, 1e-5, w_out, b),
+        dtype,
+    )
+
+
 # ---------------------------------------------------------------- bundle
 def test_torch_bundle_runs_the_fast_kernels():
     fast, ref = get_kernels("torch"), torch_reference_kernels()
@@ -316,4 +348,7 @@ def test_torch_bundle_runs_the_fast_kernels():
     assert fast.moe_experts is cpu_moe.moe_experts and ref.moe_experts is moe.moe_experts_ref
     assert fast.moe_weight_layout is cpu_moe.moe_weight_layout and ref.moe_weight_layout is moe.moe_weight_layout_ref
     assert fast.linear_weight_layout is cpu_linear.linear_weight_layout
+    assert fast.gated_norm_linear is cpu_norm.gated_norm_linear and ref.gated_norm_linear is norm.gated_norm_linear_ref
+    assert fast.add_rms_norm_linear is cpu_norm.add_rms_norm_linear and fast.add_rms_norm is cpu_norm.add_rms_norm
+    assert fast.rms_norm is cpu_norm.rms_norm
     assert ref.linear_weight_layout is linear.linear_weight_layout_ref

@@ -22,6 +22,7 @@ from service.engine.kernels import (
     cpu_conv1d,
     cpu_linear,
     cpu_moe,
+    cpu_norm,
     cpu_ssd,
     fp8,
     linear,
@@ -90,10 +91,11 @@ def torch_reference_kernels() -> Kernels:
 
 
 def torch_kernels() -> Kernels:
-    """The "torch" bundle: the fast pure-torch kernels (cpu_attention, cpu_conv1d, cpu_moe, cpu_ssd) for the
-    prefill scan, conv and conv state windows, the decode recurrence, paged attention and the routed experts (with
-    their weights laid out at load, `cpu_moe.moe_weight_layout`); references for the rest, with the linears' weights
-    stored transposed at load (`cpu_linear.linear_weight_layout`).
+    """The "torch" bundle: the fast pure-torch kernels (cpu_attention, cpu_conv1d, cpu_moe, cpu_norm, cpu_ssd) for
+    the prefill scan, conv and conv state windows, the decode recurrence, paged attention, the routed experts (with
+    their weights laid out at load, `cpu_moe.moe_weight_layout`) and the norms with their fused linears (row blocks
+    at prefill sizes); references for the rest, with the linears' weights stored transposed at load
+    (`cpu_linear.linear_weight_layout`).
     cpu_moe.moe_experts runs `F.grouped_mm`, whose CUDA kernel takes bf16 only: off the CPU it is the reference."""
     return dataclasses.replace(
         torch_reference_kernels(),
@@ -104,6 +106,10 @@ def torch_kernels() -> Kernels:
         conv_windows=cpu_conv1d.conv_state_windows,
         paged_attention=cpu_attention.paged_attention,
         moe_experts=cpu_moe.moe_experts,
+        rms_norm=cpu_norm.rms_norm,
+        add_rms_norm=cpu_norm.add_rms_norm,
+        add_rms_norm_linear=cpu_norm.add_rms_norm_linear,
+        gated_norm_linear=cpu_norm.gated_norm_linear,
         linear_weight_layout=cpu_linear.linear_weight_layout,
         moe_weight_layout=cpu_moe.moe_weight_layout,
     )
