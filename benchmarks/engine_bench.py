@@ -263,7 +263,12 @@ def throughput_run(
         step += 1
         if step % progress_every == 0:  # a run cut by a timeout still shows how far it got
             n_out = sum(r[2] for r in kinds.values())
-            print(f"  tp progress: step {step}, {now - t0:.1f} s, {n_out} outputs, {len(done)} done", flush=True)
+            ahead, prefill = engine.num_steps_ahead - ahead0, engine.num_prefill_steps_ahead - prefill_ahead0
+            print(
+                f"  tp progress: step {step}, {now - t0:.1f} s, {n_out} outputs, {len(done)} done, {ahead} steps "
+                f"launched ahead ({prefill} with a prefill chunk)",
+                flush=True,
+            )
         if prof is not None and step == traced_from + 4:
             traces[traced_from] = _stop_profile(prof, engine, os.path.join(tmp, f"tp_{traced_from}.json"))
             prof = None
