@@ -1,7 +1,7 @@
 """What a closed-loop ISL/OSL throughput run can reach, from measured step costs: the engine's schedule (decode rows
 first, then prefill chunks in the token budget left, admission as requests finish) simulated step by step, each
 step costing the decode time of its decode rows plus the prefill time of its prefill tokens plus a host gap when it
-mixes both (a mixed step is not launched ahead).
+mixes both (--mixed-gap-ms: the device idle while the host prepares it; 0 when mixed steps are launched ahead).
 
 Inputs are measured numbers: the decode step time at a few batch sizes (linear between them, e.g. graph replays of
 `engine_bench.py`), the prefill rate (tokens/s of whole 1K prompts, `engine_bench.py --isl 1024`) and the host gap

@@ -392,7 +392,7 @@ class EngineConfig:
     seed: int = setting(0, "seed of the engine's sampler (a request's own seed takes precedence)")
     debug_integrity: bool = setting(False, "check the cache and pool invariants after every step (slow)")
     cuda_graphs: bool = setting(True, "replay captured decode-only steps (CUDA with triton kernels; ignored otherwise)")
-    async_scheduling: bool = setting(True, "launch the next plain decode step before reading this one's tokens")
+    async_scheduling: bool = setting(True, "launch the next step before reading this one's tokens")
     tp: int = setting(1, "tensor-parallel ranks, one GPU each: GPUs per engine replica", min=1)
     ep: int = setting(
         1,
