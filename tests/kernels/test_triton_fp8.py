@@ -241,9 +241,9 @@ def test_fp8_moe_gemv_gpu_nano(T):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("w8a8", [False, True])
-@pytest.mark.parametrize("T", [3, 64, 256, 1024, 2048])
+@pytest.mark.parametrize("T", [3, 64, 256, 512, 1024, 2048])
 def test_fp8_grouped_gemms_gpu_nano(T, w8a8):
-    """Every default tile of both modes: decode (<= 16 pairs per expert), <= 48, prefill (T = 2048: 96)."""
+    """Every default tile of both modes: decode (<= 16 pairs per expert), <= 32, <= 48, prefill (T = 2048: 96)."""
     args, _ = _moe(T, 128, 6, 2688, 1856, 0, torch.bfloat16, seed=T)
     x, up8, down8, up_s, down_s, ui, di, w, ids = args
     out = moe_experts_tiled(

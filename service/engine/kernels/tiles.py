@@ -264,7 +264,10 @@ def default_tiles(pairs_per_expert: float, element_size: int) -> MoeTiles:
     if element_size == 1:  # e4m3 operands (W8A8): twice the K per step of the bf16 tiles, the same bytes
         if pairs_per_expert <= 16:
             return MoeTiles(16, 64, 256, 4, 4)
-        return MoeTiles(32, 64, 256, 4, 4) if pairs_per_expert <= 48 else MoeTiles(128, 256, 128, 8, 3)
+        if pairs_per_expert <= 32:
+            return MoeTiles(32, 64, 256, 4, 4)
+        # large decode batches (Nano at T=1024: 62 % of copy bandwidth, against 42 % with the 32-row tile)
+        return MoeTiles(64, 128, 128, 4, 4) if pairs_per_expert <= 48 else MoeTiles(128, 256, 128, 8, 3)
     if pairs_per_expert <= 16:
         return MOE_DECODE_TILE_VARIANTS[0]
     if pairs_per_expert <= 48:  # large decode batches: bf16 streams the weights best through 64x128 tiles
