@@ -110,9 +110,9 @@ def decode_tps(
     notes: list[str] | None = None,
 ) -> tuple[float, dict[str, float]]:
     """(decode tok/s over `steps` pure decode steps at `batch`, host ms per step by engine phase and, with graphs,
-    the device ms of a replay on the last step's real inputs). trace_dir: also write a CPU+CUDA trace of 4 steps.
-    ceilings (bandwidth GB/s, bf16 TFLOP/s): also profile 4 steps and add their per-step time split and the step's
-    bound (`step_split`) to the results and, as text, to notes."""
+    the device ms of a replay on the last step's real inputs). trace_dir: also write a CPU+CUDA trace of 5 steps.
+    ceilings (bandwidth GB/s, bf16 TFLOP/s): also profile 5 steps (the split covers the last 4) and add their
+    per-step time split and the step's bound (`step_split`) to the results and, as text, to notes."""
     vocab = engine.model_config.vocab_size
     # the first requests decode while the last ones prefill: enough tokens that nobody ends before the timed steps
     prefill_steps = -(-batch * prompt_len // engine.config.max_num_batched_tokens)
@@ -228,8 +228,9 @@ def throughput_run(
     """Closed loop: at most `concurrency` requests in flight, the next one sent when one finishes.
     Returns output tok/s over the whole run, TTFT / TPOT medians (ms; TTFT from the request's send) and the host
     wall time per step by kind: mixed steps (a graph part and an eager part), steps launched ahead (async
-    scheduling) and the others. trace_at: step indices at which 4 steps are profiled (device busy, host gaps and
-    device ms per kernel family, printed and added to notes); progress_every: steps between progress lines."""
+    scheduling) and the others. trace_at: step indices from which 5 steps are profiled (the split covers the last 4:
+    device busy, host gaps and device ms per kernel family, printed and added to notes); progress_every: steps
+    between progress lines."""
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=osl, temperature=0.0, ignore_eos=True)
     pending = random_prompts(num_prompts, isl, vocab, seed)[::-1]
@@ -269,7 +270,7 @@ def throughput_run(
                 f"launched ahead ({prefill} with a prefill chunk)",
                 flush=True,
             )
-        if prof is not None and step == traced_from + 4:
+        if prof is not None and step == traced_from + 5:
             traces[traced_from] = _stop_profile(prof, engine, os.path.join(tmp, f"tp_{traced_from}.json"))
             prof = None
         for o in outs:
@@ -299,7 +300,7 @@ def throughput_run(
         out[f"tp {kind} ms/step"] = 1e3 * sec / max(n, 1)
         out[f"tp {kind} outputs/step"] = rows / max(n, 1)
     for at, split in traces.items():
-        line = step_split.split_lines(split, None)[0].replace("- decode B=?", f"- throughput steps {at}..{at + 3}")
+        line = step_split.split_lines(split, None)[0].replace("- decode B=?", f"- throughput steps {at + 1}..{at + 4}")
         print(line, flush=True)
         if notes is not None:
             notes.append(line)
@@ -346,11 +347,12 @@ def graph_replay_ms(engine: Engine, batches: list[int]) -> dict[str, float]:
 
 
 def profile_steps(engine: Engine, path: str) -> None:
-    """Chrome trace (CPU + CUDA) of 4 engine steps of whatever is running: host gaps and device time per step."""
+    """Chrome trace (CPU + CUDA) of 5 engine steps of whatever is running; the split's window holds the last 4
+    (`step_split.split_trace`): host gaps and device time per step."""
     sync(engine.config.device)
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
-        for _ in range(4):
+        for _ in range(5):
             with torch.profiler.record_function(step_split.STEP_RANGE):
                 engine.step()
         sync(engine.config.device)

@@ -38,11 +38,13 @@ def _x(name: str, ts: float, dur: float, cat: str = "kernel") -> dict:
 
 
 def test_split_of_two_steps_by_hand():
-    """Two steps over [1000, 1400) us; device work (overlap counted once in the busy union):
-    ssu [1000, 1100), gemm [1050, 1150) (overlaps the ssu by 50), copy [1200, 1210), a kernel of the step before
-    ending at 1020 (its part inside the window counts), one after the window (left out)."""
+    """Three profiled ranges, so two steps over [1000, 1400) us: the window starts where the first range ends (the
+    device work before it belongs to steps launched before profiling). Device work (overlap counted once in the
+    busy union): ssu [1000, 1100), gemm [1050, 1150) (overlaps the ssu by 50), copy [1200, 1210), a kernel ending
+    at 1020 (its part inside the window counts), one inside the first range and one after the window (left out)."""
     trace = {
         "traceEvents": [
+            _x(step_split.STEP_RANGE, 900, 100, "user_annotation"),
             _x(step_split.STEP_RANGE, 1000, 150, "user_annotation"),
             _x(step_split.STEP_RANGE, 1150, 250, "user_annotation"),
             # the profiler's GPU-timeline copies of the two ranges: not steps of their own
@@ -53,6 +55,7 @@ def test_split_of_two_steps_by_hand():
             _x("Memcpy HtoD (Pinned -> Device)", 1200, 10, "gpu_memcpy"),
             _x("_decode_kernel", 990, 30),
             _x("_gemv_kernel", 1500, 40),
+            _x("_gemv_kernel", 920, 40),
             {"ph": "i", "name": "marker", "ts": 1100},
         ]
     }
@@ -62,8 +65,10 @@ def test_split_of_two_steps_by_hand():
     assert s.idle_ms == pytest.approx(0.12)
     assert s.family_ms == pytest.approx({"ssu": 0.05, "gemm": 0.05, "copy": 0.005, "attention": 0.01})
     assert s.kernels_per_step == 2.0
-    with pytest.raises(ValueError, match="engine.step"):
+    with pytest.raises(ValueError, match="two or more"):
         step_split.split_trace({"traceEvents": [_x("_ssu_kernel", 0, 1)]})
+    with pytest.raises(ValueError, match="has 1"):
+        step_split.split_trace({"traceEvents": [_x(step_split.STEP_RANGE, 0, 5, "user_annotation")]})
 
 
 def test_split_of_a_real_profiler_trace(tmp_path):
@@ -76,7 +81,7 @@ def test_split_of_a_real_profiler_trace(tmp_path):
     path = tmp_path / "trace.json"
     prof.export_chrome_trace(str(path))
     s = step_split.split_trace(json.loads(path.read_text()))
-    assert s.steps == 3 and s.wall_ms > 0 and s.busy_ms == 0 and s.family_ms == {}
+    assert s.steps == 2 and s.wall_ms > 0 and s.busy_ms == 0 and s.family_ms == {}
 
 
 def test_decode_bound_by_hand():
