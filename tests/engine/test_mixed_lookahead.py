@@ -63,17 +63,22 @@ def _workload(stop_token: int) -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, params
 
 
-@pytest.mark.parametrize("strategy", ["off", "extra_buffer", "no_buffer"])
-def test_mixed_steps_ahead_equal_one_step_at_a_time(mixed_ckpt, strategy):
-    """More requests than seats, chunked prompts, prefix-cache hits: the same tokens, finish reasons and
-    logprobs as the synchronous engine, with steps that hold prefill chunks launched ahead; every state the
-    async engine cached equals a cold prefill of its key."""
-    sync = _engine(mixed_ckpt, strategy, async_scheduling=False)
+@pytest.mark.parametrize(
+    "strategy, ssm_dtype",
+    [("off", "float32"), ("extra_buffer", "float32"), ("no_buffer", "float32"), ("off", "bfloat16")],
+)
+def test_mixed_steps_ahead_equal_one_step_at_a_time(mixed_ckpt, strategy, ssm_dtype):
+    """More requests than seats, chunked prompts (bf16 states: cut at chunk ends), prefix-cache hits: the same
+    tokens, finish reasons and logprobs as the synchronous engine, with steps that hold prefill chunks launched
+    ahead; every state the async engine cached equals a cold prefill of its key."""
+    kw = dict(mamba_ssm_cache_dtype=ssm_dtype)
+    sync = _engine(mixed_ckpt, strategy, async_scheduling=False, **kw)
     probe = sync.generate([random_ids(40, 5) + random_ids(21, 9)], greedy(12))[0].token_ids
     prompts, params = _workload(stop_token=probe[4])
-    sync = _engine(mixed_ckpt, strategy, async_scheduling=False)
+    sync = _engine(mixed_ckpt, strategy, async_scheduling=False, **kw)
     ref = sync.generate(prompts, params)
-    eng = _engine(mixed_ckpt, strategy)
+    eng = _engine(mixed_ckpt, strategy, **kw)
+    assert eng.scheduler.prefill_align == (C if ssm_dtype == "bfloat16" else 0)
     out = eng.generate(prompts, params)
     assert_same_outputs(out, ref, LOGPROB_TOL, finish_reason=True, top_logprob_ids=True)
     assert ref[3].finish_reason == "stop" and len(ref[3].token_ids) == 5

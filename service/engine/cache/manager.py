@@ -111,11 +111,18 @@ class CacheManager:
         return True
 
     # ---------- snapshots ----------
+    @property
+    def plans_snapshots(self) -> bool:
+        """Whether a step's rows may take snapshots (extra_buffer)."""
+        return self.strategy == "extra_buffer"
+
     def plan_snapshots(
         self, req: Request, prefix_len: int, num_new_tokens: int, decode: bool
     ) -> tuple[SnapshotPoint, ...]:
         """Snapshot points of the extend (p, p+n] (p = prefix_len) under extra_buffer, with slots allocated now.
         decode: one token after at least one output (the interval grid applies, not the extend's)."""
+        if not self.plans_snapshots or req.bypass_cache:
+            return ()
         points = []
         for s in sorted(self._snapshot_positions(req, prefix_len, num_new_tokens, decode)):
             slot = self._alloc_snapshot_slot()

@@ -119,7 +119,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             p, known = req.num_computed_tokens, req.num_tokens
-            n = self._cut(p, known, min(known - p, budget), _has_prefill(out))
+            n = self._cut(p, known, min(known - p, budget), out)
             if n == 0:  # no chunk end within the budget left: the request's prefill goes on next step
                 i += 1
                 continue
@@ -145,7 +145,7 @@ class Scheduler:
             n = self.cache.admit(req, budget)
             if n is None:
                 break
-            n = self._cut(req.num_computed_tokens, req.num_tokens, n, _has_prefill(out)) or n
+            n = self._cut(req.num_computed_tokens, req.num_tokens, n, out) or n
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -176,7 +176,7 @@ class Scheduler:
         if rows is None:
             return None
         budget = self.token_budget - sum(s.num_new_tokens for s in rows)
-        out = [self._with_snapshots(s) for s in rows]
+        out = [self._with_snapshots(s) for s in rows] if self.cache.plans_snapshots else rows
         copies: list[tuple[int, int]] = []
         zeros: list[int] = []
         self._admit(out, budget, copies, zeros, ahead=True)
@@ -200,8 +200,8 @@ class Scheduler:
                 continue
             p = req.num_computed_tokens if s is None else s.prefix_len + s.num_new_tokens
             known = req.num_tokens + carried  # cur's sample is known to the device only
-            n = self._cut(p, known, min(known - p, budget), _has_prefill(rows))
-            if n == 0:
+            n = min(known - p, budget)
+            if p + n < known and (n := self._cut(p, known, n, rows)) == 0:
                 continue
             if req.capture_states or not self.cache.grow(req, p + n):
                 return None
@@ -209,11 +209,11 @@ class Scheduler:
             budget -= n
         return rows
 
-    def _cut(self, p: int, num_tokens: int, n: int, has_prefill: bool) -> int:
+    def _cut(self, p: int, num_tokens: int, n: int, out: list[ScheduledRequest]) -> int:
         """The tokens to feed a request with p computed of its num_tokens known tokens this step when n fit the
         budget: n if they reach its last known token, else n rounded down to a multiple of prefill_align (absolute
-        positions). 0 when that leaves none and the step already holds a prefill chunk (has_prefill); the step's
-        first prefill takes n unrounded then, so some prefill always progresses (with a budget of at least
+        positions). 0 when that leaves none and the step (its rows so far: out) already holds a prefill chunk; the
+        step's first prefill takes n unrounded then, so some prefill always progresses (with a budget of at least
         max_num_seqs - 1 + prefill_align the first one always ends on a chunk end)."""
         a = self.prefill_align
         if a <= 1 or p + n >= num_tokens:
@@ -221,7 +221,7 @@ class Scheduler:
         m = (p + n) // a * a - p
         if m > 0:
             return m
-        return 0 if has_prefill else n
+        return 0 if _has_prefill(out) else n
 
     def _scheduled(self, req: Request, p: int, n: int, num_tokens: int) -> ScheduledRequest:
         """req's row feeding tokens [p, p + n) of its num_tokens known ones, with its snapshot slots allocated."""
@@ -232,7 +232,8 @@ class Scheduler:
         (cur's sample) even when req holds none yet."""
         req, n = s.request, s.num_new_tokens
         decode = n == 1 and (s.carried or len(req.output_token_ids) > 0)
-        return replace(s, snapshots=self.cache.plan_snapshots(req, s.prefix_len, n, decode))
+        snapshots = self.cache.plan_snapshots(req, s.prefix_len, n, decode)
+        return replace(s, snapshots=snapshots) if snapshots else s
 
     def _grow_or_preempt(self, req: Request, n: int, preempted: list[str], finished: list[Request]) -> bool:
         """Pages for req's next n tokens, preempting the most recently admitted requests if needed.
