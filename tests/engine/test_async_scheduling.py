@@ -1,4 +1,4 @@
-"""Async scheduling (docs/design.md: Scheduler and runner): the next plain decode step is launched before the current step's tokens are read.
+"""Async scheduling (docs/design.md: Scheduler and runner): the next step is launched before the current step's tokens are read.
 
 Oracle: the same engine with `async_scheduling=False` (one step at a time, every token read before the next
 step is scheduled), and for cached states a cold prefill of exactly the tokens a snapshot is keyed by."""
@@ -105,8 +105,8 @@ def test_abort_with_a_step_in_flight(mixed_ckpt, strategy):
 
 
 def test_new_request_is_not_delayed_behind_the_pipeline(mixed_ckpt):
-    """A request added while steps are being launched ahead is admitted at the next step (the pipeline drains),
-    and both requests give the tokens they give alone."""
+    """A request added while steps are being launched ahead is admitted into the next step launched ahead, gets
+    its first token one step later, and both requests give the tokens they give alone."""
     eng = make_engine(mixed_ckpt)
     alone = make_engine(mixed_ckpt, async_scheduling=False)
     a, b = random_ids(7, 31), random_ids(11, 32)
@@ -114,8 +114,8 @@ def test_new_request_is_not_delayed_behind_the_pipeline(mixed_ckpt):
     for _ in range(4):
         eng.step()
     rid_b = eng.add_request(b, greedy(5))
-    eng.step()  # drains: returns the in-flight step's tokens
-    eng.step()  # schedules b's prefill
+    eng.step()  # launches b's prefill (with a's next decode) ahead; returns the in-flight step's tokens
+    eng.step()  # returns b's first token
     assert eng.requests[rid_b].output_token_ids
     final = {}
     while eng.has_unfinished():

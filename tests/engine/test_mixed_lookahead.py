@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from service.engine import Engine, EngineConfig, SamplingParams
-from tests.engine.cache_helpers import snapshot_errors
+from service.engine.canary import max_rel_error
+from tests.engine.cache_helpers import cold_state, snapshot_errors
 from tests.engine.helpers import greedy, make_engine, random_ids
 from tests.outputs import assert_same_outputs
 
@@ -165,6 +166,29 @@ def test_requests_added_between_steps_join_steps_launched_ahead(mixed_ckpt):
     sync = _engine(mixed_ckpt, "off", async_scheduling=False)
     assert_same_outputs(final[rid_a], sync.generate([a], greedy(20, logprobs=True))[0], LOGPROB_TOL)
     assert_same_outputs([final[r] for r in rids], sync.generate(late, greedy(6, logprobs=True)), LOGPROB_TOL)
+
+
+def test_request_capturing_states_is_not_launched_ahead(mixed_ckpt):
+    """A request that captures states joins while others decode in steps launched ahead: it is admitted (the
+    look-ahead stops for it), its captured post-prompt state is the state after exactly its prompt (a cold
+    prefill), and the pipeline resumes after it."""
+    eng = _engine(mixed_ckpt, "off", max_num_seqs=4, max_num_batched_tokens=64)
+    rid_a = eng.add_request(random_ids(20, 61), greedy(24))
+    for _ in range(3):
+        eng.step()
+    prompt = random_ids(37, 62)
+    rid_b = eng.add_request(prompt, greedy(4), capture_states=True)
+    ahead0 = eng.num_steps_ahead
+    final = {}
+    while eng.has_unfinished():
+        final.update({o.request_id: o for o in eng.step() if o.finished})
+    assert set(final) == {rid_a, rid_b}
+    captured = eng.pop_captured_states(rid_b)["prompt"]
+    assert captured.num_tokens == len(prompt)
+    off = make_engine(mixed_ckpt, page_size=4, mamba_cache_strategy="off", max_num_batched_tokens=1024)
+    ((conv, ssm),) = cold_state(off, prompt)
+    assert max_rel_error(captured.conv, conv) <= 1e-5 and max_rel_error(captured.ssm, ssm) <= 1e-5
+    assert eng.num_steps_ahead >= ahead0 + 10  # a's decode after b is done
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
