@@ -13,7 +13,7 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from service.deployments.args import AppArgs
+from service.deployments.args import QUEUED_REQUESTS_PER_REPLICA, AppArgs
 from service.deployments.engine_deployment import EngineDeployment
 from service.deployments.ingress import OpenAIIngress
 
@@ -21,7 +21,6 @@ ROUTER_CLASS_PATH = "service.deployments.router.PrefixAwareRouter"
 ROUTING_STATS_PERIOD_S = 2.0  # how often replicas report their cached prefixes to the router
 ROUTING_REPORT_GRACE_S = 3 * ROUTING_STATS_PERIOD_S + 5.0  # dispatches younger than this outlive a report
 ENGINE_GRACEFUL_SHUTDOWN_S = 60.0  # drain: how long Serve waits for in-flight requests on shutdown
-QUEUED_REQUESTS_PER_REPLICA = 4  # handle-side queue bound (x max_ongoing_requests x replicas) -> 503
 RANK_BUNDLE_CPUS = 0.01  # CPU share of a rank bundle on CPU-only clusters (accounting only)
 
 
@@ -74,10 +73,12 @@ def engine_deployment_options(args: AppArgs) -> dict[str, Any]:
 
 
 def ingress_deployment_options(args: AppArgs) -> dict[str, Any]:
-    """The OpenAI ingress: it must admit every request the engine deployment can run or queue (Serve's default of
-    5 ongoing requests per replica would hold the rest in the proxy); beyond that the handle answers 503."""
+    """The OpenAI ingress: it admits twice what the engine deployment can run or queue (Serve's default of 5
+    ongoing requests per replica would hold the rest in the proxy), so that beyond the engine's bound requests get
+    503 (from the handle's queue bound, or the engine replica's bound on grouped requests) instead of waiting in
+    the proxy."""
     engine_replicas = args.max_replicas or args.replicas
-    admitted = (1 + QUEUED_REQUESTS_PER_REPLICA) * args.max_ongoing_requests * engine_replicas
+    admitted = 2 * (1 + QUEUED_REQUESTS_PER_REPLICA) * args.max_ongoing_requests * engine_replicas
     return {
         "name": "openai",
         "num_replicas": args.ingress_replicas,

@@ -14,6 +14,10 @@ from service.deployments.limits import LimitArgs
 from service.engine.config import EngineConfig
 from service.engine.settings import settings_of
 
+# handle-side queue bound (x max_ongoing_requests x replicas) -> 503; an engine replica refuses the grouped requests
+# beyond (1 + this) x max_ongoing_requests the same way
+QUEUED_REQUESTS_PER_REPLICA = 4
+
 
 class RouterArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -50,6 +54,9 @@ class DeploymentArgs(BaseModel):
     # new tokens leave an engine replica in about this many chunks per second over all its streams: each stream
     # sends every (open streams / this) seconds (at most MAX_STREAM_INTERVAL_S), its first and last token at once
     stream_chunks_per_s: float = Field(500.0, gt=0)
+    # requests one ingress -> engine Serve call carries at most (service/deployments/groups.py): requests that arrive
+    # while the ingress replica's previous group call is being set up share the next call; 1: one call per request
+    group_max_requests: int = Field(64, ge=1)
     # Ray Serve's access log line per call of the ingress and engine replicas (one per HTTP request and one per
     # engine call); off, a burst of calls is not slowed by formatting and writing a log record for each
     access_log: bool = False

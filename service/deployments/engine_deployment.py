@@ -8,6 +8,8 @@ DeploymentHandle; the prefix-aware router reads `prompt_token_ids` (the first ar
 Each streamed item is a `GenerateChunk` holding only what is new since the previous one. Bad
 prompts come back as one chunk with `error` set (never an exception that would look like a replica
 failure). Cancelling the call (client disconnect) aborts the request in the engine.
+`generate_group(GenerateGroup)` runs several requests in one call (service/deployments/groups.py), each exactly
+as `generate` would, their chunks multiplexed by request id; `abort_requests(ids)` aborts single members.
 
 Serve hooks: `record_replica_metadata` publishes the snapshot grid (the router's block size),
 `record_routing_stats` the prefix hashes the cache can resume from (the router's index
@@ -23,13 +25,15 @@ import os
 import random
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from ray import serve
 
-from service.deployments.args import AppArgs
+from service.deployments.args import QUEUED_REQUESTS_PER_REPLICA, AppArgs
+from service.deployments.groups import GenerateGroup, GroupHeader, GroupMember
 from service.deployments.metrics import CanaryMetrics, EngineMetrics
 from service.deployments.placement import expose_rank_gpus
 from service.deployments.pool_audit import audit_pools, resident_memory_bytes
@@ -44,6 +48,8 @@ STATS_INTERVAL_S = 1.0  # how often engine.stats() is exported to the metrics
 ROUTING_REPORT_MAX_BLOCKS = 4096  # cached prefix hashes sent per routing-stats report
 HEALTH_TIMEOUT_S = 10.0  # the engine core process must answer a health probe within this
 MAX_STREAM_INTERVAL_S = 0.25  # a running stream sends its new tokens at least this often
+OVERLOADED = "overloaded"  # GenerateChunk.error_code of a grouped request refused for want of room (HTTP 503)
+REMEMBERED_ABORTS = 4096  # aborted request ids kept in case their group call arrives after the abort
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,7 @@ class GenerateChunk:
     num_prompt_tokens: int  # prompt length in tokens
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     error: str | None = None  # set (alone) when the engine refused the request
+    error_code: str | None = None  # with error: OVERLOADED when the replica had no room for it, else None (bad input)
 
 
 def _delta_chunk(out: Any, sent_tokens: int, sent_text: str, num_prompt_tokens: int) -> GenerateChunk:
@@ -90,6 +97,13 @@ class EngineDeployment:
         self._canary_metrics = CanaryMetrics()
         self._report_seq = 0
         self._open_streams = 0  # generate() calls in progress
+        self._members: dict[str, asyncio.Task] = {}  # request id -> the task running it, for grouped requests
+        self._aborted: OrderedDict[str, bool] = OrderedDict()  # ids aborted before their group call arrived
+        self._group_calls = 0  # generate_group calls received
+        self._group_requests = 0  # requests they carried (and this replica ran)
+        # grouped requests follow Serve's bounds for calls: max_ongoing_requests run, (1 + queued) x that are open
+        self._member_slots = asyncio.Semaphore(self._args.max_ongoing_requests)
+        self._max_grouped = (1 + QUEUED_REQUESTS_PER_REPLICA) * self._args.max_ongoing_requests
         self._stats_task: asyncio.Task | None = None
         self._canary_task: asyncio.Task | None = None
         self._audits: set[asyncio.Task] = set()  # in-flight audits of sampled real hits
@@ -141,6 +155,75 @@ class EngineDeployment:
             if audit:
                 self._start_audit(request_id, list(prompt_token_ids))
 
+    async def generate_group(self, group: GenerateGroup) -> AsyncIterator[GroupHeader | tuple[GenerateChunk, ...]]:
+        """Run several requests in one call (service/deployments/groups.py): first a `GroupHeader` naming the
+        members this replica runs, then tuples of their `GenerateChunk`s, each tuple what the members produced
+        since the previous one (every member's chunks as `generate` streams them). Ends when every member has."""
+        chunks: asyncio.Queue[GenerateChunk | None] = asyncio.Queue()  # None: a member ended
+        tasks, accepted, refused = [], [], 0
+        for m in group.members:
+            if self._aborted.pop(m.request_id, False):  # aborted before its call arrived
+                continue
+            accepted.append(m.request_id)
+            if len(self._members) < self._max_grouped:
+                tasks.append(self._start_member(m, chunks))
+            else:  # as many as Serve would run or queue for this replica are open: 503, as its queue bound gives
+                refused += 1
+                chunks.put_nowait(
+                    GenerateChunk(m.request_id, (), "", None, None, None, len(m.prompt_token_ids), 0,
+                                  error="The server is overloaded; retry later.", error_code=OVERLOADED)
+                )  # fmt: skip
+        self._group_calls += 1
+        self._group_requests += len(tasks)
+        self._metrics.record_group(len(tasks))
+        try:
+            yield GroupHeader(serve.get_replica_context().replica_id.unique_id, tuple(accepted))
+            running = len(tasks) + refused  # a refusal is one chunk, ending its member
+            while running:
+                batch = [await chunks.get()]
+                while not chunks.empty():
+                    batch.append(chunks.get_nowait())
+                running -= sum(c is None or c.error_code == OVERLOADED for c in batch)
+                out = tuple(c for c in batch if c is not None)
+                if out:
+                    yield out
+        finally:  # the ingress went away: every member still running is aborted by its own generate()
+            for task in tasks:
+                task.cancel()
+
+    def _start_member(self, member: GroupMember, chunks: asyncio.Queue) -> asyncio.Task:
+        """One member of a group as a task: once one of the max_ongoing_requests slots is free, its `generate`
+        stream into the group's queue; then None (also when it is cancelled before it starts)."""
+
+        async def pump() -> None:
+            async with self._member_slots:
+                async for chunk in self.generate(member.prompt_token_ids, member.sampling_params, member.request_id):
+                    chunks.put_nowait(chunk)
+
+        def ended(_: asyncio.Task) -> None:
+            self._members.pop(member.request_id, None)
+            chunks.put_nowait(None)
+
+        task = asyncio.get_running_loop().create_task(pump())
+        task.add_done_callback(ended)
+        self._members[member.request_id] = task
+        return task
+
+    async def abort_requests(self, request_ids: list[str]) -> int:
+        """Abort these grouped requests if this replica runs them (the ingress broadcasts a client's disconnect to
+        every replica); an id not started yet is remembered, so its group call skips it. Returns how many ran here."""
+        found = 0
+        for rid in request_ids:
+            task = self._members.get(rid)
+            if task is not None:
+                task.cancel()  # its generate() aborts the request in the engine
+                found += 1
+            else:
+                self._aborted[rid] = True
+                while len(self._aborted) > REMEMBERED_ABORTS:
+                    self._aborted.popitem(last=False)
+        return found
+
     def _stream_interval_s(self) -> float:
         """Seconds between a stream's chunks: the replica's chunk rate stays near `stream_chunks_per_s` however
         many streams are open (each chunk costs the same in every process it crosses, whatever it holds)."""
@@ -161,6 +244,8 @@ class EngineDeployment:
             "rss_bytes": resident_memory_bytes(),
             "replica_pid": os.getpid(),
             "engine_core_pid": self._engine.pid,
+            "group_calls": self._group_calls,
+            "group_requests": self._group_requests,
         }
         if audit:
             out["pool_audit"] = await self._engine.inspect(audit_pools)

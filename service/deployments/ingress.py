@@ -2,9 +2,10 @@
 `/v1/chat/completions` (SSE streaming and not), `/health`.
 
 The ingress validates the body (`service.openai.protocol`), renders the chat template, tokenizes,
-checks the context length, builds `SamplingParams`, then opens one streaming engine call per choice
-(`generate(prompt_token_ids, params, request_id)`, routed by the prefix-aware router) and waits for
-each call's first chunk before answering, so that refusals become proper HTTP errors. Errors are
+checks the context length, builds `SamplingParams`, then opens one engine stream per choice and waits for
+each stream's first chunk before answering, so that refusals become proper HTTP errors. The streams of the
+requests that arrive together share one Serve call (`generate_group`, groups.py; each request routed by the
+prefix-aware router on its own); with `group_max_requests` 1, each is its own `generate` call. Errors are
 OpenAI error objects: 400 bad parameters / prompt too long (`context_length_exceeded`), 404 unknown
 model, 413 body over 8 MiB, 503 overloaded or no engine; `service.deployments.gate` adds 401 (API key) and
 429 / 400 (per-key limits and per-request caps) in front of the handlers. A client that goes away cancels the engine calls, which abort
@@ -29,8 +30,9 @@ from ray.serve.handle import DeploymentHandle
 
 from service.deployments.args import AppArgs
 from service.deployments.choices import ChoiceOptions, ChoiceState
-from service.deployments.engine_deployment import GenerateChunk
+from service.deployments.engine_deployment import OVERLOADED, GenerateChunk
 from service.deployments.gate import RequestGate, request_shape
+from service.deployments.groups import GroupDispatcher, GroupMember
 from service.deployments.openapi_doc import document_openai_routes
 from service.engine import SamplingParams
 from service.engine.tokenizer import Tokenizer
@@ -69,6 +71,10 @@ def _error_json(err: ErrorResponse) -> JSONResponse:
     return JSONResponse(err.model_dump(mode="json"), status_code=err.status_code)
 
 
+def _overloaded() -> ErrorResponse:
+    return ErrorResponse.make("The server is overloaded; retry later.", status=503, code="overloaded")
+
+
 def _invalid(message: str, param: str | None, code: str | None = None) -> APIError:
     return APIError(ErrorResponse.make(message, param=param, status=400, code=code))
 
@@ -88,7 +94,7 @@ class OpenStream:
 
     choice_index: int
     first: GenerateChunk
-    rest: Any  # the DeploymentResponseGenerator (already advanced past `first`)
+    rest: Any  # the DeploymentResponseGenerator or MemberStream (already advanced past `first`)
 
 
 @serve.ingress()
@@ -102,6 +108,10 @@ class OpenAIIngress:
         # default, cloudpickle, costs more per chunk); used on Serve's gRPC path between deployments
         self._engine_stream = engine.options(
             stream=True, request_serialization="pickle", response_serialization="pickle"
+        )
+        # several requests per engine call (groups.py); with a limit of 1, one `generate` call per request
+        self._groups = (
+            GroupDispatcher(engine, self._args.group_max_requests) if self._args.group_max_requests > 1 else None
         )
         self._tokenizer = Tokenizer.from_model_path(self._args.model_path)
         self._model_name = self._args.served_model_name or os.path.basename(self._args.model_path.rstrip("/"))
@@ -129,9 +139,7 @@ class OpenAIIngress:
             except APIError as exc:
                 return _error_json(exc.response)
             except BackPressureError:
-                return _error_json(
-                    ErrorResponse.make("The server is overloaded; retry later.", status=503, code="overloaded")
-                )
+                return _error_json(_overloaded())
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -247,7 +255,12 @@ class OpenAIIngress:
     async def _open(self, prompts: list[PreparedPrompt], request_id: str) -> list[OpenStream]:
         """Start every choice's engine call and wait for each first chunk; refusals raise APIError."""
         calls = [(p.first_choice_index + i, p.token_ids, params) for p in prompts for i, params in enumerate(p.params)]
-        gens = [self._engine_stream.generate.remote(ids, params, f"{request_id}-{idx}") for idx, ids, params in calls]
+        if self._groups is not None:
+            gens = [self._groups.open(GroupMember(ids, params, f"{request_id}-{idx}")) for idx, ids, params in calls]
+        else:
+            gens = [
+                self._engine_stream.generate.remote(ids, params, f"{request_id}-{idx}") for idx, ids, params in calls
+            ]
         try:
             firsts = await asyncio.gather(*(g.__anext__() for g in gens))
         except BaseException:
@@ -255,10 +268,13 @@ class OpenAIIngress:
                 g.cancel()
             raise
         streams = [OpenStream(idx, first, g) for (idx, _, _), first, g in zip(calls, firsts, gens)]
-        refused = next((s.first.error for s in streams if s.first.error), None)
+        refused = next((s.first for s in streams if s.first.error), None)
         if refused is not None:
             for s in streams:
                 s.rest.cancel()
+            if refused.error_code == OVERLOADED:  # the engine replica's bound on open requests, as Serve's queue's
+                raise APIError(_overloaded())
+            refused = refused.error
             raise _invalid(
                 refused,
                 "prompt" if "prompt" in refused else None,

@@ -42,6 +42,8 @@ ENGINE_METRICS: tuple[MetricDef, ...] = (
     MetricDef(_P + "e2e_request_latency_seconds", "histogram", "End-to-end request latency"),
     MetricDef(_P + "prompt_tokens_total", "counter", "Prompt tokens processed"),
     MetricDef(_P + "generation_tokens_total", "counter", "Tokens generated"),
+    MetricDef(_P + "group_calls_total", "counter", "Grouped Serve calls (several requests per call) received"),
+    MetricDef(_P + "group_requests_total", "counter", "Requests the grouped Serve calls carried into this replica"),
 )
 # the engine's memory plan (runner/memory_plan.py; engines on CUDA that size their pools from it, none on CPU)
 MEMORY_PLAN_PARTS = (  # `part` label values: the plan's bytes

@@ -119,6 +119,12 @@ class EngineMetrics:
             if key in stats:
                 self.live[name].set(float(stats[key]), tags={label: value})
 
+    def record_group(self, requests: int) -> None:
+        """One grouped call received, carrying `requests` requests."""
+        self.live["hybrid_serve_group_calls_total"].inc()
+        if requests:
+            self.live["hybrid_serve_group_requests_total"].inc(requests)
+
     def observe_request(self, ttft_s: float | None, itl_s: list[float], e2e_s: float) -> None:
         """Timings of one finished (or aborted) request, in seconds."""
         if ttft_s is not None and math.isfinite(ttft_s):

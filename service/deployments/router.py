@@ -3,7 +3,9 @@
 Runs inside whichever process holds the engine's DeploymentHandle (the OpenAI ingress). For a
 `generate(prompt_token_ids, ...)` call it hashes the prompt's blocks (block = the engine's snapshot
 grid, published by each replica's `record_replica_metadata`), scores the candidates with
-`prefix_index.decide` and returns them one per rank, best first. All state is router-local and
+`prefix_index.decide` and returns them one per rank, best first. A `generate_group(GenerateGroup)` call is
+decided per member, in order (groups.py): the call goes where its first member chose, and the members that chose
+another replica are taken out of the call's argument before it is sent. All state is router-local and
 updated without remote calls: the index and the in-flight count at dispatch (`on_request_routed`),
 the count again at completion, the index from the replicas' periodic routing stats
 (`cached_prefix_hashes`, applied when Serve broadcasts new replica info).
@@ -11,12 +13,14 @@ the count again at completion, the index from the replicas' periodic routing sta
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import OrderedDict
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
+from service.deployments.groups import GROUP_METHOD, GenerateGroup
 from service.deployments.metrics import RouterMetrics
 from service.deployments.prefix_index import Decision, ReplicaPrefixIndex, ReplicaView, RouterPolicy, decide
 from service.engine.cache.block_hash import chained_block_hashes
@@ -37,6 +41,14 @@ def prompt_token_ids(pending_request: PendingRequest | None) -> list[int] | None
     return list(ids) if isinstance(ids, (list, tuple)) else None
 
 
+def request_group(pending_request: PendingRequest | None) -> GenerateGroup | None:
+    """The `GenerateGroup` argument of a `generate_group` call, or None for any other call."""
+    if pending_request is None or pending_request.metadata.call_method != GROUP_METHOD or not pending_request.args:
+        return None
+    group = pending_request.args[0]
+    return group if isinstance(group, GenerateGroup) else None
+
+
 class PrefixAwareRouter(RequestRouter):
     """`request_router_kwargs` are `RouterPolicy` fields plus `default_block_size_tokens` (used until a
     replica publishes its snapshot grid)."""
@@ -48,11 +60,12 @@ class PrefixAwareRouter(RequestRouter):
         self._in_flight: dict[ReplicaID, int] = {}
         self._dispatched_total: dict[ReplicaID, int] = {}
         self._report_seq: dict[ReplicaID, Any] = {}
-        # id(PendingRequest) -> (that request, its block hashes, decision), from choose_replicas to on_request_routed
-        self._decisions: OrderedDict[int, tuple[PendingRequest, list[int], Decision]] = OrderedDict()
-        # internal request id -> replicas its calls were dispatched to, until on_request_completed. Every handle
-        # call made while serving one HTTP request shares that request's internal id (n > 1 choices).
-        self._routed: OrderedDict[str, list[ReplicaID]] = OrderedDict()
+        # id(PendingRequest) -> (that request, (block hashes, decision) per request it carries: one, or one per
+        # member of a group), from choose_replicas to on_request_routed
+        self._decisions: OrderedDict[int, tuple[PendingRequest, list[tuple[list[int], Decision]]]] = OrderedDict()
+        # internal request id -> (replica, requests carried) per call dispatched, until on_request_completed. Every
+        # handle call made while serving one HTTP request shares that request's internal id (n > 1 choices).
+        self._routed: OrderedDict[str, list[tuple[ReplicaID, int]]] = OrderedDict()
         self._metrics = RouterMetrics()
 
     # ---- replica set and reports ----
@@ -96,30 +109,60 @@ class PrefixAwareRouter(RequestRouter):
         return self._default_block_size_tokens
 
     # ---- routing ----
+    def _decide(
+        self, replicas: list[RunningReplica], ids: list[int] | None, block: int, extra: dict[ReplicaID, int]
+    ) -> tuple[list[int], Decision]:
+        """One prompt's block hashes and decision; `extra` in-flight requests per replica are added to the counts."""
+        hashes = chained_block_hashes(ids, block) if ids else []
+        views = [
+            ReplicaView(
+                replica_key=r.replica_id,
+                matched_blocks=self._index(r.replica_id).match_blocks(hashes),
+                in_flight=self._in_flight.get(r.replica_id, 0) + extra.get(r.replica_id, 0),
+                dispatched_total=self._dispatched_total.get(r.replica_id, 0),
+                indexed_blocks=len(self._index(r.replica_id)),
+            )
+            for r in replicas
+        ]
+        return hashes, decide(views, len(hashes), self._policy, has_prompt=ids is not None)
+
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        ids = prompt_token_ids(pending_request)
-        hashes = chained_block_hashes(ids, self._block_size_tokens(candidate_replicas)) if ids else []
-        views = [
-            ReplicaView(
-                replica_key=r.replica_id,
-                matched_blocks=self._index(r.replica_id).match_blocks(hashes),
-                in_flight=self._in_flight.get(r.replica_id, 0),
-                dispatched_total=self._dispatched_total.get(r.replica_id, 0),
-                indexed_blocks=len(self._index(r.replica_id)),
-            )
-            for r in candidate_replicas
-        ]
-        decision = decide(views, len(hashes), self._policy, has_prompt=ids is not None)
+        block = self._block_size_tokens(candidate_replicas)
+        group = request_group(pending_request)
+        if group is not None and group.members:
+            decisions = self._group_decisions(candidate_replicas, pending_request, group, block)
+        else:
+            decisions = [self._decide(candidate_replicas, prompt_token_ids(pending_request), block, {})]
         if pending_request is not None:
-            self._remember(self._decisions, id(pending_request), (pending_request, hashes, decision))
+            self._remember(self._decisions, id(pending_request), (pending_request, decisions))
             # after every rank was tried once, let Serve back off instead of spinning
             pending_request.routing_context.should_backoff = True
         by_id = {r.replica_id: r for r in candidate_replicas}
-        return [[by_id[k]] for k in decision.ranking]
+        return [[by_id[k]] for k in decisions[0][1].ranking]
+
+    def _group_decisions(
+        self, replicas: list[RunningReplica], pending_request: PendingRequest, group: GenerateGroup, block: int
+    ) -> list[tuple[list[int], Decision]]:
+        """Each member's own decision, in order, each counting the members before it as in flight where they
+        chose. The call goes where the first member chose; members that chose another replica leave the group
+        (the ingress sends them again in its next group, see groups.py)."""
+        extra: dict[ReplicaID, int] = {}
+        kept, decisions = [], []
+        for member in group.members:
+            hashes, decision = self._decide(replicas, member.prompt_token_ids, block, extra)
+            target = decision.ranking[0]
+            if decisions and target != decisions[0][1].ranking[0]:
+                continue
+            extra[target] = extra.get(target, 0) + 1
+            kept.append(member)
+            decisions.append((hashes, decision))
+        if len(kept) < len(group.members):
+            pending_request.args[0] = dataclasses.replace(group, members=tuple(kept))
+        return decisions
 
     def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata: Any | None = None) -> None:
         """Give the chosen replica to exactly the request it was chosen for. (Serve's default matches on
@@ -135,31 +178,35 @@ class PrefixAwareRouter(RequestRouter):
                 return
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
+        """Per request (every member of a group): in flight and dispatched on `replica_id`, the decision's metric,
+        its prompt's blocks into the replica's index."""
         remembered = self._decisions.pop(id(pending_request), None)
-        hashes, decision = (
-            (remembered[1], remembered[2]) if remembered and remembered[0] is pending_request else ([], None)
-        )
-        self._in_flight[replica_id] = self._in_flight.get(replica_id, 0) + 1
-        self._dispatched_total[replica_id] = self._dispatched_total.get(replica_id, 0) + 1
+        decisions = remembered[1] if remembered and remembered[0] is pending_request else [([], None)]
+        count = len(decisions)
+        self._in_flight[replica_id] = self._in_flight.get(replica_id, 0) + count
+        self._dispatched_total[replica_id] = self._dispatched_total.get(replica_id, 0) + count
         request_id = pending_request.metadata.internal_request_id
-        self._remember(self._routed, request_id, self._routed.get(request_id, []) + [replica_id])
+        self._remember(self._routed, request_id, self._routed.get(request_id, []) + [(replica_id, count)])
         index = self._index(replica_id)
-        if decision is not None and decision.ranking[0] == replica_id:
-            self._metrics.record_decision(decision.reason, decision.predicted_hit_ratio)
-        elif decision is not None:
-            self._metrics.record_decision("fallback", index.match_blocks(hashes) / len(hashes) if hashes else 0.0)
-        if hashes:
-            index.insert(hashes)
+        for hashes, decision in decisions:
+            if decision is not None and decision.ranking[0] == replica_id:
+                self._metrics.record_decision(decision.reason, decision.predicted_hit_ratio)
+            elif decision is not None:
+                self._metrics.record_decision("fallback", index.match_blocks(hashes) / len(hashes) if hashes else 0.0)
+            if hashes:
+                index.insert(hashes)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        replicas = self._routed.get(internal_request_id)
-        if not replicas or replica_id not in replicas:
+        """A call ended: its requests leave the replica's in-flight count. (The members of a group that end
+        earlier leave it when the replica next reports its running + waiting requests, update_replicas.)"""
+        routed = self._routed.get(internal_request_id)
+        entry = next((e for e in routed or () if e[0] == replica_id), None)
+        if entry is None:
             return
-        replicas.remove(replica_id)
-        if not replicas:
+        routed.remove(entry)
+        if not routed:
             del self._routed[internal_request_id]
-        if self._in_flight.get(replica_id, 0) > 0:
-            self._in_flight[replica_id] -= 1
+        self._in_flight[replica_id] = max(0, self._in_flight.get(replica_id, 0) - entry[1])
 
     @staticmethod
     def _remember(table: OrderedDict, key: Any, value: Any) -> None:

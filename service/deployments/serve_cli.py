@@ -31,6 +31,7 @@ _DEPLOYMENT_FLAGS = (
     "tool_call_parser",  # -> AppArgs
     "ingress_replicas",
     "stream_chunks_per_s",
+    "group_max_requests",
     "access_log",
 )
 
@@ -59,6 +60,13 @@ def add_cli(subparsers: Any) -> None:
         default=None,
         help="streamed chunks per second an engine replica sends over all its requests (new tokens "
         "are coalesced: a request sends every open-requests / this seconds)",
+    )
+    p.add_argument(
+        "--group-max-requests",
+        type=int,
+        default=None,
+        help="requests one Serve call from an ingress replica to an engine replica carries at most (requests "
+        "arriving while the previous call is being set up share the next one); 1: one call per request",
     )
     p.add_argument(
         "--access-log",
