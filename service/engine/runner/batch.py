@@ -29,21 +29,21 @@ def scheduled_token_ids(plan: StepPlan) -> np.ndarray:
     )
 
 
-def to_device_async(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device_async(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """values as a 1-d tensor on device without waiting for the device (see `host_to_device`)."""
     return host_to_device(torch.tensor(values, dtype=dtype), device)
 
 
-def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+def host_to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A host tensor on device without waiting for the device: on CUDA a non-blocking copy from pinned memory (a
     pageable copy would wait for every kernel queued before it; the pinned block is kept until the copy ran)."""
-    if device.type != "cuda":
+    if torch.device(device).type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
 
 
 def build_forward_batch(
-    plan: StepPlan, page_size: int, chunk_size: int, device: torch.device, input_ids: torch.Tensor | None = None
+    plan: StepPlan, page_size: int, chunk_size: int, device: torch.device | str, input_ids: torch.Tensor | None = None
 ) -> ForwardBatch:
     """input_ids: [T] int64 on the device, the step's tokens when they are not on the host yet (None: the rows'
     token_ids)."""
