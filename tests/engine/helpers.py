@@ -23,8 +23,9 @@ def make_engine(path: str, **kw) -> Engine:
     return Engine(EngineConfig(**base))
 
 
-def full_prefill_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
-    """Logits at every prompt position from one cold prefill through the engine's batch builder and pools."""
+def full_prefill_logits(engine: Engine, ids: list[int], rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits at every prompt position (or at the positions `rows`) from one cold prefill through the engine's batch
+    builder and pools."""
     pools, state = engine.cache.pools, engine.runner.pools
     page_ids = pools.pages.alloc(-(-len(ids) // engine.config.page_size))
     slot = pools.live.alloc()
@@ -35,7 +36,13 @@ def full_prefill_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
         state.zero_slots([slot])
         batch = build_forward_batch(plan, engine.config.page_size, engine.model_config.chunk_size, engine.runner.device)
         logits = engine.runner.model(
-            batch.input_ids, batch.attn, batch.mamba, torch.arange(len(ids)), state.kv, state.conv, state.ssm
+            batch.input_ids,
+            batch.attn,
+            batch.mamba,
+            torch.arange(len(ids)) if rows is None else rows,
+            state.kv,
+            state.conv,
+            state.ssm,
         )
     finally:
         pools.pages.decref(page_ids)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -30,6 +32,33 @@ def test_prefill_logits_match_transformers(variant, hf_checkpoints, hf_models):
         ours = full_prefill_logits(engine, ids)
         rel = ((ours - ref).abs().max() / ref.abs().max()).item()
         assert rel <= 1e-4, f"{variant} L={L}: max relative logits error {rel:.2e}"
+
+
+def test_trailing_moe_mlp_layers_run_on_the_logits_rows_alone(hf_checkpoints, hf_models):
+    """latent_g1_c8 ends in MLP + MoE layers (row-wise): with fewer logits rows than tokens they run on those rows
+    alone, and the logits equal transformers' at those positions and the engine's all-rows forward."""
+    engine = make_engine(hf_checkpoints["latent_g1_c8"])
+    model = engine.runner.model
+    assert model.row_wise_tail == len(model.backbone.layers) - 2
+    ids = random_ids(3 * engine.model_config.chunk_size + 5, seed=11)
+    rows = torch.tensor([0, 7, len(ids) - 1])
+    seen = []  # rows of each MoE call
+    kernels = model.kernels
+
+    def counted(x, *args, **kwargs):
+        seen.append(x.shape[0])
+        return kernels.moe_experts(x, *args, **kwargs)
+
+    model.kernels = dataclasses.replace(kernels, moe_experts=counted)
+    try:
+        ours = full_prefill_logits(engine, ids, rows)
+    finally:
+        model.kernels = kernels
+    assert seen == [len(ids), len(rows)]  # the MoE before the tail on every token, the last one on the rows
+    with torch.no_grad():
+        ref = hf_models["latent_g1_c8"](torch.tensor([ids])).logits[0, rows].float()
+    assert ((ours - ref).abs().max() / ref.abs().max()).item() <= 1e-4
+    torch.testing.assert_close(ours, full_prefill_logits(engine, ids)[rows], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("variant", ["mixed_g2_c16", "latent_g1_c8", "attn_first_c8"])

@@ -23,13 +23,13 @@ SSD_BLOCK_CHUNKS = 8  # chunks per group of whole requests in the prefill scan (
 
 
 def _chunked(t: torch.Tensor, layout: ChunkLayout, full: bool) -> torch.Tensor:
-    """[T, ...] -> [Nc, C, ...]: a view when every chunk is full, else a gather (padded rows repeat a real token;
-    callers zero their dt)."""
+    """[T, ...] -> [Nc, C, ...]: a view when every chunk is full, else one `index_select` of whole rows (padded
+    rows repeat a real token; callers zero their dt)."""
     c = layout.chunk_size
     if full:
         return t.view(-1, c, *t.shape[1:])
     idx = layout.chunk_start[:, None] + torch.arange(c, device=t.device)[None, :]
-    return t[idx.clamp(max=t.shape[0] - 1)]
+    return t.index_select(0, idx.clamp_(max=t.shape[0] - 1).flatten()).view(*idx.shape, *t.shape[1:])
 
 
 def _inter_chunk(

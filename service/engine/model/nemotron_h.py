@@ -68,6 +68,11 @@ class NemotronHForCausalLM(nn.Module):
         # layer index -> index into the KV pool (attention layers) or mamba pool (mamba layers)
         self.attn_pool_index = {lid: j for j, lid in enumerate(cfg.attention_layer_ids)}
         self.mamba_pool_index = {lid: j for j, lid in enumerate(cfg.mamba_layer_ids)}
+        # first layer of the trailing run of MoE / MLP layers (len(layers) if the last layer mixes tokens): they act
+        # on each row alone, so only the rows whose logits are read need them
+        self.row_wise_tail = len(cfg.layer_types)
+        while self.row_wise_tail and cfg.layer_types[self.row_wise_tail - 1] in (MOE, MLP_T):
+            self.row_wise_tail -= 1
 
     @torch.no_grad()
     def prepare_weights(self) -> None:
@@ -101,10 +106,19 @@ class NemotronHForCausalLM(nn.Module):
         """input_ids [T]; kv_cache [L_attn, 2, num_slots, Hkv, Dh]; conv_pool [L_mamba, S, conv_dim, K-1];
         ssm_pool [L_mamba, S, H, P, N] fp32 (Hkv, conv_dim, H: this rank's, `self.shapes`).
         Returns logits [len(logits_indices), vocab] fp32 (the full vocabulary on every rank).
-        = embed -> run_layers over all layers -> logits (the CUDA-graph runner calls the pieces in segments)."""
+        = embed -> run_layers over all layers -> logits (the CUDA-graph runner calls the pieces in segments); the
+        trailing MoE / MLP layers (`row_wise_tail` on) run on the logits rows alone when those are fewer than T
+        (a prefill: one row per request instead of every prompt token)."""
         x, h = self.embed(input_ids)
-        x, h = self.run_layers(x, h, 0, len(self.backbone.layers), attn, mamba, kv_cache, conv_pool, ssm_pool)
-        return self.logits(x, logits_indices)
+        n, tail = len(self.backbone.layers), self.row_wise_tail
+        x, h = self.run_layers(x, h, 0, tail, attn, mamba, kv_cache, conv_pool, ssm_pool)
+        if tail == n or len(logits_indices) == x.shape[0]:
+            x, h = self.run_layers(x, h, tail, n, attn, mamba, kv_cache, conv_pool, ssm_pool)
+            return self.logits(x, logits_indices)
+        x, h = self.run_layers(
+            x[logits_indices], h[logits_indices], tail, n, attn, mamba, kv_cache, conv_pool, ssm_pool
+        )
+        return self.lm_head.logits(x, self.kernels)
 
     def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids [T] -> (x = layer 0's RMSNorm of h, h = the embeddings), both [T, hidden]."""
