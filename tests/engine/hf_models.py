@@ -41,6 +41,8 @@ VARIANTS = {
     "attn_first_c8": dict(
         hybrid_override_pattern="*MM-EM", n_groups=2, chunk_size=8, use_conv_bias=False, n_group=2, topk_group=1
     ),
+    # ends in an attention layer and a MoE: the last attention attends from the logits rows alone
+    "attn_tail_c8": dict(hybrid_override_pattern="M-*E", n_groups=2, chunk_size=8),
     # biases everywhere (mamba in/out_proj, MLPs, latent projections), 4 groups, a vocabulary 4 does not divide
     "bias_latent_g4": dict(
         hybrid_override_pattern="M*E-ME",

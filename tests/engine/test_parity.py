@@ -34,12 +34,18 @@ def test_prefill_logits_match_transformers(variant, hf_checkpoints, hf_models):
         assert rel <= 1e-4, f"{variant} L={L}: max relative logits error {rel:.2e}"
 
 
-def test_trailing_moe_mlp_layers_run_on_the_logits_rows_alone(hf_checkpoints, hf_models):
-    """latent_g1_c8 ends in MLP + MoE layers (row-wise): with fewer logits rows than tokens they run on those rows
-    alone, and the logits equal transformers' at those positions and the engine's all-rows forward."""
-    engine = make_engine(hf_checkpoints["latent_g1_c8"])
+@pytest.mark.parametrize(
+    "variant, rows_from, moe_rows",  # ME*M-E: MLP + MoE after a Mamba layer; M-*E: attention + MoE
+    [("latent_g1_c8", 4, ["T", "R"]), ("attn_tail_c8", 2, ["R"])],
+)
+def test_trailing_layers_run_on_the_logits_rows_alone(variant, rows_from, moe_rows, hf_checkpoints, hf_models):
+    """With fewer logits rows than tokens, the trailing MoE / MLP layers run on those rows alone (and an attention
+    layer before them attends from those rows alone, after writing every row's K/V): the logits equal transformers'
+    at those positions and the engine's all-rows forward (the decode steps after such a prefill, which read the
+    last attention layer's K/V of every prompt token: test_greedy_continuation_matches_transformers)."""
+    engine = make_engine(hf_checkpoints[variant])
     model = engine.runner.model
-    assert model.row_wise_tail == len(model.backbone.layers) - 2
+    assert model.rows_from == rows_from
     ids = random_ids(3 * engine.model_config.chunk_size + 5, seed=11)
     rows = torch.tensor([0, 7, len(ids) - 1])
     seen = []  # rows of each MoE call
@@ -54,14 +60,14 @@ def test_trailing_moe_mlp_layers_run_on_the_logits_rows_alone(hf_checkpoints, hf
         ours = full_prefill_logits(engine, ids, rows)
     finally:
         model.kernels = kernels
-    assert seen == [len(ids), len(rows)]  # the MoE before the tail on every token, the last one on the rows
+    assert seen == [{"T": len(ids), "R": len(rows)}[m] for m in moe_rows]
     with torch.no_grad():
-        ref = hf_models["latent_g1_c8"](torch.tensor([ids])).logits[0, rows].float()
+        ref = hf_models[variant](torch.tensor([ids])).logits[0, rows].float()
     assert ((ours - ref).abs().max() / ref.abs().max()).item() <= 1e-4
     torch.testing.assert_close(ours, full_prefill_logits(engine, ids)[rows], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("variant", ["mixed_g2_c16", "latent_g1_c8", "attn_first_c8"])
+@pytest.mark.parametrize("variant", ["mixed_g2_c16", "latent_g1_c8", "attn_first_c8", "attn_tail_c8"])
 def test_greedy_continuation_matches_transformers(variant, hf_checkpoints, hf_models):
     engine = make_engine(hf_checkpoints[variant])
     C = engine.model_config.chunk_size

@@ -62,25 +62,51 @@ class Attention(nn.Module):
         return getattr(self, "k_scale", None), getattr(self, "v_scale", None)
 
     def forward(
-        self, h: torch.Tensor, meta: AttentionMeta, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Kernels
+        self,
+        h: torch.Tensor,
+        meta: AttentionMeta,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k: Kernels,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """h [T, hidden]; k_cache/v_cache [num_pages * page_size, Hkv, Dh] of this rank's KV heads (new K/V
-        written in place). Returns [T, hidden], summed over the ranks."""
+        written in place). Returns [T, hidden], summed over the ranks; with rows ([R] int64 flat token indices) the
+        K/V of every token is written but only those rows attend (each as one query over its request's keys up to
+        itself) and [R, hidden] is returned."""
         q, key, value = self.split_qkv(project(k, self.qkv_proj, h))
         ks, vs = self.kv_scales(k_cache)
         k.write_kv(k_cache, v_cache, key, value, meta.kv_slot_mapping, ks, vs)
-        o = k.paged_attention(
-            q,
-            k_cache,
-            v_cache,
+        page_table, qsl, prefix_lens, max_query_len = (
             meta.page_table,
             meta.query_start_loc,
             meta.prefix_lens,
             meta.max_query_len,
+        )
+        if rows is not None:
+            q, max_query_len = q[rows], 1
+            page_table, qsl, prefix_lens = self._rows_meta(meta, rows)
+        o = k.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            page_table,
+            qsl,
+            prefix_lens,
+            max_query_len,
             meta.max_seq_len,
             meta.page_size,
             self.scale,
             ks,
             vs,
         )
-        return self.parallel.all_reduce(project(k, self.o_proj, o.reshape(h.shape[0], self.hq * self.dh)))
+        return self.parallel.all_reduce(project(k, self.o_proj, o.reshape(q.shape[0], self.hq * self.dh)))
+
+    @staticmethod
+    def _rows_meta(meta: AttentionMeta, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows [R] of the step as R one-query requests: (page_table [R, pages] of each row's request,
+        query_start_loc [R+1] = 0..R, prefix_lens [R]: the keys before the row's own)."""
+        qsl, rows = meta.query_start_loc, rows.to(meta.query_start_loc.dtype)
+        req = torch.searchsorted(qsl[1:], rows, right=True)
+        prefix = meta.prefix_lens[req] + rows - qsl[req]
+        return meta.page_table[req], torch.arange(rows.shape[0] + 1, device=rows.device, dtype=qsl.dtype), prefix

@@ -69,10 +69,13 @@ class NemotronHForCausalLM(nn.Module):
         self.attn_pool_index = {lid: j for j, lid in enumerate(cfg.attention_layer_ids)}
         self.mamba_pool_index = {lid: j for j, lid in enumerate(cfg.mamba_layer_ids)}
         # first layer of the trailing run of MoE / MLP layers (len(layers) if the last layer mixes tokens): they act
-        # on each row alone, so only the rows whose logits are read need them
+        # on each row alone, so only the rows whose logits are read need them; an attention layer just before
+        # them needs every row's K/V (the cache) but its output only at those rows
         self.row_wise_tail = len(cfg.layer_types)
         while self.row_wise_tail and cfg.layer_types[self.row_wise_tail - 1] in (MOE, MLP_T):
             self.row_wise_tail -= 1
+        t = self.row_wise_tail
+        self.rows_from = t - 1 if t and cfg.layer_types[t - 1] == ATTENTION else t  # first layer that may skip rows
 
     @torch.no_grad()
     def prepare_weights(self) -> None:
@@ -106,18 +109,24 @@ class NemotronHForCausalLM(nn.Module):
         """input_ids [T]; kv_cache [L_attn, 2, num_slots, Hkv, Dh]; conv_pool [L_mamba, S, conv_dim, K-1];
         ssm_pool [L_mamba, S, H, P, N] fp32 (Hkv, conv_dim, H: this rank's, `self.shapes`).
         Returns logits [len(logits_indices), vocab] fp32 (the full vocabulary on every rank).
-        = embed -> run_layers over all layers -> logits (the CUDA-graph runner calls the pieces in segments); the
-        trailing MoE / MLP layers (`row_wise_tail` on) run on the logits rows alone when those are fewer than T
-        (a prefill: one row per request instead of every prompt token)."""
+        = embed -> run_layers over all layers -> logits (the CUDA-graph runner calls the pieces in segments). When
+        the logits rows are fewer than T (a prefill: one row per request instead of every prompt token), the
+        trailing MoE / MLP layers run on those rows alone, and an attention layer just before them writes every
+        row's K/V but attends from those rows alone (`rows_from`)."""
         x, h = self.embed(input_ids)
-        n, tail = len(self.backbone.layers), self.row_wise_tail
-        x, h = self.run_layers(x, h, 0, tail, attn, mamba, kv_cache, conv_pool, ssm_pool)
-        if tail == n or len(logits_indices) == x.shape[0]:
-            x, h = self.run_layers(x, h, tail, n, attn, mamba, kv_cache, conv_pool, ssm_pool)
+        n, first = len(self.backbone.layers), self.rows_from
+        x, h = self.run_layers(x, h, 0, first, attn, mamba, kv_cache, conv_pool, ssm_pool)
+        if first == n or len(logits_indices) == x.shape[0]:
+            x, h = self.run_layers(x, h, first, n, attn, mamba, kv_cache, conv_pool, ssm_pool)
             return self.logits(x, logits_indices)
-        x, h = self.run_layers(
-            x[logits_indices], h[logits_indices], tail, n, attn, mamba, kv_cache, conv_pool, ssm_pool
-        )
+        if first < self.row_wise_tail:  # the attention layer: K/V of every row, its output at the logits rows
+            block, j = self.backbone.layers[first], self.attn_pool_index[first]
+            out = block.mixer(x, attn, kv_cache[j, 0], kv_cache[j, 1], self.kernels, rows=logits_indices)
+            next_norm = self.backbone.layers[first + 1].norm if first + 1 < n else self.backbone.norm_f
+            x, h = self.kernels.add_rms_norm(out, h[logits_indices], next_norm.weight, self.cfg.layer_norm_epsilon)
+        else:
+            x, h = x[logits_indices], h[logits_indices]
+        x, h = self.run_layers(x, h, self.row_wise_tail, n, attn, mamba, kv_cache, conv_pool, ssm_pool)
         return self.lm_head.logits(x, self.kernels)
 
     def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
