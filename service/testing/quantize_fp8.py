@@ -123,6 +123,7 @@ def calibrate(src: str, calibration: list[list[int]]) -> dict[str, float]:
     )
     recorder = ActivationRecorder()
     engine.runner.model.kernels = recorder.kernels()
+    engine.runner.model.skip_rows = False  # the trailing layers too see every prompt token, not just the last
     engine.generate(calibration, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     model = engine.runner.model
     fused = {f"{name}.weight": parts for name, parts in fused_parts(model).items()}

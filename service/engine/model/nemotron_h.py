@@ -76,6 +76,7 @@ class NemotronHForCausalLM(nn.Module):
             self.row_wise_tail -= 1
         t = self.row_wise_tail
         self.rows_from = t - 1 if t and cfg.layer_types[t - 1] == ATTENTION else t  # first layer that may skip rows
+        self.skip_rows = True  # False: every layer runs on every token (activation calibration records them all)
 
     @torch.no_grad()
     def prepare_weights(self) -> None:
@@ -116,7 +117,7 @@ class NemotronHForCausalLM(nn.Module):
         x, h = self.embed(input_ids)
         n, first = len(self.backbone.layers), self.rows_from
         x, h = self.run_layers(x, h, 0, first, attn, mamba, kv_cache, conv_pool, ssm_pool)
-        if first == n or len(logits_indices) == x.shape[0]:
+        if first == n or len(logits_indices) == x.shape[0] or not self.skip_rows:
             x, h = self.run_layers(x, h, first, n, attn, mamba, kv_cache, conv_pool, ssm_pool)
             return self.logits(x, logits_indices)
         if first < self.row_wise_tail:  # the attention layer: K/V of every row, its output at the logits rows
