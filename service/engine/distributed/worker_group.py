@@ -5,7 +5,7 @@ copy, no serialization) and `ProcessWorkers` for tp > 1: one spawned process per
 CUDA), a torch.distributed group over them (gloo on CPU, NCCL on CUDA, rendezvous on 127.0.0.1 with a free port),
 and a pipe per rank. Every plan is pickled once and sent to every rank; rank 0 samples and sends the results back;
 the other ranks send nothing for a step. Sampled tokens of a launched step reach the other ranks through the
-group (`ModelRunner._share_tokens`), so a carried plan has its inputs on every rank.
+group (`ModelRunner._share_tokens`), so a carried row has its input on every rank.
 
 Lifetime: `shutdown()`, garbage collection of the group, or the engine process dying end the rank processes
 (each watches its parent's pid and its pipe). A rank that dies makes the next call raise `RankFailedError`
