@@ -3,9 +3,9 @@
 
 The ingress validates the body (`service.openai.protocol`), renders the chat template, tokenizes,
 checks the context length, builds `SamplingParams`, then opens one engine stream per choice and waits for
-each stream's first chunk before answering, so that refusals become proper HTTP errors. The streams of the
-requests that arrive together share one Serve call (`generate_group`, groups.py; each request routed by the
-prefix-aware router on its own); with `group_max_requests` 1, each is its own `generate` call. Errors are
+each stream's first chunk before answering, so that refusals become proper HTTP errors. Each stream is its own
+`generate` call, or, with `group_max_requests` > 1, the streams of the requests that arrive together share one
+Serve call (`generate_group`, groups.py; each request routed by the prefix-aware router on its own). Errors are
 OpenAI error objects: 400 bad parameters / prompt too long (`context_length_exceeded`), 404 unknown
 model, 413 body over 8 MiB, 503 overloaded or no engine; `service.deployments.gate` adds 401 (API key) and
 429 / 400 (per-key limits and per-request caps) in front of the handlers. A client that goes away cancels the engine calls, which abort

@@ -66,7 +66,7 @@ def add_cli(subparsers: Any) -> None:
         type=int,
         default=None,
         help="requests one Serve call from an ingress replica to an engine replica carries at most (requests "
-        "arriving while the previous call is being set up share the next one); 1: one call per request",
+        "arriving while the previous call is being set up share the next one); default 1: one call per request",
     )
     p.add_argument(
         "--access-log",

@@ -2,7 +2,7 @@
 last test, so the rest of the suite does not share the cores with idle replicas.
 
 Apps are deployed under their own route prefix (`/<name>/v1`). `main_app` is the shared app most tests
-use (2 engine replicas, both parsers); the router experiment deploys two small-cache apps once and
+use (2 engine replicas, both parsers, grouped engine calls); the router experiment deploys two small-cache apps once and
 keeps them until the end of the package (the metrics test reads their eviction counters). Every other app
 belongs to the test module that deployed it and is deleted when that module ends.
 """
@@ -101,6 +101,7 @@ def main_app(cluster: Cluster, tiny_model_path: str) -> App:
             "replicas": 2,
             "reasoning_parser": "nemotron_3",
             "tool_call_parser": "qwen3_coder",
+            "group_max_requests": 64,  # grouped engine calls, each member routed on its own over the two replicas
             # no background canary work while the fault tests compare pool usage
             "canary": {"enabled": False},
         },

@@ -36,6 +36,7 @@ def coalescing(cluster, tiny_model_path):
                 "replicas": 1,
                 "stream_chunks_per_s": 8.0,
                 "num_kv_pages": KV_PAGES,
+                "group_max_requests": 64,
                 "canary": {"enabled": False},
                 "route_prefix": f"/{name}",
             }
