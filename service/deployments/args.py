@@ -56,8 +56,8 @@ class DeploymentArgs(BaseModel):
     stream_chunks_per_s: float = Field(500.0, gt=0)
     # requests one ingress -> engine Serve call carries at most (service/deployments/groups.py): requests that arrive
     # while the ingress replica's previous group call is being set up share the next call; 1 (the default): one call
-    # per request. Grouping cuts the replicas' CPU per request in bursts; in a closed loop on a loaded 2-core machine
-    # it lowered throughput (benchmarks/RESULTS.md, S3)
+    # per request. Grouping cuts the replicas' CPU per request in bursts; in a closed loop on the 2-core machine it
+    # was even or behind (benchmarks/RESULTS.md, S3)
     group_max_requests: int = Field(1, ge=1)
     # Ray Serve's access log line per call of the ingress and engine replicas (one per HTTP request and one per
     # engine call); off, a burst of calls is not slowed by formatting and writing a log record for each
