@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from service.engine.kernels.transfer import to_device_async
+
 
 @dataclass(frozen=True)
 class ChunkLayout:
@@ -55,9 +57,8 @@ def build_chunk_layout(
         counts.append(len(chunk_req) - first[-1])
         tok += l
 
-    def t(x: list[int]) -> torch.Tensor:  # without waiting for the device (pinned, non-blocking on CUDA)
-        host = torch.tensor(x, dtype=torch.int64)
-        return host.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else host
+    def t(x: list[int]) -> torch.Tensor:
+        return to_device_async(x, torch.int64, device)
 
     return ChunkLayout(
         c,

@@ -10,6 +10,7 @@ import torch
 
 from service.engine.distributed.step import StepPlan
 from service.engine.kernels.ssd import build_chunk_layout, snapshot_chunk_indices
+from service.engine.kernels.transfer import host_to_device, to_device_async
 from service.engine.layers.meta import AttentionMeta, MambaMeta, SnapshotPlan
 
 
@@ -27,19 +28,6 @@ def scheduled_token_ids(plan: StepPlan) -> np.ndarray:
     return np.fromiter(
         itertools.chain.from_iterable(r.token_ids for r in plan.rows), dtype=np.int64, count=plan.num_tokens
     )
-
-
-def to_device_async(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """values as a 1-d tensor on device without waiting for the device (see `host_to_device`)."""
-    return host_to_device(torch.tensor(values, dtype=dtype), device)
-
-
-def host_to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """A host tensor on device without waiting for the device: on CUDA a non-blocking copy from pinned memory (a
-    pageable copy would wait for every kernel queued before it; the pinned block is kept until the copy ran)."""
-    if torch.device(device).type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def build_forward_batch(

@@ -14,11 +14,12 @@ from service.engine.config import EngineConfig, ModelConfig
 from service.engine.distributed.parallel import ParallelContext, RankShapes
 from service.engine.distributed.step import SlotOps, StepPlan, StepRow, sub_plan
 from service.engine.kernels import get_kernels
+from service.engine.kernels.transfer import to_device_async
 from service.engine.model import loader
 from service.engine.model.nemotron_h import NemotronHForCausalLM
 from service.engine.model.quant import read_quant_config
 from service.engine.runner import memory_plan
-from service.engine.runner.batch import build_forward_batch, to_device_async
+from service.engine.runner.batch import build_forward_batch
 from service.engine.runner.cuda_graph import DecodeGraphs, is_graphable
 from service.engine.runner.sampler import DeviceSample, HostSample, Sampler, SamplerOutput
 from service.engine.runner.split import StepSplit, restore_batch_order, split_step

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from service.engine.kernels.transfer import to_device_async
 from service.engine.request import SamplingParams
-from service.engine.runner.batch import to_device_async
 
 
 @dataclass(frozen=True)
