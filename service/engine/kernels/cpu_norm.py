@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from service.engine.kernels.norm import add_rms_norm_ref, gated_group_rms_norm_ref, rms_norm_ref
+from service.engine.kernels.norm import add_rms_norm_ref, gated_group_rms_norm_ref, gated_norm_linear_ref, rms_norm_ref
 
 NORM_BLOCK_ROWS = 256  # rows per block: a [256, 256] fp32 temporary is 256 KiB, a few of them fit in L2
 
@@ -105,7 +105,7 @@ def gated_norm_linear(
     """`norm.gated_norm_linear_ref`: y, z [T, Di], weight [N, Di] -> [T, N] in weight's dtype."""
     blocks = _blocks(y)
     if blocks is None:
-        return F.linear(gated_group_rms_norm_ref(y, z, norm_weight, group_size, eps, weight.dtype), weight, bias)
+        return gated_norm_linear_ref(y, z, norm_weight, group_size, eps, weight, bias)
     out = torch.empty(y.shape[0], weight.shape[0], dtype=weight.dtype, device=y.device)
     for r0, r1 in blocks:
         normed = gated_group_rms_norm_ref(y[r0:r1], z[r0:r1], norm_weight, group_size, eps, weight.dtype)
