@@ -120,8 +120,6 @@ class GroupDispatcher:
         self._flush_scheduled = False
         self._aborts: list[str] = []  # request ids to abort in the next broadcast
         self._tasks: set[asyncio.Task] = set()  # running group calls and abort broadcasts
-        self.calls = 0  # group calls sent
-        self.requests = 0  # members sent in them (a member sent again counts again)
 
     def open(self, member: GroupMember) -> MemberStream:
         stream = MemberStream(self, member)
@@ -169,14 +167,13 @@ class GroupDispatcher:
         """One group call: header, re-queue the members it does not run, then hand out chunks until all ended."""
         members = {s.member.request_id: s for s in group}
         call = self._group_call.remote(GenerateGroup(tuple(s.member for s in group)))
-        self.calls += 1
-        self.requests += len(group)
         setting_up = True
         try:
             header: GroupHeader = await call.__anext__()
             self._setting_up -= 1
             setting_up = False
-            self._requeue([s for rid, s in members.items() if rid not in set(header.accepted)])
+            accepted = set(header.accepted)
+            self._requeue([s for rid, s in members.items() if rid not in accepted])
             members = {rid: members[rid] for rid in header.accepted if rid in members}
             async for chunks in call:  # to its end: a member whose reader left ends when its abort arrives
                 for chunk in chunks:
