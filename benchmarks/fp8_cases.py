@@ -38,6 +38,19 @@ EXPERT_GEMV_FP8_VARIANTS = (
     ExpertGemvTiles(64, 256, 4, mma=3),
     ExpertGemvTiles(128, 128, 8, mma=3),
 )
+# 24 and 48 pairs per expert (Nano at T=512 and 1024): large decode batches
+W8A8_LARGE_DECODE_TILES = (
+    MoeTiles(32, 64, 256, 4, 3),
+    MoeTiles(32, 128, 256, 4, 3),
+    MoeTiles(32, 128, 128, 4, 4),
+    MoeTiles(64, 64, 256, 4, 3),
+    MoeTiles(64, 128, 64, 4, 3),
+    MoeTiles(64, 128, 128, 4, 3),
+    MoeTiles(64, 128, 128, 4, 4),
+    MoeTiles(64, 128, 256, 4, 3),
+    MoeTiles(64, 256, 128, 8, 3),
+    MoeTiles(128, 128, 128, 8, 3),
+)
 W8A8_TILE_VARIANTS = {
     256: (
         MoeTiles(16, 64, 256, 4, 4),
@@ -47,18 +60,8 @@ W8A8_TILE_VARIANTS = {
         MoeTiles(32, 64, 256, 4, 3),
         MoeTiles(64, 64, 256, 4, 3),
     ),
-    1024: (
-        MoeTiles(32, 64, 256, 4, 3),
-        MoeTiles(32, 128, 256, 4, 3),
-        MoeTiles(32, 128, 128, 4, 4),
-        MoeTiles(64, 64, 256, 4, 3),
-        MoeTiles(64, 128, 64, 4, 3),
-        MoeTiles(64, 128, 128, 4, 3),
-        MoeTiles(64, 128, 128, 4, 4),
-        MoeTiles(64, 128, 256, 4, 3),
-        MoeTiles(64, 256, 128, 8, 3),
-        MoeTiles(128, 128, 128, 8, 3),
-    ),
+    512: W8A8_LARGE_DECODE_TILES,
+    1024: W8A8_LARGE_DECODE_TILES,
     8192: (
         MoeTiles(128, 256, 128, 8, 3),
         MoeTiles(128, 128, 128, 8, 4),
@@ -182,7 +185,7 @@ def moe_cases() -> list[Case]:
             Case(f"fp8 moe T={T} weight-only", make, _tiled, None, moved, flops, fp8.fp8_moe_experts_ref),
             Case(f"fp8 moe T={T} w8a8", make, functools.partial(_tiled, w8a8=True), None, moved, flops, w8a8_ref),
         ]
-        for t in W8A8_TILE_VARIANTS.get(T, W8A8_TILE_VARIANTS[1024] if T == 512 else ()):
+        for t in W8A8_TILE_VARIANTS.get(T, ()):
             fn = functools.partial(_tiled, tiles=t, w8a8=True)
             out.append(Case(f"fp8 moe T={T} w8a8 {t}", make, fn, None, moved, flops, w8a8_ref))
     return out
