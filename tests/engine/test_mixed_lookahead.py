@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.engine import Engine, EngineConfig, SamplingParams
+from service.engine import Engine, SamplingParams
 from service.engine.canary import max_rel_error
 from tests.engine.cache_helpers import cold_state, snapshot_errors
 from tests.engine.helpers import greedy, make_engine, random_ids
@@ -202,18 +202,16 @@ def test_mixed_steps_ahead_with_graphs_equal_one_step_at_a_time(tiny_model_dir):
     chunked prompts, seeded sampling, a stop token)."""
 
     def engine(async_scheduling: bool) -> Engine:
-        cfg = EngineConfig(
-            model_path=tiny_model_dir,
+        return make_engine(
+            tiny_model_dir,
             device="cuda",
             kernel_backend="triton",
             dtype="float32",
-            mamba_cache_strategy="off",
-            page_size=4,
             max_num_seqs=4,
             max_num_batched_tokens=32,
             async_scheduling=async_scheduling,
+            debug_integrity=False,
         )
-        return Engine(cfg)
 
     sync = engine(False)
     vocab = sync.model_config.vocab_size
