@@ -43,6 +43,7 @@ COLLECTIVE_TIMEOUT_S = 300.0  # a collective waiting this long for a peer fails 
 START_TIMEOUT_S = 600.0  # rank processes must build their model within this
 STOP_TIMEOUT_S = 5.0  # shutdown waits this long for each rank before killing it
 PARENT_POLL_S = 0.5  # how often a rank checks that the engine process is alive
+PEER_EXIT_GRACE_S = 1.0  # a rank's error waits this long for a peer's exit to show (a dead peer is the root cause)
 
 
 class RankFailedError(RuntimeError):
@@ -204,9 +205,23 @@ class ProcessWorkers:
                 except (EOFError, OSError):
                     continue  # the rank is gone: its sentinel is ready, check_alive says so
                 if kind == "error":
-                    self._fail(f"rank {rank} failed:\n{value}")
+                    self._fail(self._error_cause(rank, value))
                     raise RankFailedError(self._failed)
                 return seq, value
+
+    def _error_cause(self, rank: int, trace: str) -> str:
+        """The failure a rank's error reports, led by any peer that has exited: a peer's death reaches the survivors
+        as a collective error (a reset connection) that can arrive before the peer's exit is visible here."""
+        deadline = time.monotonic() + PEER_EXIT_GRACE_S
+        dead = []
+        for r, proc in enumerate(self.procs):
+            if r != rank:
+                proc.join(max(0.0, deadline - time.monotonic()))
+                if not proc.is_alive():
+                    dead.append(f"rank {r} (pid {proc.pid}) exited with code {proc.exitcode}")
+        if not dead:
+            return f"rank {rank} failed:\n{trace}"
+        return f"{', '.join(dead)}; then rank {rank} failed:\n{trace}"
 
     def _fail(self, why: str) -> None:
         """Marks the group unusable and ends every rank (the living ones may wait in a collective forever)."""
