@@ -87,7 +87,7 @@ def test_abort_with_a_step_in_flight(mixed_ckpt, strategy):
     rid_b = eng.add_request(b, greedy(12))
     for _ in range(5):
         eng.step()
-    assert eng._inflight is not None and eng._inflight.sched.holds(eng.requests[rid_a])
+    assert eng._inflight is not None and eng._inflight.sched.new_tokens_of(eng.requests[rid_a]) > 0
     aborted = eng.abort(rid_a)
     assert aborted.finish_reason == "abort"
     final = {}

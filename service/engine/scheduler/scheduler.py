@@ -41,9 +41,6 @@ class SchedulerOutput:
         """Whether a row feeds more than one token (a prefill chunk)."""
         return _has_prefill(self.scheduled)
 
-    def holds(self, req: Request) -> bool:
-        return any(s.request is req for s in self.scheduled)
-
     def new_tokens_of(self, req: Request) -> int:
         """The tokens this step feeds req (0 when req has no row)."""
         return next((s.num_new_tokens for s in self.scheduled if s.request is req), 0)
