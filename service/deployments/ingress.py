@@ -15,6 +15,7 @@ the requests in the engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,7 +24,7 @@ from typing import Any
 
 import pydantic
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
@@ -34,6 +35,7 @@ from service.deployments.engine_deployment import OVERLOADED, GenerateChunk
 from service.deployments.gate import RequestGate, request_shape
 from service.deployments.groups import GroupDispatcher, GroupMember
 from service.deployments.openapi_doc import document_openai_routes
+from service.deployments.sse import ClosingStreamingResponse
 from service.engine import SamplingParams
 from service.engine.tokenizer import Tokenizer
 from service.openai import reasoning
@@ -363,13 +365,14 @@ class OpenAIIngress:
         request_id = random_id("chatcmpl")
         streams = await self._open([prompt], request_id)
         if req.stream:
-            return StreamingResponse(
+            return ClosingStreamingResponse(
                 self._chat_events(req, request_id, [prompt], streams, states), media_type="text/event-stream"
             )
-        async for index, chunk in self._merged(streams):
-            self._check_not_aborted(chunk)
-            states[index].add(chunk)
-            states[index].collect_logprobs(chunk)
+        async with contextlib.aclosing(self._merged(streams)) as merged:
+            async for index, chunk in merged:
+                self._check_not_aborted(chunk)
+                states[index].add(chunk)
+                states[index].collect_logprobs(chunk)
         response = ChatCompletionResponse(
             id=request_id,
             model=self._model_name,
@@ -391,15 +394,17 @@ class OpenAIIngress:
         def event(**fields: Any) -> str:
             return sse_event(ChatCompletionStreamResponse(id=head.id, created=head.created, model=head.model, **fields))
 
-        async for text in self._events(
+        events = self._events(
             streams,
             states,
             lambda: self._usage(prompts, states),
             event,
             chat=True,
             include_usage=req.include_usage_in_stream,
-        ):
-            yield text
+        )
+        async with contextlib.aclosing(events):
+            async for text in events:
+                yield text
 
     # ---- /v1/completions ----
     async def completions(self, request: Request) -> Response:
@@ -419,7 +424,7 @@ class OpenAIIngress:
             def event(**fields: Any) -> str:
                 return sse_event(CompletionStreamResponse(id=head.id, created=head.created, model=head.model, **fields))
 
-            return StreamingResponse(
+            return ClosingStreamingResponse(
                 self._events(
                     streams,
                     states,
@@ -430,9 +435,10 @@ class OpenAIIngress:
                 ),
                 media_type="text/event-stream",
             )
-        async for index, chunk in self._merged(streams):
-            self._check_not_aborted(chunk)
-            states[index].add_completion(chunk)
+        async with contextlib.aclosing(self._merged(streams)) as merged:
+            async for index, chunk in merged:
+                self._check_not_aborted(chunk)
+                states[index].add_completion(chunk)
         response = CompletionResponse(
             id=request_id,
             model=self._model_name,
@@ -452,27 +458,28 @@ class OpenAIIngress:
         include_usage: bool,
     ) -> AsyncIterator[str]:
         """SSE text for a chat or completion stream; a failure mid-stream becomes an error event."""
-        try:
-            async for index, chunk in self._merged(streams):
-                self._check_not_aborted(chunk)
-                state = states[index]
-                if chat:
-                    state.add(chunk)
-                    choice = state.delta_chat(chunk)
-                else:
-                    choice = state.add_completion(chunk)
-                if choice is not None:
-                    yield event(choices=[choice])
-            if include_usage:  # the usage event and [DONE] leave in one write
-                yield event(choices=[], usage=usage()) + SSE_DONE
-                return
-        except APIError as exc:
-            yield f"data: {exc.response.model_dump_json()}\n\n"
-        except BackPressureError:
-            yield f"data: {ErrorResponse.make('The server is overloaded.', status=503).model_dump_json()}\n\n"
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            logger.exception("stream failed")
-            yield f"data: {ErrorResponse.make('Internal error while generating.', status=500).model_dump_json()}\n\n"
-        yield SSE_DONE
+        async with contextlib.aclosing(self._merged(streams)) as merged:  # its finally cancels the engine calls
+            try:
+                async for index, chunk in merged:
+                    self._check_not_aborted(chunk)
+                    state = states[index]
+                    if chat:
+                        state.add(chunk)
+                        choice = state.delta_chat(chunk)
+                    else:
+                        choice = state.add_completion(chunk)
+                    if choice is not None:
+                        yield event(choices=[choice])
+                if include_usage:  # the usage event and [DONE] leave in one write
+                    yield event(choices=[], usage=usage()) + SSE_DONE
+                    return
+            except APIError as exc:
+                yield f"data: {exc.response.model_dump_json()}\n\n"
+            except BackPressureError:
+                yield f"data: {ErrorResponse.make('The server is overloaded.', status=503).model_dump_json()}\n\n"
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("stream failed")
+                yield f"data: {ErrorResponse.make('Internal error while generating.', status=500).model_dump_json()}\n\n"
+            yield SSE_DONE
