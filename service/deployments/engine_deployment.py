@@ -49,6 +49,7 @@ ROUTING_REPORT_MAX_BLOCKS = 4096  # cached prefix hashes sent per routing-stats 
 HEALTH_TIMEOUT_S = 10.0  # the engine core process must answer a health probe within this
 MAX_STREAM_INTERVAL_S = 0.25  # a running stream sends its new tokens at least this often
 OVERLOADED = "overloaded"  # GenerateChunk.error_code of a grouped request refused for want of room (HTTP 503)
+OVERLOADED_MESSAGE = "The server is overloaded; retry later."  # what the client reads with any 503 "overloaded"
 REMEMBERED_ABORTS = 4096  # aborted request ids kept in case their group call arrives after the abort
 
 
@@ -171,7 +172,7 @@ class EngineDeployment:
                 refused += 1
                 chunks.put_nowait(
                     GenerateChunk(m.request_id, (), "", None, None, None, len(m.prompt_token_ids), 0,
-                                  error="The server is overloaded; retry later.", error_code=OVERLOADED)
+                                  error=OVERLOADED_MESSAGE, error_code=OVERLOADED)
                 )  # fmt: skip
         self._group_calls += 1
         self._group_requests += len(tasks)

@@ -31,7 +31,7 @@ from ray.serve.handle import DeploymentHandle
 
 from service.deployments.args import AppArgs
 from service.deployments.choices import ChoiceOptions, ChoiceState
-from service.deployments.engine_deployment import OVERLOADED, GenerateChunk
+from service.deployments.engine_deployment import OVERLOADED, OVERLOADED_MESSAGE, GenerateChunk
 from service.deployments.gate import RequestGate, request_shape
 from service.deployments.groups import GroupDispatcher, GroupMember
 from service.deployments.openapi_doc import document_openai_routes
@@ -74,7 +74,7 @@ def _error_json(err: ErrorResponse) -> JSONResponse:
 
 
 def _overloaded() -> ErrorResponse:
-    return ErrorResponse.make("The server is overloaded; retry later.", status=503, code="overloaded")
+    return ErrorResponse.make(OVERLOADED_MESSAGE, status=503, code=OVERLOADED)
 
 
 def _invalid(message: str, param: str | None, code: str | None = None) -> APIError:
@@ -476,7 +476,7 @@ class OpenAIIngress:
             except APIError as exc:
                 yield f"data: {exc.response.model_dump_json()}\n\n"
             except BackPressureError:
-                yield f"data: {ErrorResponse.make('The server is overloaded.', status=503).model_dump_json()}\n\n"
+                yield f"data: {_overloaded().model_dump_json()}\n\n"
             except asyncio.CancelledError:
                 raise
             except Exception:
