@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import platform
+import shutil
 import signal
 import sys
 import threading
@@ -34,7 +35,7 @@ DATA_RECIPE = (
 
 def write_folder(out: str, model: Any, tokenizer_json: Any, manifest: dict[str, Any]) -> None:
     os.makedirs(out, exist_ok=True)
-    model.to("cpu").save_pretrained(out, safe_serialization=True)
+    model.save_pretrained(out, safe_serialization=True)
     tokenizer_json.save(os.path.join(out, "tokenizer.json"))
     cfg = model.config
     generation = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id}
@@ -48,8 +49,21 @@ def write_folder(out: str, model: Any, tokenizer_json: Any, manifest: dict[str, 
             f.write("\n")
 
 
-def run(out: str, cfg: TrainConfig, device: str, data_workers: int, threads: int) -> dict[str, Any]:
-    """Train (SIGTERM ends training early and still writes the folder), measure, write `out`."""
+def write_checkpoint(out: str, tokenizer_json: Any, cfg: TrainConfig, steps_done: int, model: Any) -> None:
+    """Replace `out`/checkpoint with the weights after `steps_done` steps (a loadable folder; its manifest has no
+    accuracy: measure it with `heldout_accuracy`). Written beside and renamed, so a reader never sees half of it."""
+    final, scratch = os.path.join(out, "checkpoint"), os.path.join(out, "checkpoint.partial")
+    shutil.rmtree(scratch, ignore_errors=True)
+    write_folder(scratch, model, tokenizer_json, {"train_config": dataclasses.asdict(cfg), "steps_done": steps_done})
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(scratch, final)
+
+
+def run(
+    out: str, cfg: TrainConfig, device: str, data_workers: int, threads: int, checkpoint_every: int = 0
+) -> dict[str, Any]:
+    """Train (SIGTERM ends training early and still writes the folder), measure, write `out`; every
+    `checkpoint_every` steps (0: never) the weights so far go to `out`/checkpoint."""
     torch.set_num_threads(threads)
     # continuing from a checkpoint keeps its tokenizer (its embeddings are indexed by those ids)
     hf_tokenizer = (
@@ -59,7 +73,15 @@ def run(out: str, cfg: TrainConfig, device: str, data_workers: int, threads: int
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     start, cpu_start, load_start = time.monotonic(), _cpu_s(), os.getloadavg()[0]
-    result = train(cfg, tokenizer, device, data_workers, should_stop=stop.is_set)
+    result = train(
+        cfg,
+        tokenizer,
+        device,
+        data_workers,
+        should_stop=stop.is_set,
+        checkpoint_every=checkpoint_every,
+        on_checkpoint=lambda steps_done, model: write_checkpoint(out, hf_tokenizer, cfg, steps_done, model),
+    )
     train_s, train_cpu_s, load_end = time.monotonic() - start, _cpu_s() - cpu_start, os.getloadavg()[0]
     accuracy = heldout_accuracy(result.model, tokenizer, cfg.eval_num, device)
     ablations = state_accuracy_ablations(result.model, tokenizer, cfg.eval_num, device)
@@ -101,7 +123,7 @@ def run(out: str, cfg: TrainConfig, device: str, data_workers: int, threads: int
     if cfg.init_from and os.path.isfile(previous):
         with open(previous, encoding="utf-8") as f:
             manifest["init_manifest"] = json.load(f)
-    write_folder(out, result.model, hf_tokenizer, manifest)
+    write_folder(out, result.model.to("cpu"), hf_tokenizer, manifest)
     return manifest
 
 
@@ -159,7 +181,7 @@ def _run_cli(args: argparse.Namespace) -> int:
         ramp_steps=args.ramp_steps,
     )
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    manifest = run(args.out, cfg, device, args.data_workers, args.threads)
+    manifest = run(args.out, cfg, device, args.data_workers, args.threads, args.checkpoint_every)
     print(
         json.dumps(
             {
@@ -235,6 +257,12 @@ def add_cli(subparsers: Any) -> None:
         type=int,
         default=d.ramp_steps,
         help="with --length-bands: the drawn size's upper limit grows from a tenth of the range to all of it over N steps",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="write the weights so far to OUT/checkpoint every N steps (0: never); does not change the training",
     )
     p.add_argument("--stop-at", type=int, default=None, help="stop after N steps (the schedule spans --steps)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the initial weights and the data")

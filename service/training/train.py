@@ -184,8 +184,12 @@ def train(
     data_workers: int = 0,
     should_stop: Callable[[], bool] = lambda: False,
     log: Callable[[str], None] = print,
+    checkpoint_every: int = 0,
+    on_checkpoint: Callable[[int, Any], None] = lambda steps_done, model: None,
 ) -> TrainResult:
-    """Train from scratch; stops early at `cfg.stop_at` steps or once `should_stop()` (checked every step)."""
+    """Train from scratch; stops early at `cfg.stop_at` steps or once `should_stop()` (checked every step).
+    Every `checkpoint_every` steps (0: never) calls `on_checkpoint(steps_done, model)` (the model in train mode;
+    the callback must not change it)."""
     if cfg.init_from is not None:
         from transformers import NemotronHForCausalLM
 
@@ -234,6 +238,8 @@ def train(
             )
         else:
             losses.append((task, loss.detach()))
+        if checkpoint_every and steps_done % checkpoint_every == 0 and steps_done < cfg.steps:
+            on_checkpoint(steps_done, model)
     model.eval()
     recent: dict[str, list[float]] = {}
     for task, value in losses[int(0.9 * len(losses)) :]:

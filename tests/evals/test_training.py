@@ -3,6 +3,9 @@ split never reaches training; what it saves our engine loads with transformers' 
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import torch
 
 from service.engine.tokenizer import Tokenizer
@@ -102,3 +105,25 @@ def test_length_bands_keep_rows_of_a_step_alike_and_ramp_up():
     assert min(seen["recall"]) <= 6 and max(seen["recall"]) >= 46
     assert min(seen["state"]) <= 60 and max(seen["state"]) >= 240
     assert all(42 <= ex.messages[0]["content"].count("=") <= 48 for ex in make_examples("recall", 20, 0))
+
+
+def test_checkpoint_holds_the_weights_of_a_run_stopped_there(tmp_path):
+    """`--checkpoint-every 2` of a 4-step run: OUT/checkpoint loads, says 2 steps, and holds exactly the weights of
+    the same run stopped at step 2 (writing it changes nothing: the final weights equal an unchecked run's)."""
+    from service.training.cli import run
+    from service.training.probe import load
+
+    cfg = TrainConfig(seed=5, steps=4, batch_size=2, warmup_steps=1, mix={"addition": 1.0}, eval_num=2)
+    manifest = run(str(tmp_path / "out"), cfg, "cpu", data_workers=0, threads=1, checkpoint_every=2)
+    assert manifest["steps_done"] == 4
+    with open(tmp_path / "out" / "checkpoint" / "manifest.json", encoding="utf-8") as f:
+        assert json.load(f)["steps_done"] == 2
+    saved, _ = load(str(tmp_path / "out" / "checkpoint"))
+    final, _ = load(str(tmp_path / "out"))
+    tok = _tokenizer()
+    stopped = train(dataclasses.replace(cfg, stop_at=2), tok, log=lambda _: None).model.state_dict()
+    unchecked = train(cfg, tok, log=lambda _: None).model.state_dict()
+    assert all(torch.equal(saved.state_dict()[k], stopped[k]) for k in stopped)
+    assert all(torch.equal(final.state_dict()[k], unchecked[k]) for k in unchecked)
+    assert not all(torch.equal(stopped[k], unchecked[k]) for k in stopped)
+    assert not (tmp_path / "out" / "checkpoint.partial").exists()
