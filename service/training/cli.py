@@ -92,6 +92,7 @@ def run(
         + (f" --init-from {cfg.init_from}" if cfg.init_from else "")
         + (f" --state-hidden-share {cfg.state_hidden_share}" if cfg.state_hidden_share else "")
         + (" --state-hidden-partial" if cfg.state_hidden_partial else "")
+        + (f" --state-hidden-from {cfg.state_hidden_from}" if cfg.state_hidden_from else "")
         + _size_flags(cfg)
         + (f" --stop-at {result.steps_done}" if result.steps_done < cfg.steps else "")
     )
@@ -171,6 +172,7 @@ def _run_cli(args: argparse.Namespace) -> int:
         init_from=args.init_from,
         state_hidden_share=args.state_hidden_share,
         state_hidden_partial=args.state_hidden_partial,
+        state_hidden_from=args.state_hidden_from,
         mix=mix,
         warmup_steps=min(TrainConfig().warmup_steps, args.steps // 10)
         if args.warmup_steps is None
@@ -231,6 +233,12 @@ def add_cli(subparsers: Any) -> None:
         "--state-hidden-partial",
         action="store_true",
         help="hidden state steps hide each stream from a random point on (attention sees a random prefix of it)",
+    )
+    p.add_argument(
+        "--state-hidden-from",
+        type=int,
+        default=d.state_hidden_from,
+        help="no state step hides its stream before step N (the count is learned with attention first)",
     )
     p.add_argument(
         "--warmup-steps", type=int, default=None, help="learning-rate warm-up steps (default: min(200, steps/10))"

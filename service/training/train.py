@@ -73,6 +73,9 @@ class TrainConfig:
     # hidden steps hide each stream from a uniformly drawn point on (attention sees a random prefix of it, so its
     # count is an undercount) instead of from its start
     state_hidden_partial: bool = False
+    # no state step hides its stream before this step (the count is learned with attention first, which is much
+    # faster; hiding from the start held a single-task state probe at chance for 200 steps)
+    state_hidden_from: int = 0
     recall_pairs: tuple[int, int] = RECALL_PAIRS  # key=value pairs of the training recall contexts (inclusive)
     state_lengths: tuple[int, int] = STATE_TRAIN_LENGTHS  # stream symbols of the training state contexts (inclusive)
     # each recall/state step draws an upper size u from its range (from the range's first `ramp_steps`-th part up to
@@ -129,7 +132,7 @@ def _step_plan(cfg: TrainConfig, step: int) -> tuple[str, list[Example], tuple[f
             _band(cfg, step, size_range, rng) if cfg.length_bands else size_range
         )
     examples = [GENERATORS[task](rng, "train", **kw) for _ in range(cfg.batch_size)]
-    if not (task == "state" and rng.random() < cfg.state_hidden_share):
+    if not (task == "state" and step >= cfg.state_hidden_from and rng.random() < cfg.state_hidden_share):
         return task, examples, None
     return task, examples, tuple(rng.random() if cfg.state_hidden_partial else 0.0 for _ in examples)
 

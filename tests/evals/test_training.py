@@ -127,3 +127,22 @@ def test_checkpoint_holds_the_weights_of_a_run_stopped_there(tmp_path):
     assert all(torch.equal(final.state_dict()[k], unchecked[k]) for k in unchecked)
     assert not all(torch.equal(stopped[k], unchecked[k]) for k in stopped)
     assert not (tmp_path / "out" / "checkpoint.partial").exists()
+
+
+def test_state_steps_hide_their_stream_only_from_state_hidden_from_on():
+    """With `state_hidden_from=40`, no step before 40 hides a stream and about `state_hidden_share` of the later state
+    steps do; every step's task and examples are those of the same recipe without the delay."""
+    from service.training.train import _step_plan
+
+    base = TrainConfig(mix={"state": 0.5, "addition": 0.5}, batch_size=2, state_hidden_share=0.5)
+    delayed = dataclasses.replace(base, state_hidden_from=40)
+    hidden_steps = []
+    for step in range(200):
+        task, examples, visible = _step_plan(delayed, step)
+        assert (task, examples) == _step_plan(base, step)[:2]
+        if visible is not None:
+            assert task == "state" and step >= 40
+            hidden_steps.append(step)
+            assert _step_plan(base, step)[2] == visible
+    state_steps_after = sum(_step_plan(base, s)[0] == "state" for s in range(40, 200))
+    assert 0.3 * state_steps_after <= len(hidden_steps) <= 0.7 * state_steps_after
