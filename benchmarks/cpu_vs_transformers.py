@@ -1,4 +1,5 @@
-"""CPU: our engine (torch kernel bundle) against `transformers` generate on the same checkpoint, in one process.
+"""CPU: our engine (kernel_backend "native" by default, or "torch") against `transformers` generate on the same
+checkpoint, in one process.
 
 The checkpoint is a random NemotronH written by transformers' own `save_pretrained` (hidden 256, pattern
 M*EM-ME*MEM*E, 16 experts top-4, 8 mamba heads x 32, vocab 2048). Both sides get the same equal-length random
@@ -144,13 +145,14 @@ def run_engine(engine: Engine, prompts: torch.Tensor, new: int) -> tuple[Timing,
     return _since(t0), [list(o.token_ids) for o in outs]
 
 
-def make_engine(path: str, shape: Shape, reference: bool = False) -> Engine:
-    """reference: the engine runs the all-reference bundle (`torch_reference_kernels`) instead of the torch bundle."""
+def make_engine(path: str, shape: Shape, reference: bool = False, backend: str = "native") -> Engine:
+    """backend: the engine's kernel_backend ("native" or "torch"); reference: the engine runs the all-reference
+    bundle (`torch_reference_kernels`) instead."""
     cfg = EngineConfig(
         model_path=path,
         device="cpu",
         dtype="float32",
-        kernel_backend="torch",
+        kernel_backend=backend,
         max_num_seqs=max(shape.batch, 1),
         max_num_batched_tokens=max(2048, shape.batch * shape.prompt),
         max_model_len=shape.prompt + shape.new + 16,
@@ -162,12 +164,12 @@ def make_engine(path: str, shape: Shape, reference: bool = False) -> Engine:
     return engine
 
 
-def compare(path: str, shape: Shape, repeats: int, seed: int, reference: bool) -> dict:
+def compare(path: str, shape: Shape, repeats: int, seed: int, reference: bool, backend: str) -> dict:
     """Best-of-`repeats` seconds of each side on the same prompts; raises if the greedy tokens differ."""
     from transformers import NemotronHForCausalLM
 
     hf = NemotronHForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    engine = make_engine(path, shape, reference)
+    engine = make_engine(path, shape, reference, backend)
     prompts = prompts_for(shape, CONFIG["vocab_size"], seed)
     warm = Shape(shape.batch, min(shape.prompt, 8), 2)  # first-call costs (allocator, lazy init) off the clock
     run_transformers(hf, prompts[:, : warm.prompt], warm.new)
@@ -212,9 +214,9 @@ def with_op_ranges(kernels: Kernels) -> Kernels:
     )
 
 
-def profile_engine(path: str, shape: Shape, seed: int, rows: int) -> None:
+def profile_engine(path: str, shape: Shape, seed: int, rows: int, backend: str) -> None:
     """Profiles one engine run (after a warm-up run): op ranges first (per bundle op), then aten ops."""
-    engine = make_engine(path, shape)
+    engine = make_engine(path, shape, backend=backend)
     model = engine.runner.model
     model.kernels = with_op_ranges(model.kernels)
     prompts = prompts_for(shape, CONFIG["vocab_size"], seed)
@@ -239,6 +241,12 @@ def main() -> None:
     ap.add_argument("--checkpoint", default=None, help="folder for the checkpoint (default: a temporary folder)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
     ap.add_argument(
+        "--kernel-backend",
+        default="native",
+        choices=("native", "torch"),
+        help="the engine's kernel_backend: native (compiled C decode kernels) or torch",
+    )
+    ap.add_argument(
         "--reference-kernels",
         action="store_true",
         help="the engine runs the all-reference bundle (the *_ref kernels), for an A/B",
@@ -254,12 +262,13 @@ def main() -> None:
         args.checkpoint = tmp.name
     path = write_checkpoint(args.checkpoint)
     if args.profile:
-        profile_engine(path, Shape.parse(args.profile), args.seed, args.profile_rows)
+        profile_engine(path, Shape.parse(args.profile), args.seed, args.profile_rows, args.kernel_backend)
         return
     results = [
-        compare(path, Shape.parse(s), args.repeats, args.seed, args.reference_kernels) for s in args.shapes.split(",")
+        compare(path, Shape.parse(s), args.repeats, args.seed, args.reference_kernels, args.kernel_backend)
+        for s in args.shapes.split(",")
     ]
-    bundle = "all-reference" if args.reference_kernels else "torch"
+    bundle = "all-reference" if args.reference_kernels else args.kernel_backend
     print(
         f"engine kernels: {bundle}; torch {torch.__version__}, {torch.get_num_threads()} threads, best of {args.repeats}, "
         f"transformers experts={results[0]['experts_impl']} attention={results[0]['attn_impl']}"

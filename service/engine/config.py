@@ -338,7 +338,7 @@ class ModelConfig:
         return experts + latent_proj + shared + e * h + e  # + router weight and correction bias
 
 
-KERNEL_BACKENDS = ("torch", "triton")
+KERNEL_BACKENDS = ("torch", "native", "triton")
 CACHE_STRATEGIES = ("off", "no_buffer", "extra_buffer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
@@ -367,7 +367,10 @@ class EngineConfig:
         "auto", "weight/activation dtype; auto: the checkpoint's on CUDA, float32 on CPU", choices=DTYPES
     )
     kernel_backend: str | None = setting(
-        None, "kernels: torch or triton; default: triton on CUDA, torch on CPU", choices=KERNEL_BACKENDS
+        None,
+        "kernels: torch, native (torch plus compiled C kernels for the CPU decode step; needs a C compiler) or "
+        "triton; default: triton on CUDA, torch on CPU",
+        choices=KERNEL_BACKENDS,
     )
     page_size: int = setting(16, "tokens per KV-cache page", min=1)
     max_num_seqs: int = setting(64, "running requests at most", min=1)
@@ -450,6 +453,8 @@ class EngineConfig:
                 f"max_mamba_snapshots must be >= 1 with mamba_cache_strategy="
                 f"{self.mamba_cache_strategy!r} (got 0); use 'off' to disable caching"
             )
+        if self.kernel_backend == "native" and self.device.startswith("cuda"):
+            raise ValueError("kernel_backend='native' runs on the CPU; use device='cpu', or kernel_backend='triton'")
         if self.gpu_memory_utilization > 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.ep not in (1, self.tp):

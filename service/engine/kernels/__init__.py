@@ -2,7 +2,7 @@
 nothing from the engine.
 
 `Kernels` bundles one implementation of each op; `get_kernels(name)` returns the bundle for an
-explicit backend choice ("torch" or "triton"). There is no silent fallback between them.
+explicit backend choice ("torch", "native" or "triton"). There is no silent fallback between them.
 The "torch" bundle runs the fast pure-torch kernels where they exist (tuned on CPU; each is tested against its
 `*_ref` oracle) and the references elsewhere; `torch_reference_kernels()` is the all-reference bundle (same name,
 for tests and benchmarks)."""
@@ -22,6 +22,8 @@ from service.engine.kernels import (
     cpu_conv1d,
     cpu_linear,
     cpu_moe,
+    cpu_native,
+    cpu_native_ops,
     cpu_norm,
     cpu_ssd,
     fp8,
@@ -115,11 +117,29 @@ def torch_kernels() -> Kernels:
     )
 
 
+def native_kernels() -> Kernels:
+    """The "native" bundle: the "torch" bundle with compiled C kernels (csrc/cpu_decode.c, `cpu_native_ops`) for
+    the decode recurrence, the decode conv, the decode rows of paged attention and the routed experts of small
+    batches (fp32 on the CPU; other inputs run the torch bundle's ops). Builds the kernels now (`cpu_native.native_library`: compiled once per machine, then
+    cached), so an engine that chose this backend fails at start, naming what to install, when they cannot be."""
+    cpu_native.native_library()
+    return dataclasses.replace(
+        torch_kernels(),
+        name="native",
+        selective_state_update_slots_raw_dt=cpu_native_ops.selective_state_update_slots_raw_dt,
+        conv_update_slots=cpu_native_ops.causal_conv1d_update_slots,
+        paged_attention=cpu_native_ops.paged_attention,
+        moe_experts=cpu_native_ops.moe_experts,
+    )
+
+
 def get_kernels(name: str) -> Kernels:
     if name == "torch":
         return torch_kernels()
+    if name == "native":
+        return native_kernels()
     if name == "triton":
         from service.engine.kernels.triton_backend import triton_kernels  # imports triton: only when chosen
 
         return triton_kernels()
-    raise ValueError(f"kernel_backend must be 'torch' or 'triton', got {name!r}")
+    raise ValueError(f"kernel_backend must be 'torch', 'native' or 'triton', got {name!r}")

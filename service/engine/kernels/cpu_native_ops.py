@@ -1,0 +1,239 @@
+"""Launchers of the compiled CPU kernels (csrc/cpu_decode.c, loaded by `cpu_native`) for the "native" bundle: shape,
+dtype and stride checks, then one C call. Same contracts as the references they replace (the oracles the tests
+compare against): `ssd.selective_state_update_slots_raw_dt_ref`, `conv1d.causal_conv1d_update_slots_ref`,
+`attention.paged_attention_ref`, `moe.moe_experts_ref`.
+
+Which inputs the kernels take (fp32 operands on the CPU, the pools contiguous), and what runs otherwise, each
+launcher says; the other cases run the torch bundle's op (`cpu_ssd`, `cpu_conv1d`, `cpu_attention`, `cpu_moe`), by an
+explicit dtype/device test, never by catching an error. The engine's fp32 CPU decode step takes the kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from service.engine.kernels import cpu_attention, cpu_conv1d, cpu_moe, cpu_ssd
+from service.engine.kernels.attention import _check_bounds
+from service.engine.kernels.cpu_native import native_library
+from service.engine.kernels.moe import check_shared_expert
+
+MOE_MAX_PAIRS = 512  # (token, pick) pairs up to which the routed experts run in the kernel (decode batches); more
+#                      (prefill) run `cpu_moe`'s grouped GEMMs
+
+
+def _fp32_cpu(*ts: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in ts)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t [R, ...] as fp32 whose rows are each contiguous (any row stride): t itself when it is, else a copy."""
+    if t.dtype != torch.float32:
+        t = t.float()
+    if t.stride(-1) == 1 and (t.dim() < 3 or t.stride(-2) == t.shape[-1]):
+        return t
+    return t.contiguous()
+
+
+def _flat(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A small operand (parameters per head or channel, index lists) contiguous in dtype: t itself when it is."""
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+
+def _distinct(slot_ids: torch.Tensor) -> bool:
+    """Whether slot_ids [B] has no repeats (the kernels advance each slot in place, row by row: rows sharing a slot,
+    as padding rows on the scratch slot do, would read a state another row already advanced)."""
+    ids = slot_ids.tolist()
+    return len(set(ids)) == len(ids)
+
+
+def _check(status: int, what: str, num: int) -> None:
+    if status != 0:
+        raise ValueError(f"{what} must lie in [0, {num})")
+
+
+def selective_state_update_slots_raw_dt(
+    ssm_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A_log: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    dt_clamp: tuple[float, float],
+) -> torch.Tensor:
+    """`ssd.selective_state_update_slots_raw_dt_ref`: ssm_pool [S, H, P, N] updated in place at slot_ids [Bt]
+    (distinct, except padding rows on the scratch slot), x [Bt, H, P], raw dt [Bt, H], A_log/D/dt_bias [H],
+    B/C [Bt, G, N] -> y [Bt, H, P] fp32. A contiguous fp32 pool on the CPU and distinct slots: the kernel
+    (`hs_ssu_f32`, one pass over each state); otherwise `cpu_ssd.selective_state_update_slots_raw_dt`."""
+    if not (_fp32_cpu(ssm_pool) and ssm_pool.is_contiguous() and _distinct(slot_ids)):
+        return cpu_ssd.selective_state_update_slots_raw_dt(ssm_pool, slot_ids, x, dt, A_log, B, C, D, dt_bias, dt_clamp)
+    S, H, P, N = ssm_pool.shape
+    Bt, G = x.shape[0], B.shape[1]
+    if x.shape != (Bt, H, P) or dt.shape != (Bt, H) or B.shape != (Bt, G, N) or C.shape != B.shape or H % G:
+        raise ValueError(
+            f"ssu shapes: pool {tuple(ssm_pool.shape)}, x {tuple(x.shape)}, dt {tuple(dt.shape)}, B/C {tuple(B.shape)}"
+        )
+    y = torch.empty(Bt, H, P, dtype=torch.float32)
+    if Bt == 0:
+        return y
+    ids = _flat(slot_ids, torch.int64)
+    x, dt, B, C = _rows(x), _rows(dt), _rows(B), _rows(C)
+    A_log, D, dt_bias = _flat(A_log), _flat(D), _flat(dt_bias)
+    status = native_library().hs_ssu_f32(
+        ssm_pool.data_ptr(), S, ids.data_ptr(), Bt, H, P, N, G,
+        x.data_ptr(), x.stride(0), dt.data_ptr(), dt.stride(0), A_log.data_ptr(),
+        B.data_ptr(), B.stride(0), C.data_ptr(), C.stride(0), D.data_ptr(), dt_bias.data_ptr(),
+        float(dt_clamp[0]), float(dt_clamp[1]), y.data_ptr(),
+    )  # fmt: skip
+    _check(status, "slot_ids", S)
+    return y
+
+
+def causal_conv1d_update_slots(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_pool: torch.Tensor, slot_ids: torch.Tensor
+) -> torch.Tensor:
+    """`conv1d.causal_conv1d_update_slots_ref`: x [B, D], weight [D, K], bias [D] or None, conv_pool [S, D, K-1]
+    updated in place at slot_ids [B] -> silu(conv) [B, D] in x's dtype. A contiguous fp32 pool on the CPU and
+    distinct slots: the kernel (`hs_conv_update_f32`); otherwise `cpu_conv1d.causal_conv1d_update_slots`."""
+    if not (_fp32_cpu(conv_pool) and conv_pool.is_contiguous() and x.device.type == "cpu" and _distinct(slot_ids)):
+        return cpu_conv1d.causal_conv1d_update_slots(x, weight, bias, conv_pool, slot_ids)
+    S, Dm, km1 = conv_pool.shape
+    Bt = x.shape[0]
+    if x.shape != (Bt, Dm) or weight.shape != (Dm, km1 + 1) or (bias is not None and bias.shape != (Dm,)):
+        raise ValueError(
+            f"conv shapes: pool {tuple(conv_pool.shape)}, x {tuple(x.shape)}, weight {tuple(weight.shape)}"
+        )
+    out = torch.empty(Bt, Dm, dtype=torch.float32)
+    if Bt == 0:
+        return out.to(x.dtype)
+    ids, xs, w = _flat(slot_ids, torch.int64), _rows(x), _flat(weight)
+    b = None if bias is None else _flat(bias)
+    status = native_library().hs_conv_update_f32(
+        conv_pool.data_ptr(), S, ids.data_ptr(), Bt, Dm, km1 + 1, xs.data_ptr(), xs.stride(0), w.data_ptr(),
+        None if b is None else b.data_ptr(), out.data_ptr(),
+    )  # fmt: skip
+    _check(status, "slot_ids", S)
+    return out.to(x.dtype)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    page_size: int,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`attention.paged_attention_ref`: q [T, Hq, Dh], caches [S, Hkv, Dh], page_table [B, pages], query_start_loc
+    [B+1], prefix_lens [B] -> [T, Hq, Dh] in q's dtype. fp32 q and contiguous fp32 caches on the CPU without scales:
+    the one-query (decode) requests in one kernel call (`hs_decode_attention_f32`: keys read in place through the
+    page table, no gather), the others as `cpu_attention` runs them; other inputs: `cpu_attention.paged_attention`."""
+    args = (q, k_cache, v_cache, page_table, query_start_loc, prefix_lens, max_query_len, max_seq_len, page_size)
+    if not (_fp32_cpu(q, k_cache, v_cache) and k_cache.is_contiguous() and v_cache.is_contiguous()) or (
+        k_scale is not None or v_scale is not None
+    ):
+        return cpu_attention.paged_attention(*args, scale, k_scale, v_scale)
+    qsl, plens = query_start_loc.tolist(), prefix_lens.tolist()
+    _check_bounds(qsl, plens, max_query_len, max_seq_len)
+    out = torch.empty(q.shape, dtype=torch.float32)
+    decode = [i for i in range(len(plens)) if qsl[i + 1] - qsl[i] == 1]
+    if decode:
+        _decode_rows(out, q, k_cache, v_cache, page_table, page_size, scale, decode, qsl, plens)
+    groups: dict[tuple[int, int], list[int]] = {}  # (prefix, new tokens) -> requests, as cpu_attention runs them
+    for i, p in enumerate(plens):
+        if qsl[i + 1] - qsl[i] > 1:
+            groups.setdefault((p, qsl[i + 1] - qsl[i]), []).append(i)
+    for (p, n), reqs in groups.items():
+        cpu_attention._prefill(
+            out, q, k_cache, v_cache, page_table, page_size, scale, [qsl[i] for i in reqs], p, n, reqs
+        )
+    return out
+
+
+def _decode_rows(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    scale: float,
+    reqs: list[int],
+    qsl: list[int],
+    plens: list[int],
+) -> None:
+    """out[qsl[i]] = attention of request i's one query over its plens[i] + 1 keys, for i in reqs (one C call)."""
+    Hq, Dh = q.shape[1], q.shape[2]
+    S, Hkv = k_cache.shape[0], k_cache.shape[1]
+    ctx = [plens[i] + 1 for i in reqs]
+    if k_cache.shape[2] != Dh or Hq % Hkv or max(ctx) > page_table.shape[1] * page_size or qsl[-1] > q.shape[0]:
+        raise ValueError(f"attention shapes: q {tuple(q.shape)}, cache {tuple(k_cache.shape)}, contexts {ctx}")
+    qs, pt = _rows(q), _flat(page_table, torch.int64)
+    tok, req, ctx_t = (torch.tensor(v, dtype=torch.int64) for v in ([qsl[i] for i in reqs], reqs, ctx))
+    scratch = torch.empty((Hq // Hkv + 2) * max(ctx), dtype=torch.float32)
+    status = native_library().hs_decode_attention_f32(
+        qs.data_ptr(), qs.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), S, pt.data_ptr(), pt.stride(0),
+        page_size, tok.data_ptr(), req.data_ptr(), ctx_t.data_ptr(), len(reqs), Hq, Hkv, Dh, float(scale),
+        out.data_ptr(), scratch.data_ptr(),
+    )  # fmt: skip
+    _check(status, "page_table entries", S // page_size)
+
+
+def _native_moe_layout(up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether up [E, I, d] and down [E, d, I] are fp32 views of `cpu_moe.moe_weight_layout`'s storage (up stored
+    [d, E, I], down [E, I, d]) with d and I multiples of the kernel's 16 lanes."""
+    E, I, d = up.shape
+    return (
+        up.dtype == down.dtype == torch.float32
+        and d % 16 == 0
+        and I % 16 == 0
+        and up.stride() == (I, 1, E * I)
+        and down.stride() == (I * d, 1, d)
+    )
+
+
+def moe_experts(
+    x: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    shared_up: torch.Tensor | None = None,
+    shared_down: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`moe.moe_experts_ref`: x [T, d], up [E, I, d], down [E, d, I], topk_weights/topk_ids [T, k] -> [T, d] in x's
+    dtype, plus the shared expert (shared_up [S, d], shared_down [d, S]) when given. fp32 on the CPU with the weights
+    in `cpu_moe.moe_weight_layout` and at most MOE_MAX_PAIRS picks: the routed experts in the kernel
+    (`hs_moe_experts_f32`: each expert's tokens in tiles that share its weight reads, only the picked experts'
+    FLOPs), the shared expert as two GEMMs; otherwise `cpu_moe.moe_experts`."""
+    if not (
+        _fp32_cpu(x) and x.device == up.device and topk_ids.numel() <= MOE_MAX_PAIRS and _native_moe_layout(up, down)
+    ):
+        return cpu_moe.moe_experts(x, up, down, topk_weights, topk_ids, shared_up=shared_up, shared_down=shared_down)
+    T, d = x.shape
+    E, I = up.shape[0], up.shape[1]
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != T or up.shape[2] != d or down.shape != (E, d, I):
+        raise ValueError(f"moe shapes: x {tuple(x.shape)}, up {tuple(up.shape)}, down {tuple(down.shape)}")
+    if check_shared_expert(x, shared_up, shared_down):
+        out = F.linear(F.linear(x, shared_up).relu_().square_(), shared_down).float()
+    else:
+        out = torch.zeros(T, d, dtype=torch.float32)
+    xs, ids, w = _rows(x), _flat(topk_ids, torch.int64), _flat(topk_weights)
+    iscratch = torch.empty(ids.numel() + E, dtype=torch.int64)
+    fscratch = torch.empty(4 * I, dtype=torch.float32)
+    status = native_library().hs_moe_experts_f32(
+        xs.data_ptr(), xs.stride(0), T, d, I, E, up.data_ptr(), down.data_ptr(), ids.data_ptr(), w.data_ptr(),
+        ids.shape[1], out.data_ptr(), iscratch.data_ptr(), fscratch.data_ptr(),
+    )  # fmt: skip
+    _check(status, "topk_ids", E)
+    return out

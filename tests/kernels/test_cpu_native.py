@@ -1,0 +1,231 @@
+"""The compiled CPU kernels of the "native" bundle (csrc/cpu_decode.c via cpu_native_ops) against their `*_ref`
+oracles over sizes, strides and dtypes (tails of the vector loops, GQA groups of 4 and not), the inputs each launcher
+hands to the torch bundle instead, the bounds checks, the build (cache, compiler errors) and the bundle wiring."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from service.engine.kernels import (
+    attention,
+    conv1d,
+    cpu_attention,
+    cpu_conv1d,
+    cpu_moe,
+    cpu_native,
+    cpu_native_ops,
+    cpu_ssd,
+    get_kernels,
+    moe,
+    ssd,
+)
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # relative to the reference's largest magnitude
+
+
+def close(out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= tol * max(1.0, ref.float().abs().max().item()), err
+
+
+# ---------------------------------------------------------------- selective state update
+@pytest.mark.parametrize("slots", [[2, 3, 4, 5], [6, 1, 3], [7]])
+@pytest.mark.parametrize("sizes", [(4, 8, 2, 16), (8, 32, 2, 64), (3, 5, 1, 20)])  # (H, P, G, N): N with a tail
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("clamp", [(0.0, float("inf")), (0.001, 0.5)])
+def test_selective_state_update(slots, sizes, dtype, clamp):
+    torch.manual_seed(2)
+    H, P, G, N = sizes
+    Bt = len(slots)
+    pool = torch.randn(8, H, P, N)
+    pool_ref = pool.clone()
+    ids = torch.tensor(slots)
+    xbc = torch.randn(Bt, H * P + 2 * G * N + 3, dtype=dtype)  # x, B, C as strided column slices, as the layer has
+    x = xbc[:, : H * P].view(Bt, H, P)
+    B = xbc[:, H * P : H * P + G * N].view(Bt, G, N)
+    C = xbc[:, H * P + G * N : H * P + 2 * G * N].view(Bt, G, N)
+    dt = torch.randn(Bt, 2 * H, dtype=dtype)[:, ::2]
+    args = (x, dt, torch.randn(H), B, C, torch.randn(H), torch.randn(H), clamp)
+    for _ in range(2):  # two steps: the second reads the state the first wrote
+        y = cpu_native_ops.selective_state_update_slots_raw_dt(pool, ids, *args)
+        y_ref = ssd.selective_state_update_slots_raw_dt_ref(pool_ref, ids, *args)
+        close(y, y_ref, TOL[torch.float32])
+        close(pool, pool_ref, TOL[torch.float32])
+    untouched = [s for s in range(8) if s not in slots]
+    assert torch.equal(pool[untouched], pool_ref[untouched])
+
+
+def test_selective_state_update_hands_other_inputs_to_the_torch_bundle(monkeypatch):
+    """A bf16 pool and repeated slots (padding rows on the scratch slot) run cpu_ssd's op, which matches the
+    reference there (tests/kernels/test_cpu_kernels.py)."""
+    calls = []
+    fast = cpu_ssd.selective_state_update_slots_raw_dt
+    monkeypatch.setattr(cpu_ssd, "selective_state_update_slots_raw_dt", lambda *a: calls.append(1) or fast(*a))
+    H, P, G, N = 2, 4, 1, 8
+    args = (torch.randn(3, H, P), torch.randn(3, H), torch.randn(H), torch.randn(3, G, N))
+    args += (torch.randn(3, G, N), torch.randn(H), torch.randn(H), (0.0, float("inf")))
+    cpu_native_ops.selective_state_update_slots_raw_dt(
+        torch.randn(5, H, P, N).bfloat16(), torch.tensor([1, 2, 3]), *args
+    )
+    cpu_native_ops.selective_state_update_slots_raw_dt(torch.randn(5, H, P, N), torch.tensor([0, 4, 0]), *args)
+    assert len(calls) == 2
+
+
+# ---------------------------------------------------------------- conv update
+@pytest.mark.parametrize("slots", [[1, 2, 3], [5, 1, 7], [0]])
+@pytest.mark.parametrize("kernel", [2, 4])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_update(slots, kernel, bias, dtype):
+    """The pool in the model's dtype (bf16: the torch bundle's op, whose oracle agrees)."""
+    torch.manual_seed(4)
+    Dm = 37
+    pool = torch.randn(9, Dm, kernel - 1, dtype=dtype)
+    pool_ref = pool.clone()
+    ids = torch.tensor(slots)
+    w, b = torch.randn(Dm, kernel, dtype=dtype), torch.randn(Dm, dtype=dtype) if bias else None
+    for _ in range(3):  # the state shifts: a few steps
+        x = torch.randn(len(slots), Dm + 5, dtype=dtype)[:, :Dm]  # a strided column slice, as in_proj's split gives
+        out = cpu_native_ops.causal_conv1d_update_slots(x, w, b, pool, ids)
+        close(out, conv1d.causal_conv1d_update_slots_ref(x, w, b, pool_ref, ids), TOL[dtype])
+        assert torch.equal(pool, pool_ref)
+
+
+def test_conv_update_hands_other_inputs_to_the_torch_bundle(monkeypatch):
+    calls = []
+    fast = cpu_conv1d.causal_conv1d_update_slots
+    monkeypatch.setattr(cpu_conv1d, "causal_conv1d_update_slots", lambda *a: calls.append(1) or fast(*a))
+    x, w = torch.randn(3, 8), torch.randn(8, 4)
+    cpu_native_ops.causal_conv1d_update_slots(x, w, None, torch.randn(5, 8, 3).bfloat16(), torch.tensor([1, 2, 3]))
+    cpu_native_ops.causal_conv1d_update_slots(x, w, None, torch.randn(5, 8, 3), torch.tensor([0, 2, 0]))
+    assert len(calls) == 2
+
+
+def test_state_kernels_check_slots():
+    x, w = torch.randn(2, 8), torch.randn(8, 4)
+    with pytest.raises(ValueError, match="slot_ids"):
+        cpu_native_ops.causal_conv1d_update_slots(x, w, None, torch.randn(5, 8, 3), torch.tensor([1, 5]))
+    H, P, G, N = 2, 4, 1, 8
+    args = (torch.randn(2, H, P), torch.randn(2, H), torch.randn(H), torch.randn(2, G, N))
+    args += (torch.randn(2, G, N), torch.randn(H), torch.randn(H), (0.0, float("inf")))
+    with pytest.raises(ValueError, match="slot_ids"):
+        cpu_native_ops.selective_state_update_slots_raw_dt(torch.randn(5, H, P, N), torch.tensor([-1, 2]), *args)
+
+
+# ---------------------------------------------------------------- paged attention
+ATTN_BATCHES = [  # (query_lens, prefix_lens): decode only (unequal / equal contexts), mixed with prefill requests
+    ([1, 1, 1], [12, 0, 70]),
+    ([1, 1], [17, 17]),
+    ([1, 5, 9, 3, 5], [12, 3, 0, 30, 3]),
+    ([9, 9, 4], [0, 0, 0]),
+]
+
+
+@pytest.mark.parametrize("lens", ATTN_BATCHES)
+@pytest.mark.parametrize("heads", [(8, 2, 32), (6, 2, 16), (4, 1, 24), (2, 2, 8)])  # (Hq, Hkv, Dh): GQA 4, 3, 4, 1
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_paged_attention(lens, heads, page_size):
+    torch.manual_seed(5)
+    ql, pl = lens
+    Hq, Hkv, Dh = heads
+    max_len = 80
+    pages_per_req = -(-max_len // page_size)
+    num_pages = len(ql) * pages_per_req + 1
+    kc, vc = torch.randn(num_pages * page_size, Hkv, Dh), torch.randn(num_pages * page_size, Hkv, Dh)
+    page_table = (torch.randperm(num_pages - 1) + 1)[: len(ql) * pages_per_req].view(len(ql), pages_per_req)
+    qsl = torch.tensor([0] + torch.tensor(ql).cumsum(0).tolist())
+    qkv = torch.randn(sum(ql), Hq + 2 * Hkv, Dh)  # q as a strided view, as the layer passes it
+    args = (qkv[:, :Hq], kc, vc, page_table, qsl, torch.tensor(pl), max(ql), max_len, page_size, Dh**-0.5)
+    close(cpu_native_ops.paged_attention(*args), attention.paged_attention_ref(*args), TOL[torch.float32])
+
+
+def test_paged_attention_hands_other_inputs_to_the_torch_bundle(monkeypatch):
+    """bf16 and scaled (FP8) caches run cpu_attention's op."""
+    calls = []
+    fast = cpu_attention.paged_attention
+    monkeypatch.setattr(cpu_attention, "paged_attention", lambda *a: calls.append(1) or fast(*a))
+    kc = torch.randn(16, 1, 8)
+    base = (torch.ones(1, 4, dtype=torch.int64) * torch.arange(4), torch.tensor([0, 1]), torch.tensor([5]), 1, 8, 4)
+    cpu_native_ops.paged_attention(torch.randn(1, 2, 8).bfloat16(), kc.bfloat16(), kc.bfloat16(), *base, 0.3)
+    scale = torch.tensor(1.0)
+    cpu_native_ops.paged_attention(torch.randn(1, 2, 8), kc, kc, *base, 0.3, scale, scale)
+    assert len(calls) == 2
+
+
+def test_paged_attention_checks_pages():
+    kc = torch.zeros(8, 1, 4)
+    page_table = torch.tensor([[0, 7]])  # page 7 of a 2-page cache
+    args = (torch.zeros(1, 1, 4), kc, kc, page_table, torch.tensor([0, 1]), torch.tensor([5]), 1, 8, 4, 1.0)
+    with pytest.raises(ValueError, match="page_table"):
+        cpu_native_ops.paged_attention(*args)
+
+
+# ---------------------------------------------------------------- routed experts
+@pytest.mark.parametrize("tokens, k", [(1, 4), (3, 2), (5, 4), (32, 4), (7, 1)])  # tiles of 4 full and partial
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("sizes", [(16, 32, 48), (4, 16, 32)])  # (E, I, d)
+def test_moe_experts(tokens, k, shared, sizes):
+    torch.manual_seed(6)
+    E, I, d = sizes
+    up, down = torch.randn(E, I, d) / d**0.5, torch.randn(E, d, I) / I**0.5
+    x = torch.randn(tokens, d)
+    weights, ids = torch.topk(torch.randn(tokens, E).softmax(-1), k)
+    ids[0, -1] = ids[0, 0]  # the same expert picked twice by one token: both picks count
+    sh = dict(shared_up=torch.randn(24, d) / d**0.5, shared_down=torch.randn(d, 24) / 24**0.5) if shared else {}
+    ref = moe.moe_experts_ref(x, up, down, weights, ids, **sh)
+    close(cpu_native_ops.moe_experts(x, *cpu_moe.moe_weight_layout(up, down), weights, ids, **sh), ref, 1e-5)
+
+
+def test_moe_experts_hands_other_inputs_to_the_torch_bundle(monkeypatch):
+    """Weights not in the bundle's layout, bf16, more picks than MOE_MAX_PAIRS, rows not 16-float multiples: the
+    torch bundle's op."""
+    calls = []
+    fast = cpu_moe.moe_experts
+    monkeypatch.setattr(cpu_moe, "moe_experts", lambda *a, **kw: calls.append(1) or fast(*a, **kw))
+    E, I, d = 4, 16, 32
+    up, down = torch.randn(E, I, d), torch.randn(E, d, I)
+    weights, ids = torch.topk(torch.randn(3, E).softmax(-1), 2)
+    cpu_native_ops.moe_experts(torch.randn(3, d), up, down, weights, ids)  # as loaded
+    laid = cpu_moe.moe_weight_layout(up, down)
+    cpu_native_ops.moe_experts(torch.randn(3, d).bfloat16(), up.bfloat16(), down.bfloat16(), weights, ids)
+    n = cpu_native_ops.MOE_MAX_PAIRS // 2 + 1
+    big_w, big_ids = torch.topk(torch.randn(n, E).softmax(-1), 2)
+    cpu_native_ops.moe_experts(torch.randn(n, d), *laid, big_w, big_ids)
+    odd_up, odd_down = cpu_moe.moe_weight_layout(torch.randn(E, 12, d), torch.randn(E, d, 12))
+    cpu_native_ops.moe_experts(torch.randn(3, d), odd_up, odd_down, weights, ids)
+    assert len(calls) == 4
+    cpu_native_ops.moe_experts(torch.randn(3, d), *laid, weights, ids)
+    assert len(calls) == 4
+
+
+def test_moe_experts_checks_ids():
+    up, down = cpu_moe.moe_weight_layout(torch.randn(4, 16, 32), torch.randn(4, 32, 16))
+    with pytest.raises(ValueError, match="topk_ids"):
+        cpu_native_ops.moe_experts(torch.randn(2, 32), up, down, torch.ones(2, 1), torch.tensor([[1], [4]]))
+
+
+# ---------------------------------------------------------------- build and bundle
+def test_build_is_cached_and_names_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRID_SERVE_NATIVE_CACHE", str(tmp_path))
+    path = cpu_native.library_path()  # compiled into the empty cache
+    assert path.parent.parent == tmp_path and path.exists()
+    built = os.stat(path).st_mtime_ns
+    assert cpu_native.library_path() == path and os.stat(path).st_mtime_ns == built  # found, not rebuilt
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(cpu_native.NativeBuildError, match="kernel_backend='torch'"):
+        cpu_native.library_path()
+
+
+def test_native_bundle_runs_the_compiled_kernels():
+    native, fast = get_kernels("native"), get_kernels("torch")
+    assert native.name == "native"
+    assert native.selective_state_update_slots_raw_dt is cpu_native_ops.selective_state_update_slots_raw_dt
+    assert native.conv_update_slots is cpu_native_ops.causal_conv1d_update_slots
+    assert native.paged_attention is cpu_native_ops.paged_attention
+    assert native.ssd_varlen is fast.ssd_varlen is cpu_ssd.ssd_varlen  # the rest: the torch bundle's
+    assert native.moe_experts is cpu_native_ops.moe_experts
+    assert native.moe_weight_layout is cpu_moe.moe_weight_layout
