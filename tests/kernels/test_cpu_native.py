@@ -17,9 +17,11 @@ from service.engine.kernels import (
     cpu_moe,
     cpu_native,
     cpu_native_ops,
+    cpu_norm,
     cpu_ssd,
     get_kernels,
     moe,
+    norm,
     ssd,
 )
 
@@ -114,6 +116,53 @@ def test_state_kernels_check_slots():
     args += (torch.randn(2, G, N), torch.randn(H), torch.randn(H), (0.0, float("inf")))
     with pytest.raises(ValueError, match="slot_ids"):
         cpu_native_ops.selective_state_update_slots_raw_dt(torch.randn(5, H, P, N), torch.tensor([-1, 2]), *args)
+
+
+# ---------------------------------------------------------------- prefill conv
+@pytest.mark.parametrize("query_lens", [[40, 7, 1, 33], [1], [2, 3], [6, 6, 6]])  # requests shorter than K-1 too
+@pytest.mark.parametrize("kernel", [2, 4])
+@pytest.mark.parametrize("bias", [True, False])
+def test_conv_varlen(query_lens, kernel, bias):
+    torch.manual_seed(3)
+    Dm, Bq, T = 37, len(query_lens), sum(query_lens)
+    qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist())
+    token_req = torch.repeat_interleave(torch.arange(Bq), torch.tensor(query_lens))
+    x = torch.randn(T, Dm + 9)[:, 4 : 4 + Dm]  # a strided column slice, as in_proj's split gives
+    w, b = torch.randn(Dm, kernel), torch.randn(Dm) if bias else None
+    states = torch.randn(Bq, Dm, kernel - 1)
+    out = cpu_native_ops.causal_conv1d_varlen(x, w, b, states, qsl, token_req)
+    close(out, conv1d.causal_conv1d_varlen_ref(x, w, b, states, qsl, token_req), TOL[torch.float32])
+
+
+def test_conv_varlen_checks_query_start_loc():
+    x, w, states = torch.randn(5, 8), torch.randn(8, 4), torch.randn(2, 8, 3)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        cpu_native_ops.causal_conv1d_varlen(x, w, None, states, torch.tensor([0, 3, 6]), torch.zeros(5))
+
+
+# ---------------------------------------------------------------- gated norm + linear
+@pytest.mark.parametrize("rows", [1, 5, cpu_norm.NORM_BLOCK_ROWS + 44])  # one block; blocks and a partial one
+@pytest.mark.parametrize("group_size", [16, 64])
+@pytest.mark.parametrize("bias", [True, False])
+def test_gated_norm_linear(rows, group_size, bias):
+    torch.manual_seed(7)
+    Di, N = 64, 40
+    y, z = torch.randn(rows, Di), torch.randn(rows, Di + 24)[:, 8 : 8 + Di]  # z strided, as in_proj's split gives
+    args = (y, z, 1.0 + 0.1 * torch.randn(Di), group_size, 1e-5, torch.randn(N, Di), torch.randn(N) if bias else None)
+    close(cpu_native_ops.gated_norm_linear(*args), norm.gated_norm_linear_ref(*args), TOL[torch.float32])
+
+
+def test_prefill_ops_hand_bf16_to_the_torch_bundle(monkeypatch):
+    calls = []
+    for mod, name in ((cpu_norm, "gated_norm_linear"), (cpu_conv1d, "causal_conv1d_varlen")):
+        fast = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, fast=fast: calls.append(1) or fast(*a))
+    y = torch.randn(3, 16).bfloat16()
+    cpu_native_ops.gated_norm_linear(y, y, torch.ones(16), 8, 1e-5, torch.randn(4, 16).bfloat16(), None)
+    qsl = torch.tensor([0, 3])
+    cpu_native_ops.causal_conv1d_varlen(y, torch.randn(16, 4).bfloat16(), None, torch.randn(1, 16, 3).bfloat16(),
+                                        qsl, torch.zeros(3, dtype=torch.int64))  # fmt: skip
+    assert len(calls) == 2
 
 
 # ---------------------------------------------------------------- paged attention
@@ -226,6 +275,8 @@ def test_native_bundle_runs_the_compiled_kernels():
     assert native.selective_state_update_slots_raw_dt is cpu_native_ops.selective_state_update_slots_raw_dt
     assert native.conv_update_slots is cpu_native_ops.causal_conv1d_update_slots
     assert native.paged_attention is cpu_native_ops.paged_attention
+    assert native.conv_varlen is cpu_native_ops.causal_conv1d_varlen
+    assert native.gated_norm_linear is cpu_native_ops.gated_norm_linear
     assert native.ssd_varlen is fast.ssd_varlen is cpu_ssd.ssd_varlen  # the rest: the torch bundle's
     assert native.moe_experts is cpu_native_ops.moe_experts
     assert native.moe_weight_layout is cpu_moe.moe_weight_layout

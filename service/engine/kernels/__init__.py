@@ -119,8 +119,8 @@ def torch_kernels() -> Kernels:
 
 def native_kernels() -> Kernels:
     """The "native" bundle: the "torch" bundle with compiled C kernels (csrc/cpu_decode.c, `cpu_native_ops`) for
-    the decode recurrence, the decode conv, the decode rows of paged attention and the routed experts of small
-    batches (fp32 on the CPU; other inputs run the torch bundle's ops). Builds the kernels now (`cpu_native.native_library`: compiled once per machine, then
+    the decode recurrence, the conv (decode and prefill), the decode rows of paged attention, the routed experts of
+    small batches and the Mamba output norm (fp32 on the CPU; other inputs run the torch bundle's ops). Builds the kernels now (`cpu_native.native_library`: compiled once per machine, then
     cached), so an engine that chose this backend fails at start, naming what to install, when they cannot be."""
     cpu_native.native_library()
     return dataclasses.replace(
@@ -130,6 +130,8 @@ def native_kernels() -> Kernels:
         conv_update_slots=cpu_native_ops.causal_conv1d_update_slots,
         paged_attention=cpu_native_ops.paged_attention,
         moe_experts=cpu_native_ops.moe_experts,
+        gated_norm_linear=cpu_native_ops.gated_norm_linear,
+        conv_varlen=cpu_native_ops.causal_conv1d_varlen,
     )
 
 

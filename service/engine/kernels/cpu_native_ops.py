@@ -1,10 +1,12 @@
 """Launchers of the compiled CPU kernels (csrc/cpu_decode.c, loaded by `cpu_native`) for the "native" bundle: shape,
 dtype and stride checks, then one C call. Same contracts as the references they replace (the oracles the tests
 compare against): `ssd.selective_state_update_slots_raw_dt_ref`, `conv1d.causal_conv1d_update_slots_ref`,
-`attention.paged_attention_ref`, `moe.moe_experts_ref`.
+`conv1d.causal_conv1d_varlen_ref`, `attention.paged_attention_ref`, `moe.moe_experts_ref`,
+`norm.gated_norm_linear_ref`.
 
 Which inputs the kernels take (fp32 operands on the CPU, the pools contiguous), and what runs otherwise, each
-launcher says; the other cases run the torch bundle's op (`cpu_ssd`, `cpu_conv1d`, `cpu_attention`, `cpu_moe`), by an
+launcher says; the other cases run the torch bundle's op (`cpu_ssd`, `cpu_conv1d`, `cpu_attention`, `cpu_moe`,
+`cpu_norm`), by an
 explicit dtype/device test, never by catching an error. The engine's fp32 CPU decode step takes the kernels.
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from service.engine.kernels import cpu_attention, cpu_conv1d, cpu_moe, cpu_ssd
+from service.engine.kernels import cpu_attention, cpu_conv1d, cpu_moe, cpu_norm, cpu_ssd
 from service.engine.kernels.attention import _check_bounds
 from service.engine.kernels.cpu_native import native_library
 from service.engine.kernels.moe import check_shared_expert
@@ -236,4 +238,81 @@ def moe_experts(
         ids.shape[1], out.data_ptr(), iscratch.data_ptr(), fscratch.data_ptr(),
     )  # fmt: skip
     _check(status, "topk_ids", E)
+    return out
+
+
+def _at_row(t: torch.Tensor, row: int) -> int:
+    """Address of row `row` of t [R, ...] (fp32)."""
+    return t.data_ptr() + row * t.stride(0) * t.element_size()
+
+
+def gated_norm_linear(
+    y: torch.Tensor,
+    z: torch.Tensor,
+    norm_weight: torch.Tensor,
+    group_size: int,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`norm.gated_norm_linear_ref`: y, z [T, Di] (any row strides), norm_weight [Di], weight [N, Di] -> [T, N].
+    fp32 on the CPU: the gated group norm in the kernel (`hs_gated_norm_f32`), `cpu_norm.NORM_BLOCK_ROWS` rows at a
+    time, each block's linear right after it (its normed rows still in cache); otherwise `cpu_norm.gated_norm_linear`."""
+    if not (_fp32_cpu(y, z, weight) and y.dim() == 2):
+        return cpu_norm.gated_norm_linear(y, z, norm_weight, group_size, eps, weight, bias)
+    T, Di = y.shape
+    if z.shape != y.shape or Di % group_size or norm_weight.shape != (Di,) or weight.shape[1] != Di:
+        raise ValueError(f"gated norm shapes: y {tuple(y.shape)}, z {tuple(z.shape)}, weight {tuple(weight.shape)}")
+    ys, zs, w = _rows(y), _rows(z), _flat(norm_weight)
+    block = cpu_norm.NORM_BLOCK_ROWS
+    normed = torch.empty(min(T, block), Di, dtype=torch.float32)
+    out = torch.empty(T, weight.shape[0], dtype=torch.float32)
+    for r0 in range(0, T, block):
+        n = min(T, r0 + block) - r0
+        native_library().hs_gated_norm_f32(
+            _at_row(ys, r0), ys.stride(0), _at_row(zs, r0), zs.stride(0), n, Di, group_size, w.data_ptr(),
+            float(eps), normed.data_ptr(),
+        )  # fmt: skip
+        if bias is None:
+            torch.mm(normed[:n], weight.t(), out=out[r0 : r0 + n])
+        else:
+            torch.addmm(bias, normed[:n], weight.t(), out=out[r0 : r0 + n])
+    return out
+
+
+def causal_conv1d_varlen(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    init_states: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    token_req: torch.Tensor,
+) -> torch.Tensor:
+    """`conv1d.causal_conv1d_varlen_ref`: x [T, D] (any row stride), weight [D, K], bias [D] or None, init_states
+    [B, D, K-1], query_start_loc [B+1], token_req [T] -> silu(conv(x) + bias) [T, D]. fp32 x and states on the CPU:
+    the kernel (`hs_conv_varlen_f32`, token rows in place, no window copies); otherwise
+    `cpu_conv1d.causal_conv1d_varlen`."""
+    if not (_fp32_cpu(x, init_states) and x.dim() == 2):
+        return cpu_conv1d.causal_conv1d_varlen(x, weight, bias, init_states, query_start_loc, token_req)
+    T, Dm = x.shape
+    B, K = init_states.shape[0], weight.shape[1]
+    qsl = query_start_loc.tolist()
+    if (
+        weight.shape[0] != Dm
+        or init_states.shape[1:] != (Dm, K - 1)
+        or len(qsl) != B + 1
+        or qsl[0] != 0
+        or qsl[-1] != T
+        or any(a > b for a, b in zip(qsl, qsl[1:]))
+    ):
+        raise ValueError(f"conv shapes: x {tuple(x.shape)}, weight {tuple(weight.shape)}, states "
+                         f"{tuple(init_states.shape)}, query_start_loc {qsl}")  # fmt: skip
+    xs, w, st, q = _rows(x), _flat(weight), init_states.contiguous(), _flat(query_start_loc, torch.int64)
+    b = None if bias is None else _flat(bias)
+    out = torch.empty(T, Dm, dtype=torch.float32)
+    taps = torch.empty(K * Dm, dtype=torch.float32)
+    native_library().hs_conv_varlen_f32(
+        xs.data_ptr(), xs.stride(0), Dm, K, w.data_ptr(), None if b is None else b.data_ptr(), st.data_ptr(),
+        q.data_ptr(), B, out.data_ptr(), taps.data_ptr(),
+    )  # fmt: skip
     return out

@@ -8,8 +8,8 @@ are compiled once per x86-64 level (target_clones: AVX-512, AVX2 + FMA, baseline
 CPU runs, so one build is portable across x86-64 machines.
 
 Sizes are int64 element counts; "row" arguments are row strides in elements; every other operand is contiguous.
-Each kernel checks the slots / pages it is given against the pool's size before it touches memory and returns -1
-when one lies outside (0: done). */
+Each kernel returns 0 when done; those that index memory by ids they are given (slots, pages, experts) check
+them first and return -1, having touched nothing, when one lies outside its range. */
 
 #include <math.h>
 #include <stdint.h>
@@ -346,6 +346,55 @@ HS_CLONES int64_t hs_moe_experts_f32(const float *x, int64_t x_row, int64_t T, i
             }
             hs_expert_up4(fscratch, xt, wt, nt, up + e * I, E * I, d, I);
             hs_expert_down4(ot, fscratch, nt, down + e * I * d, d, I);
+        }
+    }
+    return 0;
+}
+
+/* Gated group RMSNorm (the Mamba-2 output norm) of T rows: g = y silu(z), each group of gs channels times
+   rsqrt(mean(g^2) + eps), times w. y [T, Di] (row y_row), z [T, Di] (row z_row), w [Di], out [T, Di] (contiguous);
+   Di a multiple of gs. */
+HS_CLONES int64_t hs_gated_norm_f32(const float *y, int64_t y_row, const float *z, int64_t z_row, int64_t T,
+                                    int64_t Di, int64_t gs, const float *w, float eps, float *out) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *yt = y + t * y_row, *zt = z + t * z_row;
+        float *o = out + t * Di;
+        for (int64_t i = 0; i < Di; i++) o[i] = yt[i] * (zt[i] / (1.0f + hs_exp(-zt[i])));
+        for (int64_t g0 = 0; g0 < Di; g0 += gs) {
+            float r = 1.0f / sqrtf(hs_dot(o + g0, o + g0, gs) / (float)gs + eps);
+            for (int64_t i = g0; i < g0 + gs; i++) o[i] = o[i] * r * w[i];
+        }
+    }
+    return 0;
+}
+
+/* Causal depthwise conv of a packed batch with per-request initial states, then SiLU:
+   out[t] = silu(bias + sum_k w[:, k] src(t - (K-1) + k)), src the request's own tokens, before its first token its
+   initial state's columns. x [T, D] (row x_row); w [D, K]; bias [D] or NULL; states [B, D, K-1] (contiguous);
+   qsl [B+1] (request i: tokens qsl[i] .. qsl[i+1]); out [T, D] (contiguous); taps: K * D floats of scratch. */
+HS_CLONES int64_t hs_conv_varlen_f32(const float *x, int64_t x_row, int64_t D, int64_t K, const float *w,
+                                     const float *bias, const float *states, const int64_t *qsl, int64_t B,
+                                     float *out, float *taps) {
+    int64_t km1 = K - 1;
+    for (int64_t d = 0; d < D; d++)
+        for (int64_t k = 0; k < K; k++) taps[k * D + d] = w[d * K + k];
+    for (int64_t i = 0; i < B; i++) {
+        const float *st = states + i * D * km1;
+        for (int64_t t = qsl[i]; t < qsl[i + 1]; t++) {
+            float *o = out + t * D;
+            int64_t j = t - qsl[i];
+            for (int64_t d = 0; d < D; d++) o[d] = bias ? bias[d] : 0.0f;
+            for (int64_t k = 0; k < K; k++) {
+                int64_t m = j - km1 + k; /* the source column: a token (m >= 0) or a state column */
+                const float *tk = taps + k * D;
+                if (m >= 0) {
+                    const float *xr = x + (qsl[i] + m) * x_row;
+                    for (int64_t d = 0; d < D; d++) o[d] += tk[d] * xr[d];
+                } else {
+                    for (int64_t d = 0; d < D; d++) o[d] += tk[d] * st[d * km1 + km1 + m];
+                }
+            }
+            hs_silu(o, D);
         }
     }
     return 0;
