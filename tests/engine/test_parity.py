@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from service.engine.kernels import cpu_native_ops
 from tests.engine.helpers import full_prefill_logits, greedy, make_engine, random_ids
 from tests.outputs import Expected, assert_same_outputs
 
@@ -94,6 +95,9 @@ def test_native_backend_batch_matches_transformers(variant, hf_checkpoints, hf_m
     logprobs for each prompt."""
     engine = make_engine(hf_checkpoints[variant], kernel_backend="native")
     assert engine.runner.model.kernels.name == "native"
+    for block in engine.runner.model.backbone.layers:  # the experts laid out for the kernel (E = 8, I = 32, d = 64)
+        if hasattr(block.mixer, "experts"):
+            assert cpu_native_ops._native_moe_layout(block.mixer.experts.up_proj, block.mixer.experts.down_proj)
     C = engine.model_config.chunk_size
     prompts = [random_ids(n, seed=20 + n) for n in (C + 3, 2 * C, 5)]
     outs = engine.generate(prompts, greedy(12, logprobs=True))

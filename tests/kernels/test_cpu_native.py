@@ -226,12 +226,14 @@ def test_moe_experts(tokens, k, shared, sizes):
     ids[0, -1] = ids[0, 0]  # the same expert picked twice by one token: both picks count
     sh = dict(shared_up=torch.randn(24, d) / d**0.5, shared_down=torch.randn(d, 24) / 24**0.5) if shared else {}
     ref = moe.moe_experts_ref(x, up, down, weights, ids, **sh)
-    close(cpu_native_ops.moe_experts(x, *cpu_moe.moe_weight_layout(up, down), weights, ids, **sh), ref, 1e-5)
+    laid = cpu_native_ops.moe_weight_layout(up, down)
+    assert cpu_native_ops._native_moe_layout(*laid)
+    close(cpu_native_ops.moe_experts(x, *laid, weights, ids, **sh), ref, 1e-5)
 
 
 def test_moe_experts_hands_other_inputs_to_the_torch_bundle(monkeypatch):
-    """Weights not in the bundle's layout, bf16, more picks than MOE_MAX_PAIRS, rows not 16-float multiples: the
-    torch bundle's op."""
+    """Weights not in the bundle's layout (as loaded; cpu_moe's), bf16, more picks than MOE_MAX_PAIRS, rows not
+    16-float multiples: the torch bundle's op."""
     calls = []
     fast = cpu_moe.moe_experts
     monkeypatch.setattr(cpu_moe, "moe_experts", lambda *a, **kw: calls.append(1) or fast(*a, **kw))
@@ -239,20 +241,21 @@ def test_moe_experts_hands_other_inputs_to_the_torch_bundle(monkeypatch):
     up, down = torch.randn(E, I, d), torch.randn(E, d, I)
     weights, ids = torch.topk(torch.randn(3, E).softmax(-1), 2)
     cpu_native_ops.moe_experts(torch.randn(3, d), up, down, weights, ids)  # as loaded
-    laid = cpu_moe.moe_weight_layout(up, down)
+    cpu_native_ops.moe_experts(torch.randn(3, d), *cpu_moe.moe_weight_layout(up, down), weights, ids)
+    laid = cpu_native_ops.moe_weight_layout(up, down)
     cpu_native_ops.moe_experts(torch.randn(3, d).bfloat16(), up.bfloat16(), down.bfloat16(), weights, ids)
     n = cpu_native_ops.MOE_MAX_PAIRS // 2 + 1
     big_w, big_ids = torch.topk(torch.randn(n, E).softmax(-1), 2)
     cpu_native_ops.moe_experts(torch.randn(n, d), *laid, big_w, big_ids)
-    odd_up, odd_down = cpu_moe.moe_weight_layout(torch.randn(E, 12, d), torch.randn(E, d, 12))
+    odd_up, odd_down = cpu_native_ops.moe_weight_layout(torch.randn(E, 12, d), torch.randn(E, d, 12))
     cpu_native_ops.moe_experts(torch.randn(3, d), odd_up, odd_down, weights, ids)
-    assert len(calls) == 4
+    assert len(calls) == 5
     cpu_native_ops.moe_experts(torch.randn(3, d), *laid, weights, ids)
-    assert len(calls) == 4
+    assert len(calls) == 5
 
 
 def test_moe_experts_checks_ids():
-    up, down = cpu_moe.moe_weight_layout(torch.randn(4, 16, 32), torch.randn(4, 32, 16))
+    up, down = cpu_native_ops.moe_weight_layout(torch.randn(4, 16, 32), torch.randn(4, 32, 16))
     with pytest.raises(ValueError, match="topk_ids"):
         cpu_native_ops.moe_experts(torch.randn(2, 32), up, down, torch.ones(2, 1), torch.tensor([[1], [4]]))
 
@@ -279,4 +282,16 @@ def test_native_bundle_runs_the_compiled_kernels():
     assert native.gated_norm_linear is cpu_native_ops.gated_norm_linear
     assert native.ssd_varlen is fast.ssd_varlen is cpu_ssd.ssd_varlen  # the rest: the torch bundle's
     assert native.moe_experts is cpu_native_ops.moe_experts
-    assert native.moe_weight_layout is cpu_moe.moe_weight_layout
+    assert native.moe_weight_layout is cpu_native_ops.moe_weight_layout
+
+
+def test_moe_weight_layout_serves_the_prefill_path_too():
+    """The bundle's expert layout: same values; the torch bundle's grouped GEMMs (prefill sizes) read it as is."""
+    up, down = torch.randn(4, 16, 32), torch.randn(4, 32, 16)
+    lu, ld = cpu_native_ops.moe_weight_layout(up, down)
+    assert torch.equal(lu, up) and torch.equal(ld, down)
+    assert cpu_moe._operand(lu.transpose(1, 2)).data_ptr() == lu.data_ptr()  # no copy
+    assert cpu_moe._operand(ld.transpose(1, 2)).data_ptr() == ld.data_ptr()
+    x = torch.randn(300, 32)
+    weights, ids = torch.topk(torch.randn(300, 4).softmax(-1), 2)  # 600 picks: the torch bundle's op
+    close(cpu_native_ops.moe_experts(x, lu, ld, weights, ids), moe.moe_experts_ref(x, up, down, weights, ids), 1e-5)

@@ -132,6 +132,7 @@ def native_kernels() -> Kernels:
         moe_experts=cpu_native_ops.moe_experts,
         gated_norm_linear=cpu_native_ops.gated_norm_linear,
         conv_varlen=cpu_native_ops.causal_conv1d_varlen,
+        moe_weight_layout=cpu_native_ops.moe_weight_layout,
     )
 
 

@@ -190,15 +190,25 @@ def _decode_rows(
     _check(status, "page_table entries", S // page_size)
 
 
+def moe_weight_layout(up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe.moe_weight_layout_ref` for this bundle: fp32 on the CPU, up [E, I, d] returned as a view of its values
+    stored [E, d, I] and down [E, d, I] as a view of its values stored [E, I, d] (row-major: each expert's weights one
+    block that the kernel streams; `cpu_moe.moe_experts`' grouped GEMMs read both as they are); other dtypes and
+    devices as loaded."""
+    if down.device.type != "cpu" or down.dtype != torch.float32:
+        return up, down
+    return up.transpose(1, 2).contiguous().transpose(1, 2), down.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _native_moe_layout(up: torch.Tensor, down: torch.Tensor) -> bool:
-    """Whether up [E, I, d] and down [E, d, I] are fp32 views of `cpu_moe.moe_weight_layout`'s storage (up stored
-    [d, E, I], down [E, I, d]) with d and I multiples of the kernel's 16 lanes."""
+    """Whether up [E, I, d] and down [E, d, I] are fp32 views of `moe_weight_layout`'s storage with d and I
+    multiples of the kernel's 16 lanes."""
     E, I, d = up.shape
     return (
         up.dtype == down.dtype == torch.float32
         and d % 16 == 0
         and I % 16 == 0
-        and up.stride() == (I, 1, E * I)
+        and up.stride() == (d * I, 1, I)
         and down.stride() == (I * d, 1, d)
     )
 
@@ -215,9 +225,9 @@ def moe_experts(
 ) -> torch.Tensor:
     """`moe.moe_experts_ref`: x [T, d], up [E, I, d], down [E, d, I], topk_weights/topk_ids [T, k] -> [T, d] in x's
     dtype, plus the shared expert (shared_up [S, d], shared_down [d, S]) when given. fp32 on the CPU with the weights
-    in `cpu_moe.moe_weight_layout` and at most MOE_MAX_PAIRS picks: the routed experts in the kernel
-    (`hs_moe_experts_f32`: each expert's tokens in tiles that share its weight reads, only the picked experts'
-    FLOPs), the shared expert as two GEMMs; otherwise `cpu_moe.moe_experts`."""
+    in `moe_weight_layout` and at most MOE_MAX_PAIRS picks: the routed experts in the kernel (`hs_moe_experts_f32`:
+    each picked expert's weights streamed in order, its tokens in tiles that share each weight read), the shared
+    expert as two GEMMs; otherwise `cpu_moe.moe_experts`."""
     if not (
         _fp32_cpu(x) and x.device == up.device and topk_ids.numel() <= MOE_MAX_PAIRS and _native_moe_layout(up, down)
     ):

@@ -272,50 +272,44 @@ HS_CLONES int64_t hs_decode_attention_f32(const float *q, int64_t q_row, const f
     return 0;
 }
 
-/* h[t, c:c+LANES] = relu(x_t . up_e[:, c:c+LANES])^2 * w_t for the nt <= 4 tokens of one tile (x rows xt[t], routing
-   weights wt[t]); up_e [d, I] with row stride up_row. Rows past nt repeat the last token and are not stored. */
+/* h[t] = relu(x_t @ up_e)^2 * w_t for the nt <= 4 tokens of one tile (x rows xt[t], routing weights wt[t]),
+   up_e [d, I] row-major: its rows read once, in order, each added into the four tokens' sums (h [4, I], in L1) */
 HS_INLINE void hs_expert_up4(float *h, const float *const *xt, const float *wt, int64_t nt, const float *up_e,
-                             int64_t up_row, int64_t d, int64_t I) {
-    const float *x0 = xt[0], *x1 = xt[nt > 1 ? 1 : 0], *x2 = xt[nt > 2 ? 2 : 0], *x3 = xt[nt > 3 ? 3 : 0];
-    for (int64_t c = 0; c < I; c += LANES) {
-        v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-        for (int64_t kk = 0; kk < d; kk++) {
-            v16 w = *(const v16 *)(up_e + kk * up_row + c);
-            a0 += x0[kk] * w;
-            a1 += x1[kk] * w;
-            a2 += x2[kk] * w;
-            a3 += x3[kk] * w;
-        }
-        v16 zero = {0}, acc[4] = {a0, a1, a2, a3};
+                             int64_t d, int64_t I) {
+    memset(h, 0, (size_t)(4 * I) * sizeof *h);
+    for (int64_t kk = 0; kk < d; kk++) {
+        const float *row = up_e + kk * I;
         for (int64_t t = 0; t < nt; t++) {
-            v16 r = (v16)((v16i)acc[t] & (acc[t] > zero)); /* relu: the lanes above 0 kept, the others 0 */
-            *(v16 *)(h + t * I + c) = r * r * wt[t];
+            float xv = xt[t][kk];
+            float *ht = h + t * I;
+            for (int64_t c = 0; c < I; c += LANES) *(v16 *)(ht + c) += xv * *(const v16 *)(row + c);
         }
     }
+    for (int64_t t = 0; t < nt; t++)
+        for (int64_t c = 0; c < I; c++) {
+            float r = h[t * I + c] > 0.0f ? h[t * I + c] : 0.0f;
+            h[t * I + c] = r * r * wt[t];
+        }
 }
 
-/* out_t[c:c+LANES] += h[t] . down_e[:, c:c+LANES] for the nt <= 4 rows of h [4, I]; down_e [I, d] (row stride d) */
+/* out_t += h[t] @ down_e for the nt <= 4 rows of h [4, I]; down_e [I, d] row-major: its rows read once, in order */
 HS_INLINE void hs_expert_down4(float *const *out_t, const float *h, int64_t nt, const float *down_e, int64_t d,
                                int64_t I) {
-    const float *h0 = h, *h1 = h + (nt > 1 ? I : 0), *h2 = h + (nt > 2 ? 2 * I : 0), *h3 = h + (nt > 3 ? 3 * I : 0);
-    for (int64_t c = 0; c < d; c += LANES) {
-        v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-        for (int64_t i = 0; i < I; i++) {
-            v16 w = *(const v16 *)(down_e + i * d + c);
-            a0 += h0[i] * w;
-            a1 += h1[i] * w;
-            a2 += h2[i] * w;
-            a3 += h3[i] * w;
+    for (int64_t i = 0; i < I; i++) {
+        const float *row = down_e + i * d;
+        for (int64_t t = 0; t < nt; t++) {
+            float hv = h[t * I + i];
+            float *o = out_t[t];
+            for (int64_t c = 0; c < d; c += LANES) *(v16 *)(o + c) += hv * *(const v16 *)(row + c);
         }
-        v16 acc[4] = {a0, a1, a2, a3};
-        for (int64_t t = 0; t < nt; t++) *(v16 *)(out_t[t] + c) += acc[t];
     }
 }
 
 /* Routed experts of T tokens (top-k picks each), fp32: out[t] += sum_j w[t, j] * down_e(relu(up_e(x_t))^2) with
    e = ids[t, j], the weight applied to the activation (linear: the same up to rounding). Each expert's tokens run in
-   tiles of 4 that share every weight read.
-   x [T, d] (row x_row); up [d, E, I] (the expert e's [d, I] rows at up + e * I, row stride E * I); down [E, I, d];
+   tiles of 4 that share every weight read (a second tile of an expert reads its weights from cache).
+   x [T, d] (row x_row); up stored [E, d, I] and down stored [E, I, d], row-major (each expert's weights one
+   block, streamed in order);
    ids, w [T, k]; out [T, d] (contiguous, accumulated into); d and I multiples of LANES;
    iscratch: T * k + E int64; fscratch: 4 * I floats. Returns -1 (nothing touched) when an id is outside [0, E). */
 HS_CLONES int64_t hs_moe_experts_f32(const float *x, int64_t x_row, int64_t T, int64_t d, int64_t I, int64_t E,
@@ -344,7 +338,7 @@ HS_CLONES int64_t hs_moe_experts_f32(const float *x, int64_t x_row, int64_t T, i
                 wt[t] = w[order[p + t]];
                 ot[t] = out + tok * d;
             }
-            hs_expert_up4(fscratch, xt, wt, nt, up + e * I, E * I, d, I);
+            hs_expert_up4(fscratch, xt, wt, nt, up + e * I * d, d, I);
             hs_expert_down4(ot, fscratch, nt, down + e * I * d, d, I);
         }
     }
