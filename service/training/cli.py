@@ -89,6 +89,13 @@ def run(
         f"hybrid-serve train-tiny-model OUT --seed {cfg.seed} --steps {cfg.steps} --batch-size {cfg.batch_size} "
         f"--lr {cfg.lr} --mix "
         + ",".join(f"{k}={v}" for k, v in cfg.mix.items())
+        + (
+            " --first-mix "
+            + ",".join(f"{k}={v}" for k, v in cfg.first_mix.items())
+            + f" --first-mix-steps {cfg.first_mix_steps}"
+            if cfg.first_mix
+            else ""
+        )
         + (f" --init-from {cfg.init_from}" if cfg.init_from else "")
         + (f" --state-hidden-share {cfg.state_hidden_share}" if cfg.state_hidden_share else "")
         + (" --state-hidden-partial" if cfg.state_hidden_partial else "")
@@ -147,6 +154,8 @@ def _size_flags(cfg: TrainConfig) -> str:
         flags += " --length-bands"
     if cfg.ramp_steps:
         flags += f" --ramp-steps {cfg.ramp_steps}"
+    if cfg.ramp_from:
+        flags += f" --ramp-from {cfg.ramp_from}"
     return flags
 
 
@@ -157,12 +166,13 @@ def _pair(text: str) -> tuple[int, int]:
     return low, high
 
 
+def _mix(text: str) -> dict[str, float]:
+    """'recall=0.5,state=0.5' -> {'recall': 0.5, 'state': 0.5}."""
+    return {task: float(share) for task, share in (item.split("=") for item in text.split(","))}
+
+
 def _run_cli(args: argparse.Namespace) -> int:
-    mix = (
-        TrainConfig().mix
-        if args.mix is None
-        else {task: float(share) for task, share in (item.split("=") for item in args.mix.split(","))}
-    )
+    mix = TrainConfig().mix if args.mix is None else _mix(args.mix)
     cfg = TrainConfig(
         seed=args.seed,
         steps=args.steps,
@@ -174,6 +184,8 @@ def _run_cli(args: argparse.Namespace) -> int:
         state_hidden_partial=args.state_hidden_partial,
         state_hidden_from=args.state_hidden_from,
         mix=mix,
+        first_mix=_mix(args.first_mix) if args.first_mix else {},
+        first_mix_steps=args.first_mix_steps,
         warmup_steps=min(TrainConfig().warmup_steps, args.steps // 10)
         if args.warmup_steps is None
         else args.warmup_steps,
@@ -181,6 +193,7 @@ def _run_cli(args: argparse.Namespace) -> int:
         state_lengths=args.state_lengths,
         length_bands=args.length_bands,
         ramp_steps=args.ramp_steps,
+        ramp_from=args.ramp_from,
     )
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     manifest = run(args.out, cfg, device, args.data_workers, args.threads, args.checkpoint_every)
@@ -223,6 +236,12 @@ def add_cli(subparsers: Any) -> None:
         help="task shares, e.g. state=0.7,recall=0.1,addition=0.1,comparison=0.05,"
         "tool=0.05 (default: the built-in mix)",
     )
+    p.add_argument(
+        "--first-mix",
+        default=None,
+        help="task shares of the steps before --first-mix-steps, e.g. recall=0.5,state=0.5 (default: --mix throughout)",
+    )
+    p.add_argument("--first-mix-steps", type=int, default=d.first_mix_steps, help="steps that draw from --first-mix")
     p.add_argument(
         "--state-hidden-share",
         type=float,
@@ -271,6 +290,12 @@ def add_cli(subparsers: Any) -> None:
         type=int,
         default=0,
         help="write the weights so far to OUT/checkpoint every N steps (0: never); does not change the training",
+    )
+    p.add_argument(
+        "--ramp-from",
+        type=int,
+        default=d.ramp_from,
+        help="with --length-bands: the shortest band until step N, then the ramp up to --ramp-steps",
     )
     p.add_argument("--stop-at", type=int, default=None, help="stop after N steps (the schedule spans --steps)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the initial weights and the data")

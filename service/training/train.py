@@ -63,6 +63,11 @@ class TrainConfig:
     mix: dict[str, float] = field(
         default_factory=lambda: {"addition": 0.3, "comparison": 0.08, "recall": 0.27, "state": 0.3, "tool": 0.05}
     )
+    # task -> share of the steps before `first_mix_steps` (empty: `mix` from the start); recall and state alone
+    # first lets their circuits form on short contexts (mixed with the other tasks from the start, neither left
+    # chance level in 1000 steps)
+    first_mix: dict[str, float] = field(default_factory=dict)
+    first_mix_steps: int = 0
     multi_turn_share: float = 0.2
     eval_num: int = 200  # held-out questions per task for the manifest's accuracy
     stop_at: int | None = None  # stop after this many steps (the schedule still spans `steps`)
@@ -78,11 +83,13 @@ class TrainConfig:
     state_hidden_from: int = 0
     recall_pairs: tuple[int, int] = RECALL_PAIRS  # key=value pairs of the training recall contexts (inclusive)
     state_lengths: tuple[int, int] = STATE_TRAIN_LENGTHS  # stream symbols of the training state contexts (inclusive)
-    # each recall/state step draws an upper size u from its range (from the range's first `ramp_steps`-th part up to
-    # all of it by step `ramp_steps`: short contexts first), and its rows from [u - a tenth of the range, u]: rows of
-    # one step have similar lengths (little padding). False: every row draws from the whole range.
+    # each recall/state step draws an upper size u from its range (from its first tenth until step `ramp_from`, then
+    # growing linearly to all of it by step `ramp_steps`: short contexts first), and its rows from
+    # [u - a tenth of the range, u]: rows of one step have similar lengths (little padding). False: every row draws
+    # from the whole range.
     length_bands: bool = False
     ramp_steps: int = 0
+    ramp_from: int = 0
 
 
 def build_model(tokenizer: Tokenizer, seed: int) -> Any:
@@ -123,7 +130,8 @@ def _step_plan(cfg: TrainConfig, step: int) -> tuple[str, list[Example], tuple[f
     """(task, examples, per-row visible fraction of the state stream or None: nothing hidden), a function of
     (seed, step) only."""
     rng = random.Random(f"{cfg.seed}/{step}")
-    task = rng.choices(list(cfg.mix), weights=list(cfg.mix.values()))[0]
+    mix = cfg.first_mix if cfg.first_mix and step < cfg.first_mix_steps else cfg.mix
+    task = rng.choices(list(mix), weights=list(mix.values()))[0]
     kw: dict[str, Any] = {}
     if task in ("recall", "state"):
         kw["turns"] = 2 if rng.random() < cfg.multi_turn_share else 1
@@ -140,7 +148,7 @@ def _step_plan(cfg: TrainConfig, step: int) -> tuple[str, list[Example], tuple[f
 def _band(cfg: TrainConfig, step: int, size_range: tuple[int, int], rng: random.Random) -> tuple[int, int]:
     """The step's (low, high) row sizes: a tenth of `size_range` ending at a drawn upper size (see `length_bands`)."""
     low, high = size_range
-    reach = 1.0 if step >= cfg.ramp_steps else max(0.1, step / cfg.ramp_steps)
+    reach = 1.0 if step >= cfg.ramp_steps else max(0.1, (step - cfg.ramp_from) / max(1, cfg.ramp_steps - cfg.ramp_from))
     upper = rng.randint(low, low + round(reach * (high - low)))
     return max(low, upper - (high - low) // 10), upper
 

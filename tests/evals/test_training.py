@@ -146,3 +146,26 @@ def test_state_steps_hide_their_stream_only_from_state_hidden_from_on():
             assert _step_plan(base, step)[2] == visible
     state_steps_after = sum(_step_plan(base, s)[0] == "state" for s in range(40, 200))
     assert 0.3 * state_steps_after <= len(hidden_steps) <= 0.7 * state_steps_after
+
+
+def test_first_mix_and_ramp_from_hold_short_recall_and_state_first():
+    """`first_mix` picks the tasks of the first `first_mix_steps` steps; with `ramp_from` the contexts stay in the
+    shortest band (recall 4-8 pairs) until then and reach the whole range (up to 48) by `ramp_steps`."""
+    cfg = TrainConfig(
+        mix={"addition": 0.5, "tool": 0.5},
+        first_mix={"recall": 1.0},
+        first_mix_steps=60,
+        batch_size=4,
+        recall_pairs=(4, 48),
+        length_bands=True,
+        ramp_from=60,
+        ramp_steps=120,
+        multi_turn_share=0.0,
+    )
+    early = [step_examples(cfg, s) for s in range(60)]
+    assert {task for task, _ in early} == {"recall"}
+    assert max(ex.messages[0]["content"].count("=") for _, exs in early for ex in exs) <= 8
+    assert {step_examples(cfg, s)[0] for s in range(60, 160)} == {"addition", "tool"}
+    late = dataclasses.replace(cfg, mix={"recall": 1.0})
+    sizes = [ex.messages[0]["content"].count("=") for s in range(120, 200) for ex in step_examples(late, s)[1]]
+    assert max(sizes) >= 44
