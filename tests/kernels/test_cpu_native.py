@@ -152,17 +152,42 @@ def test_gated_norm_linear(rows, group_size, bias):
     close(cpu_native_ops.gated_norm_linear(*args), norm.gated_norm_linear_ref(*args), TOL[torch.float32])
 
 
-def test_prefill_ops_hand_bf16_to_the_torch_bundle(monkeypatch):
+@pytest.mark.parametrize("rows", [1, 5, cpu_norm.NORM_BLOCK_ROWS + 44])
+@pytest.mark.parametrize("bias", [True, False])
+def test_add_rms_norm_and_linear(rows, bias):
+    torch.manual_seed(8)
+    K, N = 48, 24
+    x, residual = torch.randn(rows, K + 8)[:, 8:], torch.randn(rows, K)  # x strided
+    w = 1.0 + 0.1 * torch.randn(K)
+    normed, new_res = cpu_native_ops.add_rms_norm(x, residual, w, 1e-5)
+    normed_ref, new_res_ref = norm.add_rms_norm_ref(x, residual, w, 1e-5)
+    assert torch.equal(new_res, new_res_ref)  # the fp32 add, rounded once, as the reference
+    close(normed, normed_ref, TOL[torch.float32])
+    args = (x, residual, w, 1e-5, torch.randn(N, K), torch.randn(N) if bias else None)
+    y, new_res = cpu_native_ops.add_rms_norm_linear(*args)
+    y_ref, new_res_ref = norm.add_rms_norm_linear_ref(*args)
+    close(y, y_ref, TOL[torch.float32])
+    assert torch.equal(new_res, new_res_ref)
+
+
+def test_row_ops_hand_bf16_to_the_torch_bundle(monkeypatch):
     calls = []
-    for mod, name in ((cpu_norm, "gated_norm_linear"), (cpu_conv1d, "causal_conv1d_varlen")):
+    for mod, name in (
+        (cpu_norm, "gated_norm_linear"),
+        (cpu_conv1d, "causal_conv1d_varlen"),
+        (cpu_norm, "add_rms_norm"),
+        (cpu_norm, "add_rms_norm_linear"),
+    ):
         fast = getattr(mod, name)
-        monkeypatch.setattr(mod, name, lambda *a, fast=fast: calls.append(1) or fast(*a))
+        monkeypatch.setattr(mod, name, lambda *a, fast=fast, name=name: calls.append(name) or fast(*a))
     y = torch.randn(3, 16).bfloat16()
     cpu_native_ops.gated_norm_linear(y, y, torch.ones(16), 8, 1e-5, torch.randn(4, 16).bfloat16(), None)
     qsl = torch.tensor([0, 3])
     cpu_native_ops.causal_conv1d_varlen(y, torch.randn(16, 4).bfloat16(), None, torch.randn(1, 16, 3).bfloat16(),
                                         qsl, torch.zeros(3, dtype=torch.int64))  # fmt: skip
-    assert len(calls) == 2
+    cpu_native_ops.add_rms_norm(y, y, torch.ones(16), 1e-5)
+    cpu_native_ops.add_rms_norm_linear(y, y, torch.ones(16), 1e-5, torch.randn(4, 16).bfloat16())
+    assert set(calls) == {"gated_norm_linear", "causal_conv1d_varlen", "add_rms_norm", "add_rms_norm_linear"}
 
 
 # ---------------------------------------------------------------- paged attention
@@ -280,6 +305,8 @@ def test_native_bundle_runs_the_compiled_kernels():
     assert native.paged_attention is cpu_native_ops.paged_attention
     assert native.conv_varlen is cpu_native_ops.causal_conv1d_varlen
     assert native.gated_norm_linear is cpu_native_ops.gated_norm_linear
+    assert native.add_rms_norm is cpu_native_ops.add_rms_norm
+    assert native.add_rms_norm_linear is cpu_native_ops.add_rms_norm_linear
     assert native.ssd_varlen is fast.ssd_varlen is cpu_ssd.ssd_varlen  # the rest: the torch bundle's
     assert native.moe_experts is cpu_native_ops.moe_experts
     assert native.moe_weight_layout is cpu_native_ops.moe_weight_layout

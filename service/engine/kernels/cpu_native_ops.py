@@ -2,7 +2,7 @@
 dtype and stride checks, then one C call. Same contracts as the references they replace (the oracles the tests
 compare against): `ssd.selective_state_update_slots_raw_dt_ref`, `conv1d.causal_conv1d_update_slots_ref`,
 `conv1d.causal_conv1d_varlen_ref`, `attention.paged_attention_ref`, `moe.moe_experts_ref`,
-`norm.gated_norm_linear_ref`.
+`norm.gated_norm_linear_ref`, `norm.add_rms_norm_ref`, `norm.add_rms_norm_linear_ref`.
 
 Which inputs the kernels take (fp32 operands on the CPU, the pools contiguous), and what runs otherwise, each
 launcher says; the other cases run the torch bundle's op (`cpu_ssd`, `cpu_conv1d`, `cpu_attention`, `cpu_moe`,
@@ -326,3 +326,66 @@ def causal_conv1d_varlen(
         q.data_ptr(), B, out.data_ptr(), taps.data_ptr(),
     )  # fmt: skip
     return out
+
+
+def _add_rms_norm_into(
+    normed: torch.Tensor,
+    new_residual: torch.Tensor,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    w: torch.Tensor,
+    eps: float,
+) -> None:
+    """normed, new_residual [n, d] (contiguous) = `norm.add_rms_norm_ref` of x, residual [n, d] (rows contiguous)."""
+    n, d = x.shape
+    native_library().hs_add_rms_norm_f32(
+        x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), n, d, w.data_ptr(), float(eps),
+        new_residual.data_ptr(), normed.data_ptr(),
+    )  # fmt: skip
+
+
+def _add_norm_inputs(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernel takes this residual add + norm: fp32 [T, d] on the CPU, the norm weight [d]."""
+    return _fp32_cpu(x, residual) and x.dim() == 2 and x.shape == residual.shape and weight.shape == x.shape[1:]
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm.add_rms_norm_ref`: x, residual [T, d] -> (normed, new_residual). fp32 on the CPU: the kernel
+    (`hs_add_rms_norm_f32`, one pass per row); otherwise `cpu_norm.add_rms_norm`."""
+    if not _add_norm_inputs(x, residual, weight):
+        return cpu_norm.add_rms_norm(x, residual, weight, eps)
+    normed, new_residual = torch.empty(x.shape, dtype=torch.float32), torch.empty(x.shape, dtype=torch.float32)
+    if x.shape[0]:
+        _add_rms_norm_into(normed, new_residual, _rows(x), _rows(residual), _flat(weight), eps)
+    return normed, new_residual
+
+
+def add_rms_norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm.add_rms_norm_linear_ref`: x, residual [T, K], weight [N, K] -> (y [T, N], new_residual [T, K]). fp32
+    on the CPU: the add and norm in the kernel, `cpu_norm.NORM_BLOCK_ROWS` rows at a time, each block's linear right
+    after it; otherwise `cpu_norm.add_rms_norm_linear`."""
+    if not (_add_norm_inputs(x, residual, norm_weight) and weight.dtype == torch.float32):
+        return cpu_norm.add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
+    T, K = x.shape
+    xs, rs, w = _rows(x), _rows(residual), _flat(norm_weight)
+    block = cpu_norm.NORM_BLOCK_ROWS
+    new_residual = torch.empty(T, K, dtype=torch.float32)
+    normed = torch.empty(min(T, block), K, dtype=torch.float32)
+    y = torch.empty(T, weight.shape[0], dtype=torch.float32)
+    for r0 in range(0, T, block):
+        r1 = min(T, r0 + block)
+        _add_rms_norm_into(normed[: r1 - r0], new_residual[r0:r1], xs[r0:r1], rs[r0:r1], w, eps)
+        if bias is None:
+            torch.mm(normed[: r1 - r0], weight.t(), out=y[r0:r1])
+        else:
+            torch.addmm(bias, normed[: r1 - r0], weight.t(), out=y[r0:r1])
+    return y, new_residual

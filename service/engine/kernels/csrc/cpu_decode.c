@@ -393,3 +393,17 @@ HS_CLONES int64_t hs_conv_varlen_f32(const float *x, int64_t x_row, int64_t D, i
     }
     return 0;
 }
+
+/* Residual add + RMSNorm of T rows: r = res + x (written to res_out), normed = r rsqrt(mean(r^2) + eps) w.
+   x [T, d] (row x_row), res [T, d] (row res_row), w [d]; res_out, normed [T, d] (contiguous). */
+HS_CLONES int64_t hs_add_rms_norm_f32(const float *x, int64_t x_row, const float *res, int64_t res_row, int64_t T,
+                                      int64_t d, const float *w, float eps, float *res_out, float *normed) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *xt = x + t * x_row, *rt = res + t * res_row;
+        float *ro = res_out + t * d, *no = normed + t * d;
+        for (int64_t i = 0; i < d; i++) ro[i] = rt[i] + xt[i];
+        float r = 1.0f / sqrtf(hs_dot(ro, ro, d) / (float)d + eps);
+        for (int64_t i = 0; i < d; i++) no[i] = ro[i] * r * w[i];
+    }
+    return 0;
+}
