@@ -146,6 +146,7 @@ class Engine:
         self._finish(req)
         out = self._retire(req)
         self._flush()
+        self._settle_if_idle()
         return out
 
     def _finish(self, req: Request) -> None:
@@ -181,7 +182,18 @@ class Engine:
         self.num_prefill_steps_ahead += nxt is not None and nxt.has_prefill
         t1 = time.perf_counter()
         sampled = cur.pending.result()  # waits for cur's tokens only; the device goes on with nxt
-        return self._finish_step(cur.sched, sampled, t0, t1, time.perf_counter())
+        return self._finish_step(cur.sched, sampled, t0, t1, time.perf_counter()) + self._settle_if_idle()
+
+    def _settle_if_idle(self) -> list[RequestOutput]:
+        """With no unfinished request left, reads the in-flight step now: its rows belong to requests that ended
+        while it ran (aborted, or stopped on the token it feeds), whose planned snapshot slots it drops. Nobody
+        steps an engine without requests, so an engine never idles holding a launched step and its slots."""
+        if self._inflight is None or self.requests:
+            return []
+        cur, self._inflight = self._inflight, None
+        t0 = time.perf_counter()
+        sampled = cur.pending.result()
+        return self._finish_step(cur.sched, sampled, t0, t0, time.perf_counter())
 
     def _finish_step(
         self, sched: SchedulerOutput, sampled: SamplerOutput, t0: float, t1: float, t2: float

@@ -168,11 +168,16 @@ def test_grouped_burst_keeps_every_stream_its_own(coalescing):
     after = next(iter(replica_stats(name, 1).values()))
     calls, requests = after["group_calls"] - before["group_calls"], after["group_requests"] - before["group_requests"]
     assert calls >= 1 and requests / calls > 1, (calls, requests)
-    wait_until(
-        lambda: not PoolAudit(**next(iter(replica_stats(name, 1, audit=True).values()))["pool_audit"]).leaks(),
-        timeout_s=20,
-        what="no request holding engine pages or slots",
-    )
+    held: list[str] = []  # what the engine held at the last look
+
+    def nothing_held() -> bool:
+        held[:] = PoolAudit(**next(iter(replica_stats(name, 1, audit=True).values()))["pool_audit"]).leaks()
+        return not held
+
+    try:  # a lost abort leaves the request running its 2,500 tokens: holding pages past 20 s, or counted below
+        wait_until(nothing_held, timeout_s=20, what="no request holding engine pages or slots")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; held: {held}") from None
     final = next(iter(replica_stats(name, 1).values()))
     aborted = final["generation_tokens"] - before["generation_tokens"] - sum(lengths) - 3 * 8
     assert 2 <= aborted < 2500, f"the disconnected request generated {aborted} tokens: not aborted"

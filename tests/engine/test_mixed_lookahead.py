@@ -226,3 +226,50 @@ def test_mixed_steps_ahead_with_graphs_equal_one_step_at_a_time(tiny_model_dir):
     assert ref[4].finish_reason == "stop"
     assert eng.num_prefill_steps_ahead >= 5, (eng.num_prefill_steps_ahead, eng.num_steps)
     assert eng.runner.num_split_steps >= 3 and eng.runner.graphs.num_replays >= 10
+
+
+def _decode_snapshot_in_flight(eng, rid: str):
+    """rid's row in the in-flight step when it decodes one token and takes a snapshot there, else None."""
+    rows = [s for s in eng._inflight.sched.scheduled if s.request.request_id == rid] if eng._inflight else []
+    return rows[0] if rows and rows[0].num_new_tokens == 1 and rows[0].snapshots else None
+
+
+def test_last_request_aborted_with_a_snapshot_in_flight_leaves_nothing_held(mixed_ckpt):
+    """The only request is aborted while the step launched ahead decodes its next token and snapshots it there:
+    the engine reads that step at once and drops the planned snapshot (nobody steps an engine without requests,
+    so a step left in flight would hold its snapshot slot until the next request came)."""
+    eng = _engine(mixed_ckpt, "extra_buffer", max_model_len=120)
+    rid = eng.add_request(random_ids(9, 81), greedy(100))
+    steps = 0
+    while _decode_snapshot_in_flight(eng, rid) is None:
+        eng.step()
+        steps += 1
+        assert steps < 40, "no decode snapshot ran in a step launched ahead"
+    assert eng.cache.pending_slots
+    assert eng.abort(rid).finish_reason == "abort"
+    assert not eng.has_unfinished()
+    _assert_all_free(eng)
+
+
+def test_last_request_stopping_with_a_snapshot_in_flight_leaves_nothing_held(mixed_ckpt):
+    """The only request stops on a token that the step launched ahead already feeds (a wasted row) and that row
+    takes a snapshot: the step that returns the stop reads the wasted one too, and nothing stays held."""
+    prompt = random_ids(9, 82)
+    probe = _engine(mixed_ckpt, "extra_buffer", max_model_len=120)
+    rid = probe.add_request(prompt, greedy(100))
+    fed = []  # output indices of the tokens fed by decode rows that snapshot in a step launched ahead
+    while probe.has_unfinished() and len(fed) < 4:
+        row = _decode_snapshot_in_flight(probe, rid)
+        if row is not None and row.prefix_len - len(prompt) not in fed:
+            fed.append(row.prefix_len - len(prompt))
+        out = probe.step()
+    tokens = probe.requests[rid].output_token_ids if rid in probe.requests else out[0].token_ids
+    q = next((q for q in fed if tokens[q] not in tokens[:q]), None)
+    assert q is not None, (fed, tokens)  # a stop token that first occurs where a wasted row snapshots
+    eng = _engine(mixed_ckpt, "extra_buffer", max_model_len=120)
+    eng.add_request(prompt, SamplingParams(max_tokens=100, temperature=0.0, stop_token_ids=(tokens[q],)))
+    final = []
+    while eng.has_unfinished():
+        final += [o for o in eng.step() if o.finished]
+    assert [o.finish_reason for o in final] == ["stop"] and list(final[0].token_ids) == list(tokens[: q + 1])
+    _assert_all_free(eng)
