@@ -283,7 +283,7 @@ def add_cli(subparsers: Any) -> None:
         "--ramp-steps",
         type=int,
         default=d.ramp_steps,
-        help="with --length-bands: the drawn size's upper limit grows from a tenth of the range to all of it over N steps",
+        help="with --length-bands: the drawn size's upper limit grows from a tenth of the range to all of it by step N",
     )
     p.add_argument(
         "--checkpoint-every",
