@@ -23,6 +23,11 @@ them first and return -1, having touched nothing, when one lies outside its rang
 #define HS_INLINE static inline __attribute__((always_inline))
 
 enum { LANES = 16 };
+/* how far ahead (floats) the expert kernels ask for their weight stream (the hardware prefetcher stops at every 4 KiB
+   page of a stream: this keeps a few pages' lines in flight); the recurrence asks for the next head's state */
+enum { PREFETCH_FLOATS = 2048 };
+/* how many keys ahead the decode attention asks for the key / value rows it reads through the page table */
+enum { PREFETCH_KEYS = 16 };
 /* LANES floats as one vector value (GCC vector extension; unaligned loads and stores through it are allowed) */
 typedef float v16 __attribute__((vector_size(LANES * sizeof(float)), aligned(4), may_alias));
 typedef int32_t v16i __attribute__((vector_size(LANES * sizeof(int32_t))));
@@ -100,6 +105,8 @@ HS_CLONES int64_t hs_ssu_f32(float *pool, int64_t num_slots, const int64_t *slot
             const float *xv = x + b * x_row + h * P;
             float *s = pool + (slots[b] * H + h) * P * N;
             float *yv = y + (b * H + h) * P;
+            const float *next = h + 1 < H ? s + P * N : (b + 1 < nb ? pool + slots[b + 1] * H * P * N : s);
+            for (int64_t i = 0; i < P * N; i += 16) __builtin_prefetch(next + i, 1); /* the next head's state */
             for (int64_t p = 0; p < P; p++, s += N) {
                 float dtx = dt * xv[p], tail = 0.0f;
                 v16 acc = {0};
@@ -209,6 +216,7 @@ HS_INLINE void hs_values4(float *o, const float *p, int64_t Dh, const float *vc,
                           int64_t kv_row, int64_t c) {
     v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     for (int64_t j = 0; j < L; j++) {
+        if (j + PREFETCH_KEYS < L) __builtin_prefetch(vc + key_rows[j + PREFETCH_KEYS] * kv_row + c);
         v16 v = *(const v16 *)(vc + key_rows[j] * kv_row + c);
         a0 += p[j] * v;
         a1 += p[L + j] * v;
@@ -229,6 +237,8 @@ HS_INLINE void hs_attend(float *o, const float *qh, int64_t rep, int64_t Dh, con
     int64_t h4 = rep - rep % 4;
     for (int64_t j = 0; j < L; j++) {
         const float *kv = kc + key_rows[j] * kv_row;
+        if (j + PREFETCH_KEYS < L)
+            for (int64_t c = 0; c < Dh; c += 16) __builtin_prefetch(kc + key_rows[j + PREFETCH_KEYS] * kv_row + c);
         for (int64_t h = 0; h < h4; h += 4) hs_scores4(sc + h * L, qh + h * Dh, Dh, kv, L, j, scale);
         for (int64_t h = h4; h < rep; h++) sc[h * L + j] = hs_dot(qh + h * Dh, kv, Dh) * scale;
     }
@@ -279,6 +289,7 @@ HS_INLINE void hs_expert_up4(float *h, const float *const *xt, const float *wt, 
     memset(h, 0, (size_t)(4 * I) * sizeof *h);
     for (int64_t kk = 0; kk < d; kk++) {
         const float *row = up_e + kk * I;
+        for (int64_t c = 0; c < I; c += 16) __builtin_prefetch(row + PREFETCH_FLOATS + c);
         for (int64_t t = 0; t < nt; t++) {
             float xv = xt[t][kk];
             float *ht = h + t * I;
@@ -297,6 +308,7 @@ HS_INLINE void hs_expert_down4(float *const *out_t, const float *h, int64_t nt, 
                                int64_t I) {
     for (int64_t i = 0; i < I; i++) {
         const float *row = down_e + i * d;
+        for (int64_t c = 0; c < d; c += 16) __builtin_prefetch(row + PREFETCH_FLOATS + c);
         for (int64_t t = 0; t < nt; t++) {
             float hv = h[t * I + i];
             float *o = out_t[t];
