@@ -25,6 +25,7 @@ import multiprocessing
 import os
 import resource
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -256,7 +257,7 @@ def run_served(args: argparse.Namespace, model_path: str, cases: list[Case], out
                 flush=True,
             )
             if args.guidellm and case.endpoint == "completions":
-                out[_key(case)]["guidellm"] = run_guidellm(server, case.workload, model_path, args.timeout_s)
+                out[_key(case)].update(cross_check(args, server, case, model_path, summary))
         out["_warnings"] = {
             "queue_length_warnings": server.count_log("Failed to get queue length"),
             "serve_log_dir": server.serve_log_dir,
@@ -264,9 +265,61 @@ def run_served(args: argparse.Namespace, model_path: str, cases: list[Case], out
         }
 
 
-def run_guidellm(server: ServeProcess, w: Workload, model_path: str, timeout_s: float) -> dict:
-    """The same workload shape from guidellm (its own synthetic prompts and client) against the same server:
-    output tok/s and TTFT p50 as guidellm reports them."""
+def cross_check(args: argparse.Namespace, server: ServeProcess, case: Case, model_path: str, ours: Summary) -> dict:
+    """guidellm right after our timed run, then `--guidellm-rounds` - 1 more pairs (ours, guidellm) on the same
+    server (ABAB...): every run's output tok/s and TTFT p50 (ours to the first text, guidellm's definition), and
+    their medians, so that the drift of a shared machine falls on both clients alike. With more than one round
+    both clients send the same text prompts (the case's token ids decoded; guidellm reads them from a JSONL file,
+    so it synthesises and counts nothing while it runs), and round 1 reruns ours on them."""
+    data = None
+    if args.guidellm_rounds > 1:
+        case, data = _text_prompts(case, model_path, os.path.join(server.tmp, "prompts.jsonl"))
+    runs = []
+    for i in range(args.guidellm_rounds):
+        if i > 0 or data is not None:
+            ours, _ = closed_loop_clients(server.base_url, server.model, case, args.timeout_s, args.client_procs)
+        runs.append(
+            {
+                "client": "ours",
+                "output_tokens_per_s": ours.output_tokens_per_s,
+                "ttft_p50_s": (ours.ttft_text or ours.ttft)["p50"],
+                "ttft_token_p50_s": ours.ttft["p50"],
+                "errors": ours.num_errors,
+                "load_avg_1m": os.getloadavg()[0],
+            }
+        )
+        gl = run_guidellm(server, case.workload, model_path, args.timeout_s, data)
+        if "error" in gl:
+            return {"guidellm": gl, "rounds": runs}
+        runs.append({"client": "guidellm", **gl, "load_avg_1m": os.getloadavg()[0]})
+        print(
+            f"  round {i + 1}: ours {runs[-2]['output_tokens_per_s']:.0f} tok/s TTFT {1e3 * runs[-2]['ttft_p50_s']:.1f}"
+            f" ms, guidellm {gl['output_tokens_per_s']:.0f} tok/s TTFT {1e3 * gl['ttft_p50_s']:.1f} ms",
+            flush=True,
+        )
+    return {"guidellm": runs[1], "rounds": runs}
+
+
+def _text_prompts(case: Case, model_path: str, path: str) -> tuple[Case, str]:
+    """The case with its prompts as text (decoded token ids), and the same prompts written as guidellm data."""
+    from service.engine.tokenizer import Tokenizer  # noqa: PLC0415
+
+    tok = Tokenizer.from_model_path(model_path)
+    texts = [tok.decode(ids) for ids in case.engine_prompts]
+    with open(path, "w", encoding="utf-8") as f:
+        for text in texts:
+            f.write(json.dumps({"prompt": text, "output_tokens_count": case.workload.osl}) + "\n")
+    bodies = [{**b, "prompt": t} for b, t in zip(case.bodies, texts)]
+    return Case(case.workload, case.endpoint, bodies, [tok.encode(t) for t in texts]), path
+
+
+def _median_of(runs: list[dict], client: str, key: str) -> float:
+    return statistics.median(r[key] for r in runs if r["client"] == client)
+
+
+def run_guidellm(server: ServeProcess, w: Workload, model_path: str, timeout_s: float, data: str | None = None) -> dict:
+    """The same workload shape from guidellm (its own client; its own synthetic prompts, or the JSONL file `data`)
+    against the same server: output tok/s and TTFT p50 as guidellm reports them."""
     path = os.path.join(server.tmp, "guidellm.json")
     backend = {
         "kind": "openai_http",
@@ -286,7 +339,11 @@ def run_guidellm(server: ServeProcess, w: Workload, model_path: str, timeout_s: 
         "--profile",
         json.dumps({"kind": "concurrent", "streams": [w.concurrency]}),
         "--data",
-        json.dumps({"kind": "synthetic_text", "prompt_tokens": w.isl, "output_tokens": w.osl}),
+        json.dumps(
+            {"kind": "json_file", "path": data}
+            if data
+            else {"kind": "synthetic_text", "prompt_tokens": w.isl, "output_tokens": w.osl}
+        ),
         "--tokenizer",
         json.dumps({"kind": "huggingface_auto", "model": model_path}),
         "--constraint",
@@ -442,8 +499,10 @@ def report(served: dict, inproc: dict, cases: list[Case]) -> list[str]:
                 f"{_ms(t, 'p90')} / {_ms(t, 'p99')} | {_ms(tp, 'p50')} | {_ms(itl, 'p50')} / {_ms(itl, 'p99')} "
                 f"| {s['tokens_per_chunk']:.2f} | {s['num_errors']} | {cpu} |"
             )
-            gl = res.get("guidellm")
-            if gl:
+            gl, rounds = res.get("guidellm"), res.get("rounds", [])
+            if len(rounds) > 2 and "error" not in gl:  # alternating rounds on the same text prompts
+                lines.append(_rounds_row(rounds))
+            elif gl:
                 lines.append(_guidellm_row(gl, s))
             if s.get("first_error"):
                 lines.append(f"|  | first error: {s['first_error'][:200]} |")
@@ -468,6 +527,18 @@ def _guidellm_row(gl: dict, s: dict) -> str:
         f"p50 {1e3 * gl['ttft_p50_s']:.1f} ({100 * (gl['ttft_p50_s'] / ours - 1):+.1f} % against our p50 to the "
         f"first text, {1e3 * ours:.1f}; to the first token {1e3 * s['ttft']['p50']:.1f}) | | | "
         f"| {gl['errored']} | guidellm client {1e3 * gl['client_cpu_s'] / max(s['output_tokens'], 1):.2f} |"
+    )
+
+
+def _rounds_row(runs: list[dict]) -> str:
+    """Medians over the alternating rounds (guidellm against ours), then every run in order."""
+    tps = [_median_of(runs, c, "output_tokens_per_s") for c in ("guidellm", "ours")]
+    ttft = [_median_of(runs, c, "ttft_p50_s") for c in ("guidellm", "ours")]
+    each = "; ".join(f"{r['client']} {r['output_tokens_per_s']:.0f} tok/s {1e3 * r['ttft_p50_s']:.1f} ms" for r in runs)
+    return (
+        f"|  | medians of {len(runs) // 2} rounds, guidellm vs ours | {tps[0]:.0f} vs {tps[1]:.0f} "
+        f"({100 * (tps[0] / tps[1] - 1):+.1f} %) | | p50 {1e3 * ttft[0]:.1f} vs {1e3 * ttft[1]:.1f} "
+        f"({100 * (ttft[0] / ttft[1] - 1):+.1f} %) | | | | | runs: {each} |"
     )
 
 
@@ -535,6 +606,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="also run guidellm (PyPI) against the same server on "
         "each completions workload, as an independent check of our client's numbers",
+    )
+    p.add_argument(
+        "--guidellm-rounds",
+        type=int,
+        default=1,
+        help="with --guidellm: alternate our client and guidellm this many times on the same server (ABAB...) "
+        "and compare the medians",
     )
     p.add_argument("--serve-log", default=None, help="file for the server's output (default: in its temp dir)")
     p.add_argument("--out", default=None, help="also write the results as JSON here")
