@@ -292,6 +292,10 @@ def test_build_is_cached_and_names_what_to_install(tmp_path, monkeypatch):
     assert path.parent.parent == tmp_path and path.exists()
     built = os.stat(path).st_mtime_ns
     assert cpu_native.library_path() == path and os.stat(path).st_mtime_ns == built  # found, not rebuilt
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("HYBRID_SERVE_NATIVE_CACHE", str(tmp_path / "file" / "cache"))  # not a folder it can create
+    with pytest.raises(cpu_native.NativeBuildError, match="HYBRID_SERVE_NATIVE_CACHE"):
+        cpu_native.library_path()
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(cpu_native.NativeBuildError, match="kernel_backend='torch'"):
         cpu_native.library_path()

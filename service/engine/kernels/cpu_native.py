@@ -104,11 +104,17 @@ def library_path() -> Path:
     target = folder / "cpu_decode.so"
     if target.exists():
         return target
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if not target.exists():
-            _compile(cc, target)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            if not target.exists():
+                _compile(cc, target)
+    except OSError as e:
+        raise NativeBuildError(
+            f"cannot build the native CPU kernels in {folder} ({e}); set $HYBRID_SERVE_NATIVE_CACHE to a writable "
+            "folder, or choose kernel_backend='torch'"
+        ) from e
     return target
 
 
