@@ -79,7 +79,7 @@ def test_selective_state_update_hands_other_inputs_to_the_torch_bundle(monkeypat
 
 # ---------------------------------------------------------------- conv update
 @pytest.mark.parametrize("slots", [[1, 2, 3], [5, 1, 7], [0]])
-@pytest.mark.parametrize("kernel", [2, 4])
+@pytest.mark.parametrize("kernel", [2, 4, 5])  # 4: the unrolled width-4 path; 2, 5: the generic loops
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_conv_update(slots, kernel, bias, dtype):
