@@ -285,6 +285,42 @@ def test_moe_experts_checks_ids():
         cpu_native_ops.moe_experts(torch.randn(2, 32), up, down, torch.ones(2, 1), torch.tensor([[1], [4]]))
 
 
+# ---------------------------------------------------------------- router
+@pytest.mark.parametrize("tokens", [1, 16, 300])
+@pytest.mark.parametrize("experts, k", [(16, 4), (37, 6), (8, 8)])  # every expert picked too
+@pytest.mark.parametrize("norm_topk", [True, False])
+def test_moe_route(tokens, experts, k, norm_topk):
+    """Same picks, in the same (descending) order, and weights as the reference."""
+    torch.manual_seed(8)
+    d = 48
+    h, gate, bias = torch.randn(tokens + 3, d)[3:], torch.randn(experts, d) / d**0.5, 0.05 * torch.randn(experts)
+    args = (h, gate, bias, k, 1, 1, norm_topk, 2.5)
+    w, ids = cpu_native_ops.moe_route(*args)
+    w_ref, ids_ref = moe.moe_route_ref(*args)
+    assert torch.equal(ids, ids_ref)
+    close(w, w_ref, 1e-6)
+
+
+def test_moe_route_hands_other_inputs_to_the_reference(monkeypatch):
+    """Group-limited routing (n_group > 1), bf16, and logits with a NaN (the reference ranks it first): the
+    reference, whose answer the launcher returns."""
+    calls = []
+    ref = moe.moe_route_ref
+    monkeypatch.setattr(cpu_native_ops, "moe_route_ref", lambda *a: calls.append(1) or ref(*a))
+    h, gate, bias = torch.randn(5, 32), torch.randn(16, 32), torch.zeros(16)
+    grouped = cpu_native_ops.moe_route(h, gate, bias, 4, 4, 2, True, 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(grouped, ref(h, gate, bias, 4, 4, 2, True, 1.0)))
+    cpu_native_ops.moe_route(h.bfloat16(), gate.bfloat16(), bias, 4, 1, 1, True, 1.0)
+    h[2, 0] = float("nan")
+    _, ids = cpu_native_ops.moe_route(h, gate, bias, 4, 1, 1, True, 1.0)
+    assert torch.equal(ids, ref(h, gate, bias, 4, 1, 1, True, 1.0)[1])
+    assert len(calls) == 3
+    cpu_native_ops.moe_route(torch.randn(5, 32), gate, bias, 4, 1, 1, True, 1.0)
+    assert len(calls) == 3
+    with pytest.raises(ValueError, match="top_k"):
+        cpu_native_ops.moe_route(h, gate, bias, 17, 1, 1, True, 1.0)
+
+
 # ---------------------------------------------------------------- build and bundle
 def test_build_is_cached_and_names_what_to_install(tmp_path, monkeypatch):
     monkeypatch.setenv("HYBRID_SERVE_NATIVE_CACHE", str(tmp_path))
@@ -314,6 +350,7 @@ def test_native_bundle_runs_the_compiled_kernels():
     assert native.ssd_varlen is fast.ssd_varlen is cpu_ssd.ssd_varlen  # the rest: the torch bundle's
     assert native.moe_experts is cpu_native_ops.moe_experts
     assert native.moe_weight_layout is cpu_native_ops.moe_weight_layout
+    assert native.moe_route is cpu_native_ops.moe_route
 
 
 def test_moe_weight_layout_serves_the_prefill_path_too():

@@ -44,6 +44,7 @@ SIGNATURES = {
     "hs_gated_norm_f32": (P, I64, P, I64, I64, I64, I64, P, F32, P),
     "hs_conv_varlen_f32": (P, I64, I64, I64, P, P, P, P, I64, P, P),
     "hs_add_rms_norm_f32": (P, I64, P, I64, I64, I64, P, F32, P, P),
+    "hs_moe_route_f32": (P, I64, I64, P, I64, I64, F32, P, P, P),
 }
 
 

@@ -2,7 +2,7 @@
 dtype and stride checks, then one C call. Same contracts as the references they replace (the oracles the tests
 compare against): `ssd.selective_state_update_slots_raw_dt_ref`, `conv1d.causal_conv1d_update_slots_ref`,
 `conv1d.causal_conv1d_varlen_ref`, `attention.paged_attention_ref`, `moe.moe_experts_ref`,
-`norm.gated_norm_linear_ref`, `norm.add_rms_norm_ref`, `norm.add_rms_norm_linear_ref`.
+`norm.gated_norm_linear_ref`, `norm.add_rms_norm_ref`, `norm.add_rms_norm_linear_ref`, `moe.moe_route_ref`.
 
 Which inputs the kernels take (fp32 operands on the CPU, the pools contiguous), and what runs otherwise, each
 launcher says; the other cases run the torch bundle's op (`cpu_ssd`, `cpu_conv1d`, `cpu_attention`, `cpu_moe`,
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from service.engine.kernels import cpu_attention, cpu_conv1d, cpu_moe, cpu_norm, cpu_ssd
 from service.engine.kernels.attention import _check_bounds
 from service.engine.kernels.cpu_native import native_library
-from service.engine.kernels.moe import check_shared_expert
+from service.engine.kernels.moe import check_shared_expert, moe_route_ref
 
 MOE_MAX_PAIRS = 512  # (token, pick) pairs up to which the routed experts run in the kernel (decode batches); more
 #                      (prefill) run `cpu_moe`'s grouped GEMMs
@@ -249,6 +249,39 @@ def moe_experts(
     )  # fmt: skip
     _check(status, "topk_ids", E)
     return out
+
+
+def moe_route(
+    h: torch.Tensor,
+    gate_weight: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe.moe_route_ref`: h [T, d], gate_weight [E, d] -> (topk_weights [T, k] fp32, topk_ids [T, k] int64).
+    fp32 h and gate weight on the CPU, one expert group (n_group 1): the logits as the reference computes them
+    (`F.linear`), then sigmoid, top-k and the weights in the kernel (`hs_moe_route_f32`); other inputs, and logits
+    holding a NaN, run the reference."""
+    args = (h, gate_weight, correction_bias, top_k, n_group, topk_group, norm_topk_prob, scaling)
+    if not (_fp32_cpu(h, gate_weight) and n_group == 1 and h.dim() == 2):
+        return moe_route_ref(*args)
+    E = gate_weight.shape[0]
+    if not 0 < top_k <= E or correction_bias.shape != (E,):
+        raise ValueError(f"router: top_k {top_k} must lie in [1, {E}] and correction_bias be [{E}], got "
+                         f"{tuple(correction_bias.shape)}")  # fmt: skip
+    logits = F.linear(h, gate_weight)  # [T, E] contiguous
+    T = logits.shape[0]
+    weights = torch.empty(T, top_k, dtype=torch.float32)
+    ids = torch.empty(T, top_k, dtype=torch.int64)
+    bias, scratch = _flat(correction_bias), torch.empty(2 * E, dtype=torch.float32)
+    status = native_library().hs_moe_route_f32(
+        logits.data_ptr(), T, E, bias.data_ptr(), top_k, int(norm_topk_prob), float(scaling), weights.data_ptr(),
+        ids.data_ptr(), scratch.data_ptr(),
+    )  # fmt: skip
+    return (weights, ids) if status == 0 else moe_route_ref(*args)
 
 
 def _at_row(t: torch.Tensor, row: int) -> int:

@@ -431,3 +431,32 @@ HS_CLONES int64_t hs_add_rms_norm_f32(const float *x, int64_t x_row, const float
     }
     return 0;
 }
+
+/* Router picks of T tokens from their gate logits [T, E] (contiguous), one group (no group limit): s = sigmoid(logit),
+   the k largest s + bias (ties: the lower expert id first), in descending order -> ids [T, k]; w [T, k] = s at the
+   picks, divided by (their sum + 1e-20) when norm, times scaling. k <= E; scratch: 2 E floats. Returns -1 when a
+   row's s + bias holds a NaN (the caller runs the reference, whose top-k ranks NaN first). */
+HS_CLONES int64_t hs_moe_route_f32(const float *logits, int64_t T, int64_t E, const float *bias, int64_t k,
+                                   int64_t norm, float scaling, float *w, int64_t *ids, float *scratch) {
+    float *s = scratch, *c = scratch + E;
+    for (int64_t t = 0; t < T; t++) {
+        const float *lt = logits + t * E;
+        for (int64_t e = 0; e < E; e++) {
+            s[e] = 1.0f / (1.0f + expf(-lt[e]));
+            c[e] = s[e] + bias[e];
+            if (c[e] != c[e]) return -1;
+        }
+        float sum = 0.0f;
+        for (int64_t j = 0; j < k; j++) {
+            int64_t best = 0;
+            for (int64_t e = 1; e < E; e++) best = c[e] > c[best] ? e : best;
+            ids[t * k + j] = best;
+            w[t * k + j] = s[best];
+            sum += s[best];
+            c[best] = -INFINITY;
+        }
+        for (int64_t j = 0; j < k; j++)
+            w[t * k + j] = (norm ? w[t * k + j] / (sum + 1e-20f) : w[t * k + j]) * scaling;
+    }
+    return 0;
+}
