@@ -11,9 +11,10 @@ ARG TORCH_VERSION=2.13.0
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1
 
-# wget: KubeRay's health probes. uid 1000 is `ray` (the chart's runAsUser).
+# wget: KubeRay's health probes; gcc: the engine's native CPU kernels (built below; the build key asks the compiler's
+# version at run time). uid 1000 is `ray` (the chart's runAsUser).
 RUN apt-get update \
- && apt-get install -y --no-install-recommends wget tini \
+ && apt-get install -y --no-install-recommends wget tini gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --create-home --uid 1000 --shell /bin/bash ray \
  && pip install --upgrade pip
@@ -29,6 +30,11 @@ RUN pip install "ray[serve]==${RAY_VERSION}" .
 
 # The embedded model, written once at build time so every Ray node serves identical weights.
 RUN hybrid-serve make-tiny-model /opt/hybrid-serve/models/tiny
+
+# The native CPU kernels (the default kernel backend on CPU), compiled once here: the root filesystem is read-only
+# at run time, and every replica loads this build.
+ENV HYBRID_SERVE_NATIVE_CACHE=/opt/hybrid-serve/native
+RUN python -c "from service.engine.kernels.cpu_native import native_library; native_library()"
 
 # Non-root, and nothing written outside $HOME and /tmp at run time (the chart mounts both as emptyDirs
 # under a read-only root filesystem): bytecode was compiled at install.

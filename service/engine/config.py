@@ -369,7 +369,7 @@ class EngineConfig:
     kernel_backend: str | None = setting(
         None,
         "kernels: torch, native (torch plus compiled C kernels for the CPU decode step; needs a C compiler) or "
-        "triton; default: triton on CUDA, torch on CPU",
+        "triton; default: triton on CUDA, native on CPU",
         choices=KERNEL_BACKENDS,
     )
     page_size: int = setting(16, "tokens per KV-cache page", min=1)
@@ -437,7 +437,7 @@ class EngineConfig:
         device = self.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        backend = self.kernel_backend or ("triton" if device.startswith("cuda") else "torch")
+        backend = self.kernel_backend or ("triton" if device.startswith("cuda") else "native")
         return replace(self, device=device, kernel_backend=backend)
 
     def validate(self) -> None:

@@ -15,6 +15,8 @@ import ray
 import yaml
 
 from service.deployments.args import AppArgs
+from service.engine.config import EngineConfig
+from service.engine.kernels import cpu_native
 from tests.helm.helm_chart_util import CHART, EXAMPLES, REPO
 
 DOCKERFILES = {"gpu": REPO / "dockerfiles" / "gpu.Dockerfile", "cpu-demo": REPO / "dockerfiles" / "cpu-demo.Dockerfile"}
@@ -118,6 +120,21 @@ def test_cpu_image_takes_torch_from_the_cpu_index_and_bakes_the_tiny_model():
     demo = yaml.safe_load((EXAMPLES / "cpu-demo.yaml").read_text())
     assert demo["model"]["path"] == model_dir and not demo["weights"]["enabled"]
     assert demo["image"]["repository"].endswith("cpu-demo")
+
+
+def test_cpu_image_builds_the_native_kernels_where_the_read_only_root_keeps_them(monkeypatch):
+    """The CPU default kernel backend compiles C kernels at first use: the image has gcc, and builds them once,
+    after the package is installed, into the cache folder the engine reads (`HYBRID_SERVE_NATIVE_CACHE`)."""
+    image = read_image(DOCKERFILES["cpu-demo"])
+    assert any(re.search(r"apt-get install .*\bgcc\b", r) for r in image.runs)
+    assert EngineConfig(model_path="m", device="cpu").resolved().kernel_backend == "native"
+    cache = image.env["HYBRID_SERVE_NATIVE_CACHE"]
+    assert cache.startswith("/opt/") and not cache.startswith(image.env["HOME"])
+    (build,) = [r for r in image.runs if "native_library()" in r]
+    (install,) = [r for r in image.runs if re.search(r"\bpip install\b.*(\s\.(\s|$))", r)]
+    assert image.runs.index(install) < image.runs.index(build)
+    monkeypatch.setenv("HYBRID_SERVE_NATIVE_CACHE", cache)
+    assert cpu_native.cache_dir() == Path(cache)  # where the engine looks at run time
 
 
 @pytest.mark.parametrize("name", sorted(DOCKERFILES))

@@ -141,9 +141,9 @@ def test_nulls_in_the_chart_leave_the_engine_default(template):
 
 def test_kernel_backend_follows_the_device():
     cfg = EngineConfig(model_path=MODEL)
-    assert cfg.resolved().kernel_backend == ("triton" if cfg.resolved().device == "cuda" else "torch")
+    assert cfg.resolved().kernel_backend == ("triton" if cfg.resolved().device == "cuda" else "native")
     assert EngineConfig(model_path=MODEL, device="cuda:1").resolved().kernel_backend == "triton"
-    assert EngineConfig(model_path=MODEL, device="cpu").resolved().kernel_backend == "torch"
+    assert EngineConfig(model_path=MODEL, device="cpu").resolved().kernel_backend == "native"
     assert EngineConfig(model_path=MODEL, device="cpu", kernel_backend="triton").resolved().kernel_backend == "triton"
 
 
