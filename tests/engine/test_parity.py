@@ -22,6 +22,21 @@ def hf_models(hf_checkpoints):
     }
 
 
+def hf_greedy(model, ids: list[int], max_new_tokens: int) -> Expected:
+    """transformers' greedy continuation of ids (eos ignored): its tokens and each token's logprob."""
+    with torch.no_grad():
+        ref = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            eos_token_id=None,
+        )
+    tokens = ref.sequences[0, len(ids) :].tolist()
+    return Expected(tokens, [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(ref.scores, tokens)])
+
+
 @pytest.mark.parametrize("variant", ["mixed_g2_c16", "latent_g1_c8", "attn_first_c8"])
 def test_prefill_logits_match_transformers(variant, hf_checkpoints, hf_models):
     engine = make_engine(hf_checkpoints[variant])
@@ -74,18 +89,7 @@ def test_greedy_continuation_matches_transformers(variant, hf_checkpoints, hf_mo
     C = engine.model_config.chunk_size
     ids = random_ids(2 * C + 3, seed=7)
     out = engine.generate([ids], greedy(32, logprobs=True))[0]
-    with torch.no_grad():
-        ref = hf_models[variant].generate(
-            torch.tensor([ids]),
-            max_new_tokens=32,
-            do_sample=False,
-            output_scores=True,
-            return_dict_in_generate=True,
-            eos_token_id=None,
-        )
-    ref_tokens = ref.sequences[0, len(ids) :].tolist()
-    ref_lp = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(ref.scores, ref_tokens)]
-    assert_same_outputs(out, Expected(ref_tokens, ref_lp), 1e-4)
+    assert_same_outputs(out, hf_greedy(hf_models[variant], ids, 32), 1e-4)
 
 
 @pytest.mark.parametrize("variant", ["mixed_g2_c16", "attn_first_c8"])
@@ -101,19 +105,4 @@ def test_native_backend_batch_matches_transformers(variant, hf_checkpoints, hf_m
     C = engine.model_config.chunk_size
     prompts = [random_ids(n, seed=20 + n) for n in (C + 3, 2 * C, 5)]
     outs = engine.generate(prompts, greedy(12, logprobs=True))
-    expected = []
-    for ids in prompts:
-        with torch.no_grad():
-            ref = hf_models[variant].generate(
-                torch.tensor([ids]),
-                max_new_tokens=12,
-                do_sample=False,
-                output_scores=True,
-                return_dict_in_generate=True,
-                eos_token_id=None,
-            )
-        tokens = ref.sequences[0, len(ids) :].tolist()
-        expected.append(
-            Expected(tokens, [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(ref.scores, tokens)])
-        )
-    assert_same_outputs(outs, expected, 1e-4)
+    assert_same_outputs(outs, [hf_greedy(hf_models[variant], ids, 12) for ids in prompts], 1e-4)
