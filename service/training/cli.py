@@ -23,9 +23,10 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from service.engine.tokenizer import Tokenizer
 from service.testing.tiny import tokenizer_config
+from service.training.config import TrainConfig, differing_flags, format_value, parse_mix, parse_pair, value_parser
 from service.training.data import TOKENIZER_VOCAB_SIZE, train_tokenizer
 from service.training.probe import state_accuracy_ablations
-from service.training.train import MODEL_OVERRIDES, TrainConfig, heldout_accuracy, train
+from service.training.train import MODEL_OVERRIDES, heldout_accuracy, train
 
 DATA_RECIPE = (
     "service/evals/tasks.py generators, train split (addition/comparison operand pairs with "
@@ -85,24 +86,7 @@ def run(
     train_s, train_cpu_s, load_end = time.monotonic() - start, _cpu_s() - cpu_start, os.getloadavg()[0]
     accuracy = heldout_accuracy(result.model, tokenizer, cfg.eval_num, device)
     ablations = state_accuracy_ablations(result.model, tokenizer, cfg.eval_num, device)
-    rerun = (
-        f"hybrid-serve train-tiny-model OUT --seed {cfg.seed} --steps {cfg.steps} --batch-size {cfg.batch_size} "
-        f"--lr {cfg.lr} --mix "
-        + ",".join(f"{k}={v}" for k, v in cfg.mix.items())
-        + (
-            " --first-mix "
-            + ",".join(f"{k}={v}" for k, v in cfg.first_mix.items())
-            + f" --first-mix-steps {cfg.first_mix_steps}"
-            if cfg.first_mix
-            else ""
-        )
-        + (f" --init-from {cfg.init_from}" if cfg.init_from else "")
-        + (f" --state-hidden-share {cfg.state_hidden_share}" if cfg.state_hidden_share else "")
-        + (" --state-hidden-partial" if cfg.state_hidden_partial else "")
-        + (f" --state-hidden-from {cfg.state_hidden_from}" if cfg.state_hidden_from else "")
-        + _size_flags(cfg)
-        + (f" --stop-at {result.steps_done}" if result.steps_done < cfg.steps else "")
-    )
+    rerun = reproduce_command(cfg, threads, result.steps_done)
     manifest = {
         "train_config": dataclasses.asdict(cfg),
         "steps_done": result.steps_done,
@@ -141,60 +125,43 @@ def _cpu_s() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
-def _size_flags(cfg: TrainConfig) -> str:
-    """The reproduce command's flags for the training context sizes (only those that differ from the defaults)."""
-    d, flags = TrainConfig(), ""
-    if cfg.warmup_steps != min(d.warmup_steps, cfg.steps // 10):
-        flags += f" --warmup-steps {cfg.warmup_steps}"
-    if cfg.recall_pairs != d.recall_pairs:
-        flags += " --recall-pairs {},{}".format(*cfg.recall_pairs)
-    if cfg.state_lengths != d.state_lengths:
-        flags += " --state-lengths {},{}".format(*cfg.state_lengths)
-    if cfg.length_bands:
-        flags += " --length-bands"
-    if cfg.ramp_steps:
-        flags += f" --ramp-steps {cfg.ramp_steps}"
-    if cfg.ramp_from:
-        flags += f" --ramp-from {cfg.ramp_from}"
-    return flags
+def reproduce_command(cfg: TrainConfig, threads: int, steps_done: int) -> str:
+    """The command that trains `cfg` again: the seed, the fields that differ from the defaults, the torch threads
+    (float sums may round differently with more threads) and, for a run stopped early, `--stop-at` its steps."""
+    skip = ("seed", "stop_at")
+    stop = f" --stop-at {steps_done}" if steps_done < cfg.steps else ""
+    flags = " ".join([f"--seed {cfg.seed}", *differing_flags(cfg, skip), f"--threads {threads}"])
+    return f"hybrid-serve train-tiny-model OUT {flags}{stop}"
 
 
-def _pair(text: str) -> tuple[int, int]:
-    low, high = (int(x) for x in text.split(","))
-    if not 0 < low <= high:
-        raise argparse.ArgumentTypeError(f"expected LOW,HIGH with 0 < LOW <= HIGH, got {text!r}")
-    return low, high
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per `TrainConfig` field (--field-name; bools as --x/--no-x), typed, with the field's help and
+    default. Unset flags stay out of the namespace, so the dataclass' defaults apply (`config_from_args`)."""
+    group = parser.add_argument_group("training recipe (TrainConfig; the defaults train the shipped model)")
+    default = TrainConfig()
+    for f in dataclasses.fields(TrainConfig):
+        value = getattr(default, f.name)
+        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS}
+        parse = value_parser(TrainConfig, f.name)
+        if parse in (parse_mix, parse_pair):
+            kwargs["metavar"] = "TASK=SHARE,..." if parse is parse_mix else "LOW,HIGH"
+        if parse is None:
+            kwargs.update(action=argparse.BooleanOptionalAction, help=f"{f.metadata['help']} (default: {value})")
+        else:
+            shown = "none" if value is None else format_value(value) or "''"
+            kwargs.update(type=parse, help=f"{f.metadata['help']} (default: {shown})")
+        group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
 
 
-def _mix(text: str) -> dict[str, float]:
-    """'recall=0.5,state=0.5' -> {'recall': 0.5, 'state': 0.5}."""
-    return {task: float(share) for task, share in (item.split("=") for item in text.split(","))}
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The `TrainConfig` of the parsed flags (fields without a flag keep their defaults)."""
+    return TrainConfig(
+        **{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)}
+    )
 
 
 def _run_cli(args: argparse.Namespace) -> int:
-    mix = TrainConfig().mix if args.mix is None else _mix(args.mix)
-    cfg = TrainConfig(
-        seed=args.seed,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        stop_at=args.stop_at,
-        init_from=args.init_from,
-        state_hidden_share=args.state_hidden_share,
-        state_hidden_partial=args.state_hidden_partial,
-        state_hidden_from=args.state_hidden_from,
-        mix=mix,
-        first_mix=_mix(args.first_mix) if args.first_mix else {},
-        first_mix_steps=args.first_mix_steps,
-        warmup_steps=min(TrainConfig().warmup_steps, args.steps // 10)
-        if args.warmup_steps is None
-        else args.warmup_steps,
-        recall_pairs=args.recall_pairs,
-        state_lengths=args.state_lengths,
-        length_bands=args.length_bands,
-        ramp_steps=args.ramp_steps,
-        ramp_from=args.ramp_from,
-    )
+    cfg = config_from_args(args)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     manifest = run(args.out, cfg, device, args.data_workers, args.threads, args.checkpoint_every)
     print(
@@ -222,86 +189,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def add_cli(subparsers: Any) -> None:
-    """Register `train-tiny-model OUT [--steps N --batch-size B --lr X --seed S --device D]`."""
-    d = TrainConfig()
+    """Register `train-tiny-model OUT [recipe flags] [--device D --threads N --data-workers N --checkpoint-every N]`."""
     p = subparsers.add_parser("train-tiny-model", help="train the tiny NemotronH on the synthetic tasks")
     p.add_argument("out", metavar="OUT", help="output checkpoint folder (created if missing)")
-    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (one task's batch each)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step")
-    p.add_argument("--lr", type=float, default=d.lr, help="peak AdamW learning rate")
-    p.add_argument("--init-from", default=None, help="continue from this checkpoint folder (same architecture)")
-    p.add_argument(
-        "--mix",
-        default=None,
-        help="task shares, e.g. state=0.7,recall=0.1,addition=0.1,comparison=0.05,"
-        "tool=0.05 (default: the built-in mix)",
-    )
-    p.add_argument(
-        "--first-mix",
-        default=None,
-        help="task shares of the steps before --first-mix-steps, e.g. recall=0.5,state=0.5 (default: --mix throughout)",
-    )
-    p.add_argument("--first-mix-steps", type=int, default=d.first_mix_steps, help="steps that draw from --first-mix")
-    p.add_argument(
-        "--state-hidden-share",
-        type=float,
-        default=d.state_hidden_share,
-        help="share of state-task steps whose attention cannot see the stream from the question on",
-    )
-    p.add_argument(
-        "--state-hidden-partial",
-        action="store_true",
-        help="hidden state steps hide each stream from a random point on (attention sees a random prefix of it)",
-    )
-    p.add_argument(
-        "--state-hidden-from",
-        type=int,
-        default=d.state_hidden_from,
-        help="no state step hides its stream before step N (the count is learned with attention first)",
-    )
-    p.add_argument(
-        "--warmup-steps", type=int, default=None, help="learning-rate warm-up steps (default: min(200, steps/10))"
-    )
-    p.add_argument(
-        "--recall-pairs",
-        type=_pair,
-        default=d.recall_pairs,
-        help="LOW,HIGH key=value pairs of training recall contexts",
-    )
-    p.add_argument(
-        "--state-lengths",
-        type=_pair,
-        default=d.state_lengths,
-        help="LOW,HIGH stream symbols of training state contexts",
-    )
-    p.add_argument(
-        "--length-bands",
-        action="store_true",
-        help="each recall/state step's rows have similar sizes (a tenth of the range ending at a drawn size)",
-    )
-    p.add_argument(
-        "--ramp-steps",
-        type=int,
-        default=d.ramp_steps,
-        help="with --length-bands: the drawn size's upper limit grows from a tenth of the range to all of it by step N",
-    )
-    p.add_argument(
+    add_train_arguments(p)
+    machine = p.add_argument_group("machine (the batches and the schedule do not depend on these)")
+    machine.add_argument("--device", default="auto", help="torch device: auto (cuda if available), cpu, cuda")
+    machine.add_argument("--data-workers", type=int, default=1, help="processes that build batches ahead (default: 1)")
+    machine.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default: 2)")
+    machine.add_argument(
         "--checkpoint-every",
         type=int,
         default=0,
-        help="write the weights so far to OUT/checkpoint every N steps (0: never); does not change the training",
+        help="write the weights so far to OUT/checkpoint every N steps (0: never)",
     )
-    p.add_argument(
-        "--ramp-from",
-        type=int,
-        default=d.ramp_from,
-        help="with --length-bands: the shortest band until step N, then the ramp up to --ramp-steps",
-    )
-    p.add_argument("--stop-at", type=int, default=None, help="stop after N steps (the schedule spans --steps)")
-    p.add_argument("--seed", type=int, default=d.seed, help="seed of the initial weights and the data")
-    p.add_argument("--device", default="auto", help="torch device: auto (cuda if available), cpu, cuda")
-    p.add_argument("--data-workers", type=int, default=1, help="processes that build batches ahead")
-    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.set_defaults(func=_run_cli)
 
 

@@ -15,14 +15,15 @@ import random
 import signal
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from service.engine.tokenizer import Tokenizer
-from service.evals.tasks import GENERATORS, RECALL_PAIRS, STATE_TRAIN_LENGTHS, Example, make_examples
+from service.evals.tasks import GENERATORS, Example, make_examples
 from service.testing.tiny import tiny_config
+from service.training.config import TrainConfig
 from service.training.data import Batch, attention_mask_hiding, make_batch
 
 # Every layer kind (Mamba-2, attention, latent MoE); ~0.8M parameters, ~3 MB in fp32.
@@ -49,47 +50,6 @@ MODEL_OVERRIDES: dict[str, Any] = dict(
     max_position_embeddings=4096,
 )
 EVAL_TASKS = ("addition", "comparison", "recall", "state", "tool")
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    seed: int = 0
-    steps: int = 4000
-    batch_size: int = 32  # sequences per step (one task per step)
-    lr: float = 2e-3  # peak AdamW learning rate
-    warmup_steps: int = 200
-    weight_decay: float = 0.01
-    # task -> share of steps; `multi_turn_share` of recall/state batches ask a second question after an answer
-    mix: dict[str, float] = field(
-        default_factory=lambda: {"addition": 0.3, "comparison": 0.08, "recall": 0.27, "state": 0.3, "tool": 0.05}
-    )
-    # task -> share of the steps before `first_mix_steps` (empty: `mix` from the start); recall and state alone
-    # first lets their circuits form on short contexts (mixed with the other tasks from the start, neither left
-    # chance level in 1000 steps)
-    first_mix: dict[str, float] = field(default_factory=dict)
-    first_mix_steps: int = 0
-    multi_turn_share: float = 0.2
-    eval_num: int = 200  # held-out questions per task for the manifest's accuracy
-    stop_at: int | None = None  # stop after this many steps (the schedule still spans `steps`)
-    init_from: str | None = None  # start from this checkpoint folder's weights instead of random
-    # share of state-task steps whose attention layers cannot see the stream from the question on (the count
-    # must then be carried by the Mamba state); drawn per step from the step's own random stream
-    state_hidden_share: float = 0.0
-    # hidden steps hide each stream from a uniformly drawn point on (attention sees a random prefix of it, so its
-    # count is an undercount) instead of from its start
-    state_hidden_partial: bool = False
-    # no state step hides its stream before this step (the count is learned with attention first, which is much
-    # faster; hiding from the start held a single-task state probe at chance for 200 steps)
-    state_hidden_from: int = 0
-    recall_pairs: tuple[int, int] = RECALL_PAIRS  # key=value pairs of the training recall contexts (inclusive)
-    state_lengths: tuple[int, int] = STATE_TRAIN_LENGTHS  # stream symbols of the training state contexts (inclusive)
-    # each recall/state step draws an upper size u from its range (from its first tenth until step `ramp_from`, then
-    # growing linearly to all of it by step `ramp_steps`: short contexts first), and its rows from
-    # [u - a tenth of the range, u]: rows of one step have similar lengths (little padding). False: every row draws
-    # from the whole range.
-    length_bands: bool = False
-    ramp_steps: int = 0
-    ramp_from: int = 0
 
 
 def build_model(tokenizer: Tokenizer, seed: int) -> Any:
@@ -186,6 +146,7 @@ class TrainResult:
     model: Any  # the trained transformers model, in eval mode
     steps_done: int  # optimizer steps taken (< cfg.steps if stopped early)
     final_loss: dict[str, float]  # task -> mean loss over its steps in the last 10% of the steps taken
+    step_losses: tuple[float, ...]  # the loss of every step taken, in step order
 
 
 def train(
@@ -255,7 +216,8 @@ def train(
     recent: dict[str, list[float]] = {}
     for task, value in losses[int(0.9 * len(losses)) :]:
         recent.setdefault(task, []).append(float(value))
-    return TrainResult(model, steps_done, {t: round(sum(v) / len(v), 5) for t, v in sorted(recent.items())})
+    final = {t: round(sum(v) / len(v), 5) for t, v in sorted(recent.items())}
+    return TrainResult(model, steps_done, final, tuple(float(value) for _, value in losses))
 
 
 @torch.no_grad()

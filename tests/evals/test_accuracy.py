@@ -45,6 +45,20 @@ def _manifest(path: str) -> dict:
         return json.load(f)
 
 
+def _reproduced_config(command: str) -> dict:
+    """The TrainConfig that `hybrid-serve train-tiny-model` builds from `command`, as the manifest stores it."""
+    import argparse
+    import dataclasses
+    import shlex
+
+    from service.training.cli import add_cli, config_from_args
+
+    parser = argparse.ArgumentParser(prog="hybrid-serve")
+    add_cli(parser.add_subparsers(dest="command", required=True))
+    cfg = config_from_args(parser.parse_args(shlex.split(command)[1:]))
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
 def test_manifest_describes_the_committed_weights(trained_model):
     manifest = _manifest(trained_model)
     with open(os.path.join(trained_model, "config.json")) as f:
@@ -56,6 +70,9 @@ def test_manifest_describes_the_committed_weights(trained_model):
     steps_done, steps = manifest["steps_done"], manifest["train_config"]["steps"]
     assert steps_done == steps or manifest["reproduce"].endswith(f" --stop-at {steps_done}")
     assert manifest["reproduce"].startswith("hybrid-serve train-tiny-model OUT --seed ")
+    # the command builds the recorded config (a run ended by SIGTERM records stop_at None, its command --stop-at)
+    no_stop = {"stop_at": None}
+    assert _reproduced_config(manifest["reproduce"]) | no_stop == manifest["train_config"] | no_stop
     assert manifest["train_config"]["init_from"] is None or manifest["init_manifest"]["train_config"]["seed"] == 0
     assert manifest["heldout_greedy_accuracy"]["num_per_task"] == NUM_QUESTIONS
     assert os.path.getsize(os.path.join(trained_model, "model.safetensors")) < 8 * 2**20

@@ -20,20 +20,23 @@ def _tokenizer() -> Tokenizer:
     return Tokenizer(hf, tokenizer_config(hf))
 
 
+def _addition_only(**kw) -> TrainConfig:
+    """A tiny run of addition steps alone (no first stage)."""
+    return TrainConfig(batch_size=2, warmup_steps=1, first_mix={}, mix={"addition": 1.0}, **kw)
+
+
 def test_same_seed_same_weights():
     tok = _tokenizer()
-    cfg = TrainConfig(seed=3, steps=2, batch_size=2, warmup_steps=1, mix={"addition": 1.0})
+    cfg = _addition_only(seed=3, steps=2)
     a, b = (train(cfg, tok, log=lambda _: None).model.state_dict() for _ in range(2))
     assert all(torch.equal(a[k], b[k]) for k in a)
-    c = train(
-        TrainConfig(seed=4, steps=2, batch_size=2, warmup_steps=1, mix={"addition": 1.0}), tok, log=lambda _: None
-    ).model.state_dict()
+    c = train(_addition_only(seed=4, steps=2), tok, log=lambda _: None).model.state_dict()
     assert not all(torch.equal(a[k], c[k]) for k in a)
 
 
 def test_training_batches_exclude_heldout_pairs():
-    cfg = TrainConfig()
-    for step in range(200):
+    cfg = TrainConfig()  # the default recipe: additions from its second stage on
+    for step in range(cfg.first_mix_steps, cfg.first_mix_steps + 200):
         task, examples = step_examples(cfg, step)
         assert step_examples(cfg, step)[1] == examples
         if task == "addition":
@@ -85,10 +88,12 @@ def test_length_bands_keep_rows_of_a_step_alike_and_ramp_up():
     keeps its own sizes (recall 42-48 pairs)."""
     cfg = TrainConfig(
         mix={"recall": 0.5, "state": 0.5},
+        first_mix={},
         batch_size=8,
         recall_pairs=(4, 48),
         state_lengths=(40, 260),
         length_bands=True,
+        ramp_from=0,
         ramp_steps=100,
         multi_turn_share=0.0,
     )
@@ -113,7 +118,7 @@ def test_checkpoint_holds_the_weights_of_a_run_stopped_there(tmp_path):
     from service.training.cli import run
     from service.training.probe import load
 
-    cfg = TrainConfig(seed=5, steps=4, batch_size=2, warmup_steps=1, mix={"addition": 1.0}, eval_num=2)
+    cfg = _addition_only(seed=5, steps=4, eval_num=2)
     manifest = run(str(tmp_path / "out"), cfg, "cpu", data_workers=0, threads=1, checkpoint_every=2)
     assert manifest["steps_done"] == 4
     with open(tmp_path / "out" / "checkpoint" / "manifest.json", encoding="utf-8") as f:
@@ -134,7 +139,9 @@ def test_state_steps_hide_their_stream_only_from_state_hidden_from_on():
     steps do; every step's task and examples are those of the same recipe without the delay."""
     from service.training.train import _step_plan
 
-    base = TrainConfig(mix={"state": 0.5, "addition": 0.5}, batch_size=2, state_hidden_share=0.5)
+    base = TrainConfig(
+        mix={"state": 0.5, "addition": 0.5}, first_mix={}, batch_size=2, state_hidden_share=0.5, state_hidden_from=0
+    )
     delayed = dataclasses.replace(base, state_hidden_from=40)
     hidden_steps = []
     for step in range(200):
