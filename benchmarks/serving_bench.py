@@ -38,16 +38,24 @@ if __package__ in (None, ""):  # run as a script: the repository root is the imp
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.serving_procs import (  # noqa: E402
+    METRICS_REPORT_MS,
     ServeProcess,
     cpu_delta_by_role,
     cpu_seconds_by_pid,
     gpu_process_roles,
+    metric_sums,
     own_cpu_seconds,
 )
 from loadtests.bench_client import RequestResult, Summary, stream_request, summarize  # noqa: E402
 from loadtests.workloads import random_token_prompts  # noqa: E402
 
 ENDPOINTS = {"completions": "/completions", "chat": "/chat/completions"}
+CORE_METRICS = (  # the engine core's counters (summed over engine replicas), scraped around each timed run
+    "ray_hybrid_serve_engine_core_seconds_total",
+    "ray_hybrid_serve_engine_core_steps_total",
+    "ray_hybrid_serve_generation_tokens_total",
+)
+METRICS_SETTLE_S = 1.0 + 3 * METRICS_REPORT_MS / 1e3  # the replica exports stats every 1 s, Ray reports them after
 NANO_OVERRIDES = {  # Nemotron-3 Nano 30B-A3B shapes (tests/engine/fixtures/nano_30b_a3b_config.json), 8 layers
     "hidden_size": 2688,
     "hybrid_override_pattern": "MEM*EMEM",
@@ -241,19 +249,22 @@ def run_served(args: argparse.Namespace, model_path: str, cases: list[Case], out
             asyncio.run(
                 _closed_loop_http(server.base_url, server.model, _shorter(warm, args.warmup_tokens), args.timeout_s)
             )
+            core0 = core_counters(server)
             cpu0 = cpu_seconds_by_pid(server.pid)
             summary, client_cpu_s = closed_loop_clients(
                 server.base_url, server.model, case, args.timeout_s, args.client_procs
             )
             cpu = cpu_delta_by_role(cpu0, cpu_seconds_by_pid(server.pid))
+            core = {k: v - core0.get(k, 0.0) for k, v in core_counters(server).items()}
             cpu[f"client ({args.client_procs} processes)" if args.client_procs > 1 else "client (this process)"] = (
                 client_cpu_s
             )
             if args.device.startswith("cuda"):
                 gpu_roles = gpu_process_roles(server.pid)
-            out[_key(case)] = {"summary": asdict(summary), "cpu_s": cpu}
+            out[_key(case)] = {"summary": asdict(summary), "cpu_s": cpu, "engine_core": core}
             print(
-                f"  served {_key(case)}: {summary.output_tokens_per_s:.0f} tok/s, errors {summary.num_errors}",
+                f"  served {_key(case)}: {summary.output_tokens_per_s:.0f} tok/s, errors {summary.num_errors}; "
+                f"{core_line(core, summary.duration_s)}",
                 flush=True,
             )
             if args.guidellm and case.endpoint == "completions":
@@ -263,6 +274,31 @@ def run_served(args: argparse.Namespace, model_path: str, cases: list[Case], out
             "serve_log_dir": server.serve_log_dir,
             "gpu_processes": gpu_roles,
         }
+
+
+def core_counters(server: ServeProcess) -> dict[str, float]:
+    """The engine core's cumulative counters as Ray's metrics agent has them, once the latest have arrived."""
+    time.sleep(METRICS_SETTLE_S)
+    try:
+        text = httpx.get(server.metrics_url, timeout=10.0).text
+    except httpx.HTTPError as exc:
+        print(f"  (metrics scrape failed: {exc})", flush=True)
+        return {}
+    return metric_sums(text, CORE_METRICS, split_label="phase")
+
+
+def core_line(core: dict[str, float], duration_s: float) -> str:
+    """Where the engine core's wall time went over a timed run (fractions of the run), per step and per output."""
+    steps = core.get("ray_hybrid_serve_engine_core_steps_total", 0.0)
+    if steps <= 0:
+        return "engine core: no counters"
+    tokens = core.get("ray_hybrid_serve_generation_tokens_total", 0.0)
+    phase = {p: core.get(f"ray_hybrid_serve_engine_core_seconds_total{{{p}}}", 0.0) for p in ("step", "send")}
+    return (
+        f"engine core: {steps:.0f} steps, {tokens / steps:.1f} outputs/step, "
+        f"step {1e3 * phase['step'] / steps:.2f} ms/step ({phase['step'] / duration_s:.2f} of the run), "
+        f"sender {1e3 * phase['send'] / steps:.3f} ms/step"
+    )
 
 
 def cross_check(args: argparse.Namespace, server: ServeProcess, case: Case, model_path: str, ours: Summary) -> dict:
@@ -409,10 +445,20 @@ def run_inprocess(args: argparse.Namespace, model_path: str, cases: list[Case]) 
             min(args.warmup_tokens, case.workload.osl),
             case.workload.concurrency,
         )
-        own0 = own_cpu_seconds()
+        own0, steps0 = own_cpu_seconds(), engine.num_steps
         summary = closed_loop_engine(engine, case.engine_prompts, case.workload.osl, case.workload.concurrency)
-        out[_key(case)] = {"summary": asdict(summary), "cpu_s": {"engine (this process)": own_cpu_seconds() - own0}}
-        print(f"  in-process {_key(case)}: {summary.output_tokens_per_s:.0f} tok/s", flush=True)
+        steps = engine.num_steps - steps0
+        out[_key(case)] = {
+            "summary": asdict(summary),
+            "cpu_s": {"engine (this process)": own_cpu_seconds() - own0},
+            "steps": steps,
+        }
+        print(
+            f"  in-process {_key(case)}: {summary.output_tokens_per_s:.0f} tok/s; {steps} steps, "
+            f"{summary.output_tokens / max(steps, 1):.1f} outputs/step, "
+            f"{1e3 * summary.duration_s / max(steps, 1):.2f} ms/step",
+            flush=True,
+        )
     engine.shutdown()  # the device memory goes back before a server (--inprocess-first) builds its engine
     del engine
     if args.device.startswith("cuda"):

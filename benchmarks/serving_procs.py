@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 import signal
 import socket
@@ -16,6 +17,10 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 STOP_WAIT_S = 20.0  # after Ctrl-C the server gets this long to stop; then its whole tree is killed
+METRICS_REPORT_MS = 500  # how often the server's processes report metrics to Ray's agent (Ray's default: 10 s)
+# Prometheus text sample: name, {labels} (optional), value
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 # process title (Ray sets `ray::<actor>`) -> role in the report; first match wins
 _ROLES = (
     (":engine", "engine replica"),
@@ -145,6 +150,7 @@ class ServeProcess:
         self.startup_timeout_s = startup_timeout_s
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
+        self.metrics_url = f"http://127.0.0.1:{free_port()}/metrics"  # Ray's metrics agent (Prometheus text)
         self.startup_s = 0.0
         self.proc: subprocess.Popen | None = None
         self._tree: dict[int, str | None] = {}  # the server's process tree once it is up (pid -> command line)
@@ -165,6 +171,7 @@ class ServeProcess:
             RAY_USAGE_STATS_ENABLED="0",
             PYTHONUNBUFFERED="1",
             PYTHONPATH=os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p),
+            RAY_metrics_report_interval_ms=str(METRICS_REPORT_MS),
         )
         env.update(self.env)
         cmd = [
@@ -179,7 +186,7 @@ class ServeProcess:
             "--port",
             str(self.port),
             "--metrics-port",
-            str(free_port()),
+            self.metrics_url.rsplit(":", 1)[1].split("/")[0],
             *self.serve_args,
         ]
         self._log = open(self.log_path, "w", encoding="utf-8")
@@ -244,3 +251,20 @@ class ServeProcess:
     def cleanup(self) -> None:
         """Remove the Ray temp dir (logs included)."""
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def metric_sums(text: str, names: tuple[str, ...], split_label: str | None = None) -> dict[str, float]:
+    """Sums of the samples of `names` in a Prometheus text scrape, over every label set; with `split_label`, one sum
+    per value of that label too (key "name{value}")."""
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m is None or m.group(1) not in names:
+            continue
+        value = float(m.group(3))
+        sums[m.group(1)] = sums.get(m.group(1), 0.0) + value
+        labels = dict(_LABEL.findall(m.group(2) or ""))
+        if split_label is not None and split_label in labels:
+            key = f"{m.group(1)}{{{labels[split_label]}}}"
+            sums[key] = sums.get(key, 0.0) + value
+    return sums

@@ -44,6 +44,14 @@ ENGINE_METRICS: tuple[MetricDef, ...] = (
     MetricDef(_P + "generation_tokens_total", "counter", "Tokens generated"),
     MetricDef(_P + "group_calls_total", "counter", "Grouped Serve calls (several requests per call) received"),
     MetricDef(_P + "group_requests_total", "counter", "Requests the grouped Serve calls carried into this replica"),
+    MetricDef(
+        _P + "engine_core_seconds_total",
+        "counter",
+        "Wall seconds of the engine core process by phase: step (in Engine.step), idle (no request to step), "
+        "send (its sender thread making and writing output messages, waits on the pipe included)",
+        ("phase",),
+    ),
+    MetricDef(_P + "engine_core_steps_total", "counter", "Engine steps run by the engine core process"),
 )
 # the engine's memory plan (runner/memory_plan.py; engines on CUDA that size their pools from it, none on CPU)
 MEMORY_PLAN_PARTS = (  # `part` label values: the plan's bytes

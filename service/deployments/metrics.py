@@ -48,6 +48,10 @@ _COUNTER_STATS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
     ("cache_evictions_mamba", "hybrid_serve_cache_evictions_total", (("kind", "mamba"),)),
     ("prompt_tokens", "hybrid_serve_prompt_tokens_total", ()),
     ("generation_tokens", "hybrid_serve_generation_tokens_total", ()),
+    ("core_step_seconds", "hybrid_serve_engine_core_seconds_total", (("phase", "step"),)),
+    ("core_idle_seconds", "hybrid_serve_engine_core_seconds_total", (("phase", "idle"),)),
+    ("core_send_seconds", "hybrid_serve_engine_core_seconds_total", (("phase", "send"),)),
+    ("core_steps", "hybrid_serve_engine_core_steps_total", ()),
 )
 _GAUGE_STATS: tuple[tuple[str, str], ...] = (
     ("kv_cache_usage_ratio", "hybrid_serve_kv_cache_usage_ratio"),

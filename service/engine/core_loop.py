@@ -1,8 +1,10 @@
-"""The engine core process' loop: commands from the pipe between steps, one message out per step.
+"""The engine core process' loop: commands from the pipe between steps, each step's outputs to the outbox.
 
 Runs in the child that `EngineProcess` spawns (the message formats are in service/engine/core_process.py).
-The loop owns the `Engine`: it builds it, drains pending commands, steps while there is work, and sends every
-request's new tokens, text, logprobs and finish reason of that step in one pickled message."""
+The loop owns the `Engine`: it builds it, drains pending commands, steps while there is work, and hands every
+step's outputs to the `Outbox` (service/engine/core_outbox.py), whose thread sends every request's new tokens,
+text, logprobs and finish reason in one pickled message per step (or per few steps, when the parent reads slowly).
+Its stats add where the loop's time went (`core_stats`)."""
 
 from __future__ import annotations
 
@@ -15,9 +17,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from service.engine.config import EngineConfig
+from service.engine.core_outbox import Outbox
 from service.engine.core_process import IDLE_POLL_S, STATS_INTERVAL_S, CoreInfo
 from service.engine.engine import Engine
-from service.engine.output_stream import DeltaTracker
 from service.engine.request import CapturedState
 
 log = logging.getLogger("hybrid_serve.engine")
@@ -27,31 +29,49 @@ class CoreLoop:
     def __init__(self, config: EngineConfig, conn: Connection):
         self.conn = conn
         self.engine = Engine(config, detokenize=False)  # the parent detokenises requests without stop strings
-        self.deltas = DeltaTracker()  # what each unfinished request has sent
         self.running = True
         self.stats_at = 0.0  # time.monotonic() of the last stats sent
+        self.step_s = 0.0  # wall seconds in engine.step()
+        self.idle_s = 0.0  # wall seconds waiting for a command with no request to step
+        self.num_steps = 0  # engine.step() calls
+        self.outbox = Outbox(conn)  # every message leaves through it, in order
         e = self.engine
-        info = CoreInfo(os.getpid(), e.dtype, e.max_model_len, e.model_config.vocab_size, e.stats())
-        self._send(("ready", info))
+        self._send(
+            ("ready", CoreInfo(os.getpid(), e.dtype, e.max_model_len, e.model_config.vocab_size, self.core_stats()))
+        )
 
     def run(self) -> None:
+        try:
+            self._loop()
+            self._fail_all("the engine was shut down")
+            self.engine.shutdown()
+        finally:
+            self.outbox.close()
+
+    def _loop(self) -> None:
         engine = self.engine
         while self.running:
+            if self.outbox.error is not None:  # the parent is gone: nobody reads what this loop makes
+                raise self.outbox.error
             busy = engine.has_unfinished()
+            t0 = time.perf_counter()
             handled = self._drain(0.0 if busy else IDLE_POLL_S)
             if not engine.has_unfinished():
+                self.idle_s += time.perf_counter() - t0
                 if handled:
-                    self._send(("stats", engine.stats()))
+                    self._send(("stats", self.core_stats()))
                 continue
+            t0 = time.perf_counter()
             try:
                 outputs = engine.step()
             except Exception as exc:  # noqa: BLE001 - one failing step must not end the engine
                 log.exception("engine step failed; aborting in-flight requests")
                 self._fail_all(f"{type(exc).__name__}: {exc}")
                 continue
-            self._send(("out", [self.deltas.delta(o) for o in outputs], self._stats_if_due()))
-        self._fail_all("the engine was shut down")
-        engine.shutdown()
+            finally:
+                self.step_s += time.perf_counter() - t0
+                self.num_steps += 1
+            self.outbox.post_outputs(outputs, self._stats_if_due())
 
     # ---------- commands ----------
     def _drain(self, timeout_s: float) -> bool:
@@ -102,24 +122,33 @@ class CoreLoop:
     def _abort(self, rid: str) -> None:
         out = self.engine.abort(rid)
         if out is not None:
-            self._send(("out", [self.deltas.delta(out)], self.engine.stats()))
+            self.outbox.post_outputs([out], self.core_stats())
 
     def _fail_all(self, why: str) -> None:
         for rid in list(self.engine.requests):
             self.engine.abort(rid)
-            self.deltas.forget(rid)
-            self._send(("failed", rid, why))
+            self._send(("failed", rid, why))  # the outbox forgets the request's deltas
 
     # ---------- outputs ----------
+    def core_stats(self) -> dict[str, float]:
+        """`Engine.stats()` plus where this loop's time went (wall seconds, cumulative) and its step count."""
+        return {
+            **self.engine.stats(),
+            "core_step_seconds": self.step_s,
+            "core_idle_seconds": self.idle_s,
+            "core_send_seconds": self.outbox.send_seconds,
+            "core_steps": self.num_steps,
+        }
+
     def _stats_if_due(self) -> dict[str, float] | None:
         now = time.monotonic()
         if now - self.stats_at < STATS_INTERVAL_S and self.engine.has_unfinished():
             return None
         self.stats_at = now
-        return self.engine.stats()
+        return self.core_stats()
 
     def _send(self, msg: tuple) -> None:
-        self.conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+        self.outbox.post(msg)
 
 
 def _on_cpu(state: CapturedState) -> CapturedState:

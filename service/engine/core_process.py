@@ -13,7 +13,8 @@ Messages (pickled tuples on one duplex pipe; the child answers in order):
                    ("call", seq, name, args)                  answered by ("reply", seq, ok, value)
                    ("stop",)
   child -> parent  ("ready", CoreInfo)
-                   ("out", [Delta, ...], stats | None)        one per engine step: every request's new tokens
+                   ("out", [Delta, ...], stats | None)        every request's new tokens of one engine step (of
+                                                              several, in step order, when the parent reads slowly)
                    ("refused", request_id, ValueError)        add_request refused the request
                    ("failed", request_id, message)            a step failed; the request was aborted
                    ("stats", stats)                           after commands handled while idle

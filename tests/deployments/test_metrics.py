@@ -76,6 +76,8 @@ def test_every_engine_and_router_metric_is_exported(cluster, main_app, http, rou
             assert {"application", "deployment", "replica"} <= set(sample.labels), (name, sample.labels)
     kinds = {s.labels["kind"] for s in samples[scraped_name(next(d for d in ENGINE_METRICS if d.labels == ("kind",)))]}
     assert kinds == {"kv", "mamba"}
+    phases = {s.labels["phase"]: s.value for s in samples["ray_hybrid_serve_engine_core_seconds_total"]}
+    assert phases.keys() == {"step", "idle", "send"} and min(phases.values()) > 0, phases
     reasons = {s.labels["reason"] for s in samples["ray_hybrid_serve_router_decisions_total"]}
     assert {"prefix", "miss"} <= reasons
     assert {s.labels["kind"] for s in samples[checks_name]} == {"pinned", "audit"}  # canary_app audits every request
