@@ -13,7 +13,7 @@ import triton.language as tl
 from service.engine.kernels import fp8
 from service.engine.kernels.fp8 import FP8_DTYPE, FP8_MAX, Fp8Linear
 from service.engine.kernels.moe import relu2
-from service.engine.kernels.tiles import GEMV_FP8_TILE_VARIANTS, GemvTiles, MoeTiles
+from service.engine.kernels.tiles import EXPERT_GEMV_FP8_TILE_VARIANTS, GEMV_FP8_TILE_VARIANTS, GemvTiles, MoeTiles
 from service.engine.kernels.triton_fp8 import f32_to_e4m3_bits, fp8_linear, quantize_fp8
 from service.engine.kernels.triton_gemv import gemv
 from service.engine.kernels.triton_moe import Fp8ExpertScales, moe_experts_tiled
@@ -155,8 +155,12 @@ def test_fp8_moe_gemv_equals_the_weight_only_reference(T, S, dtype):
     """Grouped FP8 GEMVs: routed experts with per-expert scales and the shared expert (its own per-tensor scales)
     in the same two launches, vs `fp8_moe_experts_ref` weight-only; I (48) and S differ, K ragged vs block_k."""
     args, shared = _moe(T, 8, 4, 64, 48, S, dtype, seed=T + S)
-    out = fp8_moe_experts_gemv(*args, **shared)
-    assert_close(out, fp8.fp8_moe_experts_ref(*args, **shared), dtype, f"fp8 moe gemv T={T} S={S}")
+    ref = fp8.fp8_moe_experts_ref(*args, **shared)
+    assert_close(fp8_moe_experts_gemv(*args, **shared), ref, dtype, f"fp8 moe gemv T={T} S={S}")
+    counters = torch.zeros(T * 4, dtype=torch.int32, device=DEVICE)  # 64-row tiles: one row block of d 64
+    out = fp8_moe_experts(*args, **shared, counters=counters)  # the down pass sums the slots
+    assert_close(out, ref, dtype, f"fp8 moe gemv T={T} S={S}, slots summed in the down pass")
+    assert not counters.any()
 
 
 def test_fp8_moe_gemv_rejects_too_many_pairs_and_half_a_shared_expert():
@@ -234,8 +238,14 @@ def test_fp8_gemv_gpu_nano_shapes_every_variant(shape):
 def test_fp8_moe_gemv_gpu_nano(T):
     """Nano: E 128, top-6, d 2688, I 1856, shared 3712."""
     args, shared = _moe(T, 128, 6, 2688, 1856, 3712, torch.bfloat16, seed=T)
-    out = fp8_moe_experts_gemv(*args, **shared)
-    assert_close(out, fp8.fp8_moe_experts_ref(*args, **shared), torch.bfloat16, f"nano fp8 moe gemv T={T}")
+    ref = fp8.fp8_moe_experts_ref(*args, **shared)
+    counters = torch.zeros(T * 2688, dtype=torch.int32, device=DEVICE)
+    for up, down in EXPERT_GEMV_FP8_TILE_VARIANTS:
+        out = fp8_moe_experts_gemv(*args, up, down_tiles=down, **shared)
+        assert_close(out, ref, torch.bfloat16, f"nano fp8 moe gemv T={T} {up} / {down}")
+        out = fp8_moe_experts_gemv(*args, up, down_tiles=down, **shared, counters=counters)
+        assert_close(out, ref, torch.bfloat16, f"nano fp8 moe gemv T={T} {up} / {down}, summed in the down pass")
+        assert not counters.any()
 
 
 @gpu

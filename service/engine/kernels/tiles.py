@@ -292,8 +292,12 @@ class ExpertGemvTiles:
     # num_stages would pipeline only loads feeding tl.dot: none here)
     mma: int = 0  # > 0: tensor-core tiles (`triton_gemv.mma_tiles`, block_n >= 16; depth and stages unused), the K
     # loop pipelined this many stages deep; 0: fp32 FMA register tiles
+    shared_chunks: int = 1  # down pass: the shared expert's K (S) in this many chunks, each a unit of its own, so
+    # that a shared expert of S ~ n * I gives n programs as long as a routed slot's (not one n times longer)
 
     def __post_init__(self):
+        if self.shared_chunks < 1:
+            raise ValueError(f"shared_chunks must be >= 1, got {self.shared_chunks}")
         if not 1 <= self.depth <= 4:
             raise ValueError(f"depth must be 1..4, got {self.depth}")
         if self.stages < 1 or (self.stages > 1 and self.depth != 1):
@@ -302,9 +306,19 @@ class ExpertGemvTiles:
             raise ValueError(f"tensor-core tiles (mma > 0) need block_n >= 16, got {self}")
 
 
-# FP8 expert weights: tensor-core tiles of 64 rows, 128 K per step, 4 pipeline stages (cp.async); the FMA tiles
-# (4 rows, 1024 K per step) reached ~1.4 TB/s on H200 at batch 1 (short programs, few bytes in flight).
-EXPERT_GEMV_FP8_TILES = ExpertGemvTiles(64, 128, 4, mma=4)
+# FP8 expert weights, (up pass, down pass): tensor-core tiles of 64 rows, 128 K per step, 4 pipeline stages
+# (cp.async); the FMA tiles (4 rows, 1024 K per step) reached ~1.4 TB/s on H200 at batch 1 (short programs, few
+# bytes in flight). The first pair is the default; the GPU tests check every pair, benchmarks/fp8_decode_sweep.py
+# times them (and more) in CUDA-graph chains.
+_MMA = ExpertGemvTiles(64, 128, 4, mma=4)
+EXPERT_GEMV_FP8_TILE_VARIANTS = (
+    (_MMA, ExpertGemvTiles(64, 128, 4, mma=4, shared_chunks=2)),
+    (_MMA, _MMA),
+    (ExpertGemvTiles(64, 256, 4, mma=3), ExpertGemvTiles(64, 256, 4, mma=3, shared_chunks=2)),
+    (ExpertGemvTiles(32, 256, 4, mma=4), ExpertGemvTiles(32, 256, 4, mma=4, shared_chunks=2)),
+    (ExpertGemvTiles(128, 128, 8, mma=4), ExpertGemvTiles(64, 128, 4, mma=6, shared_chunks=2)),
+)
+EXPERT_GEMV_FP8_TILES, EXPERT_GEMV_FP8_DOWN_TILES = EXPERT_GEMV_FP8_TILE_VARIANTS[0]
 EXPERT_GEMV_TILE_VARIANTS = (
     ExpertGemvTiles(),
     ExpertGemvTiles(8, 256, 4),

@@ -363,9 +363,10 @@ def _gemv_kernel(
 
 
 def _rows_block_k(t: GemvTiles, rows: int) -> int:
-    """block_k for `rows` fp32 register tiles: halved (not below 128) while they would exceed 64 per thread."""
+    """block_k for `rows` fp32 register tiles: halved (not below 128) while they would exceed 64 per thread
+    (tensor-core tiles keep theirs: one [block_n, 16] accumulator for every row)."""
     bk = t.block_k
-    while bk > 128 and rows * t.block_n * bk > ACC_PER_THREAD * 32 * t.warps:
+    while not t.mma and bk > 128 and rows * t.block_n * bk > ACC_PER_THREAD * 32 * t.warps:
         bk //= 2
     return bk
 

@@ -6,15 +6,18 @@ valid row per expert; here there is no alignment and no padding. Each token has 
 shared expert (weight 1) when shared_up/shared_down are given: rows q = t * slots + j of the h and y scratch.
 Up pass: one program per (slot q, block j of BLOCK_N rows) of slot q's up matrix (`up[ids[t, j]]` [I, d_in], or
 shared_up [S, d_in]): it streams those rows against token t's x and writes relu(.)² of them. Down pass: one program
-per (q, block of BLOCK_N rows) of that slot's down matrix against its h row (K = I or S), times the pair's routing
-weight. Both grids are 1-d, each slot's blocks consecutive: neighbouring programs stream neighbouring rows (an
-earlier 2-d grid (slot, block) interleaved 7 matrices and launched max(I, S) / BLOCK_N blocks for every slot).
+per (unit, block of BLOCK_N rows) of a down matrix against its h row, times the pair's routing weight: a unit is a
+routed slot (K = I) or one of `ExpertGemvTiles.shared_chunks` K chunks of the shared slot (S ~ 2 I: two chunks give
+every program the same length instead of a tail of programs twice as long). Both grids are 1-d, each slot's blocks
+consecutive: neighbouring programs stream neighbouring rows (an earlier 2-d grid (slot, block) interleaved 7
+matrices and launched max(I, S) / BLOCK_N blocks for every slot).
 Each program keeps fp32 partial products in a [BLOCK_N, BLOCK_K] register tile with the next step's tile loaded
 before this step's FMAs (`triton_gemv.dot_tiles`, one reduction at the end; `ExpertGemvTiles.depth` / `.stages` are
 tuning knobs for more tiles in flight, off by default; `.mma` > 0 runs the same products on tensor cores,
-`triton_gemv.mma_tiles`, the default for FP8 experts). `triton_moe.sum_slots` then sums each token's slots in fp32
-with one rounding: one MoE layer with its shared expert is route + up + down + sum = 4 launches at batch 1. PDL
-launches on Hopper+ (triton_common).
+`triton_gemv.mma_tiles`, the default for FP8 experts). `triton_moe.sum_slots` then sums each token's units in fp32
+with one rounding: one MoE layer with its shared expert is route + up + down + sum = 4 launches at batch 1; with
+persistent arrival counters (the triton bundle's) the down pass's last program per (token, row block) sums them
+instead (`_arrive_and_sum_slots`): 3 launches. PDL launches on Hopper+ (triton_common).
 FP8 experts (float8_e4m3fn, fp32 per-expert weight scales; the shared expert's per-tensor): the same kernels with FP8
 set read the weight bytes, make them fp32 in registers (`triton_gemv.weight_f32`) and multiply each row sum by its
 matrix's scale; x and h stay in x's dtype (weight-only, as `fp8.fp8_moe_experts_ref` without quantize_activations).
@@ -32,10 +35,10 @@ import triton.language as tl
 
 from service.engine.kernels import fp8, moe, triton_fp8, triton_gemv, triton_moe
 from service.engine.kernels.fp8 import Fp8Linear
-from service.engine.kernels.tiles import EXPERT_GEMV_FP8_TILES, ExpertGemvTiles
+from service.engine.kernels.tiles import EXPERT_GEMV_FP8_DOWN_TILES, EXPERT_GEMV_FP8_TILES, ExpertGemvTiles
 from service.engine.kernels.triton_activation import relu2
 from service.engine.kernels.triton_common import check_dtype, check_same_device, pdl_args, pdl_release, pdl_wait
-from service.engine.kernels.triton_gemv import _load_w, _load_x, dot_tiles, mma_tiles, weight_f32
+from service.engine.kernels.triton_gemv import _load_w, _load_x, check_counters, dot_tiles, mma_tiles, weight_f32
 from service.engine.kernels.triton_moe import Fp8ExpertScales, check_experts_args, sum_slots
 
 MAX_GEMV_PAIRS = 16  # (token, slot) pairs up to which `moe_experts_gemv` accepts a batch
@@ -182,6 +185,42 @@ def _expert_up_kernel(
 
 
 @triton.jit
+def _arrive_and_sum_slots(count_ptr, t, j, offs_n, mask, y_ptr, out_ptr, s_y, s_out, nb_out, units):
+    """The down pass's slot sum, after this program stored its unit's rows offs_n of y: bump the arrival counter of
+    (token t, row block j); the last of the token's `units` programs to arrive adds their y rows in fp32 in unit
+    order into out (x's dtype, one rounding, as `triton_moe.sum_slots`) and sets the counter back to 0 (the
+    persistent buffer stays zeroed). Bumped after the K loop, so after `pdl_wait` (`triton_gemv.arrive_and_reduce`)."""
+    tl.debug_barrier()  # every thread's y stores are issued before the arrival
+    arrived = tl.atomic_add(count_ptr + t * nb_out + j, 1, sem="acq_rel", scope="gpu")
+    if arrived == units - 1:
+        tot = tl.zeros_like(offs_n).to(tl.float32)
+        for s in range(units):
+            row = y_ptr + (t * units + s) * s_y
+            tot += tl.load(row + offs_n, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        tl.store(out_ptr + t * s_out + offs_n, tot.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(count_ptr + t * nb_out + j, 0)
+
+
+@triton.jit
+def _down_unit(u, ids_ptr, w_ptr, w_shared_ptr, s_w_e, top_k, n_routed, n_shared, k_chunk, units, SHARED: tl.constexpr):
+    """Down-pass unit u of the [T, units] layout (units = k routed slots + the shared slot's K chunks) -> its token t,
+    h row q (t * slots + slot), routed pair index p (not read for the shared slot), whether it is shared, its expert
+    e (0 for the shared slot), the first weight element of its K range, its matrix's row length (I or S), the first
+    K index k0 and the K length of its range (I, or one chunk of S)."""
+    t = u // units
+    r = u - t * units
+    slot = tl.minimum(r, top_k)
+    k0 = (r - slot) * k_chunk  # the shared slot's chunk r - k
+    p = t * top_k + slot
+    shared = slot == top_k
+    e = tl.load(ids_ptr + p, mask=~shared, other=0).to(tl.int64)
+    w = tl.where(shared, w_shared_ptr, w_ptr + e * s_w_e) + k0
+    row_len = tl.where(shared, n_shared, n_routed)
+    k_len = tl.where(shared, tl.minimum(k_chunk, n_shared - k0), n_routed)
+    return t.to(tl.int64), t * (top_k + SHARED) + slot, p, shared, e, w, row_len, k0, k_len
+
+
+@triton.jit
 def _expert_down_kernel(
     h_ptr,
     w_ptr,
@@ -191,14 +230,20 @@ def _expert_down_kernel(
     ids_ptr,
     topk_w_ptr,
     y_ptr,
+    out_ptr,
+    count_ptr,
     top_k,
     n_routed,
     n_shared,
+    k_chunk,
+    units,
     n_out,
     nb_out,
     s_h,
     s_w_e,
     s_y,
+    s_out,
+    SUM_SLOTS: tl.constexpr,
     SHARED: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -209,22 +254,29 @@ def _expert_down_kernel(
     FP8: tl.constexpr,
     MMA: tl.constexpr,
 ):
-    """y[q] = w_q * W_q h[q, :K] for slot q's expert W_q [n_out, K] (K = I, or S for the shared slot, weight 1);
-    program -> (q, row block j), each slot's blocks consecutive.
+    """y[u] = w_q * W_q[:, K range] h[q, K range] for unit u (`_down_unit`: a routed slot with its routing weight, or
+    one K chunk of the shared slot, weight 1); program -> (u, row block j), each unit's blocks consecutive.
+    SUM_SLOTS: the last program of each (token, row block) also writes out[t] = the sum of the token's units
+    (`_arrive_and_sum_slots`).
     PDL: the ids are read and the first weight tile loaded before the wait (the ids were written before the up
     pass started, and a PDL kernel releases its successor only after its own wait: so they are final here);
     h, the up pass's output, after it."""
-    q = tl.program_id(0) // nb_out
-    j = tl.program_id(0) - q * nb_out
-    _, p, shared, e, w, K = _slot_expert(q, ids_ptr, w_ptr, w_shared_ptr, s_w_e, top_k, n_routed, n_shared, SHARED)
-    q = q.to(tl.int64)
+    u = tl.program_id(0) // nb_out
+    j = tl.program_id(0) - u * nb_out
+    t, q, p, shared, e, w, row_len, k0, K = _down_unit(
+        u, ids_ptr, w_ptr, w_shared_ptr, s_w_e, top_k, n_routed, n_shared, k_chunk, units, SHARED
+    )
     offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, n_out - 1).to(tl.int64)
-    r = _expert_dot(w + rows[:, None] * K, h_ptr + q * s_h, K, EVEN_K, BLOCK_N, BLOCK_K, DEPTH, STAGES, PDL, FP8, MMA)
+    x = h_ptr + q.to(tl.int64) * s_h + k0
+    r = _expert_dot(w + rows[:, None] * row_len, x, K, EVEN_K, BLOCK_N, BLOCK_K, DEPTH, STAGES, PDL, FP8, MMA)
     pdl_release(PDL)
     r = tl.sum(r, axis=1) * _slot_scale(shared, e, scale_ptr, shared_scale_ptr, FP8)
     r = r * tl.load(topk_w_ptr + p, mask=~shared, other=1.0).to(tl.float32)
-    tl.store(y_ptr + q * s_y + offs_n, r.to(y_ptr.dtype.element_ty), mask=offs_n < n_out)
+    u = u.to(tl.int64)
+    tl.store(y_ptr + u * s_y + offs_n, r.to(y_ptr.dtype.element_ty), mask=offs_n < n_out)
+    if SUM_SLOTS:
+        _arrive_and_sum_slots(count_ptr, t, j, offs_n, offs_n < n_out, y_ptr, out_ptr, s_y, s_out, nb_out, units)
 
 
 SharedLinear = torch.Tensor | Fp8Linear  # a shared-expert matrix: x's dtype with BF16 experts, FP8 with FP8 ones
@@ -329,17 +381,28 @@ def expert_down_pass(
     shared_down: torch.Tensor | None = None,
     scale: torch.Tensor | None = None,
     shared_scale: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The down pass of `moe_experts_gemv`: h [T * slots, >= max(I, S)] from `expert_up_pass`, down [E, d_in, I],
-    ids [T * k], weights [T * k] fp32 contiguous, shared_down [d_in, S] or None -> y [T * slots, d_in], row q =
-    the routing weight (1 for the shared slot) times W_q h[q]. FP8 down / shared_down: scale [E], shared_scale."""
+    """The down pass of `moe_experts_gemv` and the slot sum: h [T * slots, >= max(I, S)] from `expert_up_pass`, down
+    [E, d_in, I], ids [T * k], weights [T * k] fp32 contiguous, shared_down [d_in, S] or None -> [T, d_in], row t =
+    the sum over t's slots q of the routing weight (1 for the shared slot) times W_q h[q]. The shared slot's K is
+    cut into `tiles.shared_chunks` chunks, each a unit like a routed slot (units rounded to x's dtype, then added in
+    fp32 with one rounding, as `sum_slots`). FP8 down / shared_down: scale [E], shared_scale.
+    counters (persistent int32 zeros, >= T * cdiv(d_in, block_n), left zeroed): the units are summed in the same
+    launch; None: by `sum_slots`."""
     d_in, inter = down.shape[1], down.shape[2]
     n_shared = 0 if shared_down is None else shared_down.shape[1]
-    slots = top_k + (1 if n_shared else 0)
-    y = torch.empty(h.shape[0], d_in, dtype=h.dtype, device=h.device)
+    chunks = tiles.shared_chunks if n_shared else 0
+    T, units = h.shape[0] // (top_k + min(chunks, 1)), top_k + chunks
+    k_chunk = triton.cdiv(n_shared, max(chunks, 1))
+    y = torch.empty(T * units, d_in, dtype=h.dtype, device=h.device)
     nb_out = triton.cdiv(d_in, tiles.block_n)
+    out = y
+    if counters is not None:
+        check_counters(counters, h, T * nb_out)
+        out = torch.empty(T, d_in, dtype=h.dtype, device=h.device)
     is_fp8 = down.dtype == fp8.FP8_DTYPE
-    _expert_down_kernel[(h.shape[0] * nb_out,)](
+    _expert_down_kernel[(T * units * nb_out,)](
         h,
         _bytes(down),
         _bytes(shared_down if n_shared else down),
@@ -348,20 +411,26 @@ def expert_down_pass(
         ids,
         weights,
         y,
+        out,
+        y if counters is None else counters,
         top_k,
         inter,
         n_shared,
+        k_chunk,
+        units,
         d_in,
         nb_out,
         h.stride(0),
         down.stride(0),
         y.stride(0),
-        SHARED=slots - top_k,
-        EVEN_K=inter % tiles.block_k == 0 and n_shared % tiles.block_k == 0,
+        out.stride(0),
+        SUM_SLOTS=counters is not None,
+        SHARED=min(chunks, 1),
+        EVEN_K=inter % tiles.block_k == 0 and k_chunk % tiles.block_k == 0 and k_chunk * max(chunks, 1) == n_shared,
         FP8=is_fp8,
         **_launch_args(tiles, h),
     )
-    return y
+    return out if counters is not None else sum_slots(y, T, units)
 
 
 def _bytes(w: torch.Tensor) -> torch.Tensor:
@@ -381,6 +450,7 @@ def moe_experts_gemv(
     shared_down: SharedLinear | None = None,
     down_tiles: ExpertGemvTiles | None = None,
     scales: Fp8ExpertScales | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts (+ the shared expert) as grouped GEMVs (Triton) for T * k <= MAX_GEMV_PAIRS pairs.
     x [T, d_in] (unit stride in d_in), up [E, I, d_in], down [E, d_in, I] (contiguous), topk_weights [T, k]
@@ -388,8 +458,9 @@ def moe_experts_gemv(
     -> sum_k w * down(relu(up(x))^2) (+ shared_down(relu(shared_up(x))^2)) [T, d_in] in x's dtype.
     FP8 experts: up / down float8_e4m3fn with their `scales` (weight-only: the input scales are not used; x and h
     stay in x's dtype), the shared expert as `Fp8Linear`s; `fp8.fp8_moe_experts_ref` without quantize_activations.
-    tiles: both passes' launch shape (None: `ExpertGemvTiles()`, FP8: `EXPERT_GEMV_FP8_TILES`); down_tiles: the
-    down pass's (None: tiles)."""
+    tiles: both passes' launch shape (None: `ExpertGemvTiles()`, FP8: `EXPERT_GEMV_FP8_TILES` for the up pass and
+    `EXPERT_GEMV_FP8_DOWN_TILES` for the down pass); down_tiles: the down pass's (None: tiles, or the FP8 default). counters: persistent zeroed int32 arrival counters (`triton_gemv.check_counters`,
+    >= T * cdiv(d_in, block_n)): the down pass sums the slots itself (2 launches instead of 3); None: `sum_slots`."""
     T, d_in, E, inter, top_k = check_experts_args(x, up, down, topk_weights, topk_ids, scales)
     n_shared = check_shared_args(x, shared_up, shared_down, scales is not None)
     if T * top_k > MAX_GEMV_PAIRS:
@@ -400,14 +471,13 @@ def moe_experts_gemv(
     if T == 0:
         return torch.empty(0, d_in, dtype=x.dtype, device=x.device)
     t = tiles or (ExpertGemvTiles() if scales is None else EXPERT_GEMV_FP8_TILES)
-    slots = top_k + (1 if n_shared else 0)  # per token: k routed slots, then the shared one
+    dt = down_tiles or (EXPERT_GEMV_FP8_DOWN_TILES if scales is not None and tiles is None else t)
     ids = topk_ids.reshape(-1).contiguous()
     su, su_scale = _weight_and_scale(shared_up if n_shared else None)
     sd, sd_scale = _weight_and_scale(shared_down if n_shared else None)
     h = expert_up_pass(x, up, ids, top_k, t, su, None if scales is None else scales.up, su_scale)
     w = topk_weights.to(torch.float32).reshape(-1).contiguous()
-    y = expert_down_pass(h, down, ids, w, top_k, down_tiles or t, sd, None if scales is None else scales.down, sd_scale)
-    return sum_slots(y, T, slots)
+    return expert_down_pass(h, down, ids, w, top_k, dt, sd, None if scales is None else scales.down, sd_scale, counters)
 
 
 TILED_FP8_W8A8 = True  # FP8 experts above MAX_GEMV_PAIRS: W8A8 e4m3 tensor-core GEMMs (False: weight-only)
@@ -453,14 +523,16 @@ def moe_experts_by_size(
     shared_down: SharedLinear | None = None,
     scales: Fp8ExpertScales | None = None,
     w8a8: bool = TILED_FP8_W8A8,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts (+ the shared expert when shared_up/shared_down are given), Triton, chosen by shape alone: the
     grouped GEMVs above for T * k <= MAX_GEMV_PAIRS (batch-1/2 decode: no alignment launch, no padded rows, the
-    shared expert folded into the same two launches; FP8: weight-only), else `moe_experts_tiled_shared` (FP8: w8a8
-    or weight-only). Same signature and shapes as `moe.moe_experts_ref` (FP8 experts: with `scales`)."""
+    shared expert folded into the same launches; FP8: weight-only; with counters the slot sum too), else
+    `moe_experts_tiled_shared` (FP8: w8a8 or weight-only). Same signature and shapes as `moe.moe_experts_ref` (FP8
+    experts: with `scales`)."""
     shared = dict(shared_up=shared_up, shared_down=shared_down, scales=scales)
     if topk_ids.numel() <= MAX_GEMV_PAIRS:
-        return moe_experts_gemv(x, up, down, topk_weights, topk_ids, **shared)
+        return moe_experts_gemv(x, up, down, topk_weights, topk_ids, **shared, counters=counters)
     return moe_experts_tiled_shared(x, up, down, topk_weights, topk_ids, **shared, w8a8=w8a8)
 
 
@@ -478,9 +550,10 @@ def fp8_moe_experts(
     shared_up: Fp8Linear | None = None,
     shared_down: Fp8Linear | None = None,
     w8a8: bool = TILED_FP8_W8A8,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The bundle's FP8 experts op in `fp8.fp8_moe_experts_ref`'s signature (up_scale / down_scale [E], the input
-    scales one element each): `moe_experts_by_size` with those scales. Its oracle is the reference weight-only
+    scales one element each): `moe_experts_by_size` with those scales (and counters). Its oracle is the reference weight-only
     for T * k <= MAX_GEMV_PAIRS, else with quantize_activations = w8a8 (the shared expert then W8A8 for T > 1)."""
     fp8.check_fp8_experts_args(x, up, down, up_scale, down_scale, up_input_scale, down_input_scale, topk_ids)
     scales = Fp8ExpertScales(
@@ -490,5 +563,14 @@ def fp8_moe_experts(
         down_input_scale.float().reshape(1),
     )
     return moe_experts_by_size(
-        x, up, down, topk_weights, topk_ids, shared_up=shared_up, shared_down=shared_down, scales=scales, w8a8=w8a8
+        x,
+        up,
+        down,
+        topk_weights,
+        topk_ids,
+        shared_up=shared_up,
+        shared_down=shared_down,
+        scales=scales,
+        w8a8=w8a8,
+        counters=counters,
     )
