@@ -1,6 +1,5 @@
-"""Persistent arrival counters: the split-K GEMV, the multi-program router and the batch-1 grouped GEMVs' slot sum
-share one zeroed int32 buffer (the triton bundle's `ArrivalCounters`), each launch leaves it zeroed, so no launch needs
-a counter memset."""
+"""Persistent arrival counters: the split-K GEMV and the multi-program router share one zeroed int32 buffer (the
+triton bundle's `ArrivalCounters`), each launch leaves it zeroed, so no launch needs a counter memset."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from service.engine.kernels.triton_backend import ARRIVAL_COUNTER_SLOTS, Arrival
 from service.engine.kernels.triton_common import TARGET_PROGRAMS
 from service.engine.kernels.triton_gemv import gemv, linear
 from service.engine.kernels.triton_moe_route import moe_route, moe_route_tiled
-from tests.kernels.triton_test_util import DEVICE, gpu, moe_inputs, needs_cuda
+from tests.kernels.triton_test_util import DEVICE, gpu, needs_cuda
 
 ROUTE_TILES = RouteTiles("fma", 4, 16, 16, 2, 2)  # T=7, E=64, d=100: 2 token blocks x 16 arrivals
 GEMV_TILES = GemvTiles(8, 32, 4, True, 3)  # N=50, K=300: 7 column blocks x 3 splits
@@ -118,21 +117,6 @@ def test_bundle_routes_and_gemvs_use_its_counters(monkeypatch):
     assert buf.shape == (ARRIVAL_COUNTER_SLOTS,) and buf.dtype == torch.int32 and not buf.any()
 
 
-def test_bundle_experts_ops_use_its_counters(monkeypatch):
-    """The bundle's batch-1/2 experts ops (BF16 and FP8) pass its buffer: the grouped GEMVs' down pass sums the
-    slots with it (the result the reference's, the buffer left zero)."""
-    from service.engine.kernels import triton_moe_gemv
-
-    counters = ArrivalCounters()
-    k = triton_kernels(counters)
-    seen = []
-    monkeypatch.setattr(triton_moe_gemv, "fp8_moe_experts", lambda *a, **kw: seen.append(kw["counters"]))
-    x, up, down, w, ids = moe_inputs(1, E=4, k=2, d=24, inter=20, dtype=torch.float32, seed=5)
-    torch.testing.assert_close(k.moe_experts(x, up, down, w, ids), moe.moe_experts_ref(x, up, down, w, ids))
-    k.fp8_moe_experts(x, up, down, w, ids)
-    assert seen == [counters.on(DEVICE)] and not counters.on(DEVICE).any()
-
-
 def test_counter_slots_cover_the_bundle_grids():
     """The sizing in ArrivalCounters' docstring: default GEMV tiles split K only with <= TARGET_PROGRAMS // 2
     column blocks; the router's token blocks fit for T up to 2^20."""
@@ -147,8 +131,8 @@ def test_counter_slots_cover_the_bundle_grids():
 @gpu
 @needs_cuda
 def test_shared_counters_in_cuda_graph():
-    """Two router launches, two split-K GEMVs and the grouped GEMVs of an MoE layer (a dependent chain, PDL on
-    Hopper) share the bundle's buffer in one CUDA graph: every replay on new inputs equals the eager chain bit for bit; the buffer stays zero. Creating
+    """Two router launches and two split-K GEMVs (a dependent chain, PDL on Hopper) share the bundle's buffer in
+    one CUDA graph: every replay on new inputs equals the eager chain bit for bit; the buffer stays zero. Creating
     the buffer inside a capture raises."""
     counters = ArrivalCounters()
     k = triton_kernels(counters)
@@ -157,15 +141,11 @@ def test_shared_counters_in_cuda_graph():
     w2, gate2 = _gemv_inputs(1, 1024, 512, seed=11)[1], _route_inputs(1, 128, 512, seed=12)[1]
     assert default_gemv_tiles(512, 2688).split_k > 1 and default_gemv_tiles(1024, 512).split_k > 1
 
-    _, up, down, _, _ = moe_inputs(1, E=128, k=6, d=2688, inter=64, dtype=torch.float32, seed=16)
-    su, sd = up[0].repeat(2, 1), down[0].repeat(1, 2)  # a shared expert of S = 128: two K chunks of 64
-
     def chain(h):
         r1 = k.moe_route(h, gate, bias, 6, 1, 1, True, 2.5)
         y1 = k.linear(h, w1)
         r2 = k.moe_route(y1, gate2, bias, 6, 8, 4, False, 2.5)
-        m1 = k.moe_experts(h, up, down, *r1, shared_up=su, shared_down=sd)  # the slots summed in the down pass
-        return (*r1, *r2, k.linear(y1, w2), m1)
+        return (*r1, *r2, k.linear(y1, w2))
 
     h = h0.clone()
     chain(h)  # compile and create the buffer outside the capture

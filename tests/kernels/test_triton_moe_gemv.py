@@ -3,6 +3,8 @@ folded into them (and into the reference, vs a plain-torch oracle)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -113,40 +115,18 @@ def test_moe_experts_gemv_tile_knobs(up_tiles, down_tiles):
         assert_close(out, moe.moe_experts_ref(*args, **shared), torch.float32, f"{up_tiles} / {down_tiles}")
 
 
-@pytest.mark.parametrize("T,S,dtype", [(1, 0, torch.float32), (2, 37, torch.float16)])
-def test_moe_experts_gemv_sums_slots_in_the_down_pass(T, S, dtype):
-    """With arrival counters the down pass sums each token's slots itself (no `sum_slots` launch): the reference's
-    result, and the counters it used are zero again, so the same buffer serves the next launch (run twice, the
-    second on other inputs; 4-row tiles: several row blocks per token, the last one ragged)."""
-    counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
-    for seed in (1, 2):
-        args = moe_inputs(T, E=8, k=3, d=42, inter=24, dtype=dtype, seed=seed)
-        shared = _shared_weights(S, 42, dtype, seed=S + seed) if S else {}
-        out = moe_experts_gemv(*args, ExpertGemvTiles(4, 32, 2), **shared, counters=counters)
-        assert out.shape == (T, 42) and out.dtype == dtype
-        assert_close(out, moe.moe_experts_ref(*args, **shared), dtype, f"summed in the down pass, seed {seed}")
-        assert_close(out, moe_experts_gemv(*args, ExpertGemvTiles(4, 32, 2), **shared), dtype, "vs sum_slots")
-        assert not counters.any()
-    with pytest.raises(ValueError, match="counters needs"):  # T * cdiv(42, 4) = 22 counters for T = 2
-        moe_experts_gemv(
-            *moe_inputs(2, 8, 3, 42, 24, torch.float32, 0), ExpertGemvTiles(4, 32, 2), counters=counters[:21]
-        )
-
-
 @pytest.mark.parametrize("chunks,S", [(2, 48), (3, 37)])
 def test_moe_experts_gemv_shared_expert_in_k_chunks(chunks, S):
     """The down pass with the shared expert's K cut into chunks (each its own unit, summed with the routed slots):
-    the reference's result, K chunks even (2 x 24) and ragged (37 = 13 + 13 + 11), with `sum_slots` and summed in
-    the down pass."""
+    the reference's result, K chunks even (2 x 24, each of 2 steps of 16 with the last masked) and ragged
+    (37 = 13 + 13 + 11); without a shared expert the knob changes nothing."""
     args = moe_inputs(2, E=8, k=3, d=40, inter=24, dtype=torch.float32, seed=S)
     shared = _shared_weights(S, 40, torch.float32, seed=chunks)
-    ref = moe.moe_experts_ref(*args, **shared)
     down = ExpertGemvTiles(4, 16, 2, shared_chunks=chunks)
-    assert_close(moe_experts_gemv(*args, ExpertGemvTiles(4, 16, 2), down_tiles=down, **shared), ref, torch.float32, "")
-    counters = torch.zeros(2 * 10, dtype=torch.int32, device=DEVICE)
-    out = moe_experts_gemv(*args, ExpertGemvTiles(4, 16, 2), down_tiles=down, **shared, counters=counters)
-    assert_close(out, ref, torch.float32, "summed in the down pass")
-    assert not counters.any()
+    out = moe_experts_gemv(*args, ExpertGemvTiles(4, 16, 2), down_tiles=down, **shared)
+    assert_close(out, moe.moe_experts_ref(*args, **shared), torch.float32, f"shared expert in {chunks} K chunks")
+    routed = moe_experts_gemv(*args, ExpertGemvTiles(4, 16, 2), down_tiles=down)
+    assert torch.equal(routed, moe_experts_gemv(*args, ExpertGemvTiles(4, 16, 2)))
 
 
 def test_expert_gemv_tiles_rejects_bad_knobs():
@@ -208,7 +188,6 @@ def test_moe_experts_gemv_gpu_nano(T, tiles, with_shared):
     shared = _shared_weights(3712, 2688, torch.bfloat16, seed=T + 10) if with_shared else {}
     ref = moe.moe_experts_ref(*args, **shared)
     assert_close(moe_experts_gemv(*args, tiles, **shared), ref, torch.bfloat16, f"gemv {tiles} shared={with_shared}")
-    counters = torch.zeros(T * 2688, dtype=torch.int32, device=DEVICE)
-    out = moe_experts_gemv(*args, tiles, **shared, counters=counters)
-    assert_close(out, ref, torch.bfloat16, f"gemv {tiles} shared={with_shared}, slots summed in the down pass")
-    assert not counters.any()
+    chunked = dataclasses.replace(tiles, shared_chunks=2)
+    out = moe_experts_gemv(*args, tiles, down_tiles=chunked, **shared)
+    assert_close(out, ref, torch.bfloat16, f"gemv {tiles} shared={with_shared}, shared expert in 2 K chunks")

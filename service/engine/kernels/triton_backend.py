@@ -14,9 +14,8 @@ Triton ops:  ssd_varlen, selective_state_update, selective_state_update_slots_ra
              fp8_linear (triton_fp8.fp8_linear: the FP8 GEMV for single-row decode linears, else
              torch._scaled_mm on FP8 tensor cores), fp8_moe_experts (triton_moe_gemv.fp8_moe_experts: FP8
              grouped GEMVs with the shared expert for <= 16 pairs, else triton_moe's grouped GEMMs, W8A8).
-moe_route, moe_experts, fp8_moe_experts, linear, fp8_linear and the norm + linear ops are bound to the bundle's
-`ArrivalCounters` (one persistent zeroed counter buffer per device for the multi-program router, the split-K GEMVs and
-the grouped GEMVs' slot sums: no memset per launch).
+moe_route, linear, fp8_linear and the norm + linear ops are bound to the bundle's `ArrivalCounters` (one persistent zeroed
+counter buffer per device for the multi-program router and split-K GEMVs: no memset per launch).
 Torch references used on purpose (each a single gather/scatter, no Python loop):
              conv_windows = conv1d.conv_state_windows_ref.
 There is no runtime fallback: every field is fixed here.
@@ -45,7 +44,6 @@ from service.engine.kernels import (
     triton_norm_gemv,
     triton_ssd,
 )
-from service.engine.kernels.fp8 import Fp8Linear
 
 # fields that hold the torch reference
 TORCH_REFERENCE_OPS = ("conv_windows", "linear_weight_layout", "moe_weight_layout")
@@ -60,24 +58,22 @@ def _capturing(device: torch.device) -> bool:
 
 class ArrivalCounters:
     """The triton bundle's persistent arrival counters: one zero-initialised int32 buffer of `slots` elements per
-    device, shared by every split-K GEMV (`linear`, the norm + linear ops), grouped-GEMV down pass (`moe_experts`,
-    `fp8_moe_experts` at batch 1-2: the slot sum) and multi-program router (`moe_route`) the bundle launches, so that no launch zero-fills a fresh counter buffer (in a CUDA graph a memset node per
+    device, shared by every split-K GEMV (`linear`, the norm + linear ops) and multi-program router (`moe_route`)
+    the bundle launches, so that no launch zero-fills a fresh counter buffer (in a CUDA graph a memset node per
     launch, which also breaks the programmatic-dependent-launch chain between the Triton kernels).
 
     Invariant (why one buffer serves every launch): (1) the launches that use it are serialised: one stream, or
     streams ordered by wait_stream/events (the decode graphs warm up on a side stream ordered with the main one);
     launches running concurrently on unordered streams would mix their counts. (2) Every launch leaves the counters
     it touched at 0: the last arrival on each counter stores 0 after its reduction (`triton_gemv._gemv_kernel`,
-    `triton_norm_gemv._norm_gemv_kernel`, `triton_moe_route._moe_route_kernel`, `triton_moe_gemv._expert_down_kernel`).
-    (3) A PDL successor bumps counters only after its `pdl_wait` (the GEMVs wait before loading x, the router waits
-    first thing, the down pass before loading h), which returns once
+    `triton_norm_gemv._norm_gemv_kernel`, `triton_moe_route._moe_route_kernel`). (3) A PDL successor bumps counters
+    only after its `pdl_wait` (the GEMVs wait before loading x, the router waits first thing), which returns once
     the predecessor has finished and its writes, the 0 stores included, are visible. So every launch finds its
     counters at 0.
     Sizing: the buffer must cover the largest grid it serves; the launchers check it and raise ValueError when a
     launch needs more counters. The bundle's GEMVs take default tiles, which split K only with <= TARGET_PROGRAMS //
     2 column blocks (one counter each); the router has one counter per token block and >= 16 tokens per block above
-    T = 8 (`route_tiles`): ARRIVAL_COUNTER_SLOTS covers 2^20 tokens per call; the down pass one per (token, row
-    block), <= MAX_GEMV_PAIRS * cdiv(d_in, block_n).
+    T = 8 (`route_tiles`): ARRIVAL_COUNTER_SLOTS covers 2^20 tokens per call.
     The buffer is created on its device's first use, which must be eager (the decode graphs warm up eagerly before
     capturing, runner/cuda_graph.py): created inside a capture it would live in the graph's pool and be zeroed by a
     graph node, so that raises RuntimeError."""
@@ -115,24 +111,6 @@ class ArrivalCounters:
     ) -> torch.Tensor:
         """`triton_fp8.fp8_linear` with these counters."""
         return triton_fp8.fp8_linear(x, weight, weight_scale, input_scale, bias, counters=self.on(x.device))
-
-    def moe_experts(
-        self,
-        x: torch.Tensor,
-        up: torch.Tensor,
-        down: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-        **shared: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """`triton_moe_gemv.moe_experts_by_size` with these counters (the grouped GEMVs sum the slots themselves)."""
-        counters = self.on(x.device)
-        return triton_moe_gemv.moe_experts_by_size(x, up, down, topk_weights, topk_ids, **shared, counters=counters)
-
-    def fp8_moe_experts(self, x: torch.Tensor, *args: torch.Tensor, **shared: Fp8Linear | None) -> torch.Tensor:
-        """`triton_moe_gemv.fp8_moe_experts` (its signature: x, the experts, their scales, the routing) with these
-        counters."""
-        return triton_moe_gemv.fp8_moe_experts(x, *args, **shared, counters=self.on(x.device))
 
     def moe_route(
         self,
@@ -205,7 +183,7 @@ def triton_kernels(counters: ArrivalCounters | None = None, fuse_norm_linear: bo
         write_kv=triton_kv.write_kv,
         paged_attention=triton_attention.paged_attention,
         moe_route=counters.moe_route,
-        moe_experts=counters.moe_experts,
+        moe_experts=triton_moe_gemv.moe_experts_by_size,
         rms_norm=triton_norm.rms_norm,
         add_rms_norm=triton_norm.add_rms_norm,
         gated_rms_norm=triton_norm.gated_group_rms_norm,
@@ -214,7 +192,7 @@ def triton_kernels(counters: ArrivalCounters | None = None, fuse_norm_linear: bo
         add_rms_norm_linear=counters.add_rms_norm_linear,
         gated_norm_linear=counters.gated_norm_linear,
         fp8_linear=counters.fp8_linear,
-        fp8_moe_experts=counters.fp8_moe_experts,
+        fp8_moe_experts=triton_moe_gemv.fp8_moe_experts,
         linear_weight_layout=linear.linear_weight_layout_ref,
         moe_weight_layout=moe.moe_weight_layout_ref,
     )

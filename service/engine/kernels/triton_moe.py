@@ -18,11 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
-from service.engine.kernels import fp8
+from service.engine.kernels import fp8, moe
+from service.engine.kernels.fp8 import Fp8Linear
 from service.engine.kernels.tiles import MoeTiles, default_tiles
 from service.engine.kernels.triton_common import (
     block_dim,
     check_dim,
+    check_dtype,
     check_inner_contiguous,
     check_same_device,
     check_shape,
@@ -374,3 +376,38 @@ def check_experts_args(
         raise ValueError("up and down expert weights must be contiguous")
     check_same_device(x=x, up=up, down=down, topk_weights=topk_weights, topk_ids=topk_ids)
     return T, d_in, E, inter, topk_ids.shape[1]
+
+
+SharedLinear = torch.Tensor | Fp8Linear  # a shared-expert matrix: x's dtype with BF16 experts, FP8 with FP8 ones
+
+
+def check_shared_args(
+    x: torch.Tensor, shared_up: SharedLinear | None, shared_down: SharedLinear | None, is_fp8: bool = False
+) -> int:
+    """The optional shared expert of the Triton routed-experts ops, both or neither: with experts in x's dtype
+    tensors (`moe.check_shared_expert`: shared_up [S, d_in], shared_down [d_in, S]; x's dtype), with FP8 experts
+    (is_fp8) `Fp8Linear`s (`fp8.check_fp8_shared`); contiguous weights on x's device. Returns S (0: none)."""
+    if any(m is not None and isinstance(m, Fp8Linear) != is_fp8 for m in (shared_up, shared_down)):
+        want = "Fp8Linear" if is_fp8 else f"{x.dtype} tensors"
+        raise ValueError(f"the shared expert of {'FP8' if is_fp8 else x.dtype} experts must be {want}")
+    if is_fp8:
+        n_shared = fp8.check_fp8_shared(x, shared_up, shared_down)
+        ups, downs = (shared_up.weight, shared_down.weight) if n_shared else (None, None)
+    else:
+        n_shared, ups, downs = moe.check_shared_expert(x, shared_up, shared_down), shared_up, shared_down
+        if n_shared:
+            check_dtype("shared_up", ups, (x.dtype,))
+            check_dtype("shared_down", downs, (x.dtype,))
+    if not n_shared:
+        return 0
+    if not (ups.is_contiguous() and downs.is_contiguous()):
+        raise ValueError("shared_up and shared_down must be contiguous")
+    check_same_device(x=x, shared_up=ups, shared_down=downs)
+    return n_shared
+
+
+def shared_weight_and_scale(m: SharedLinear | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A shared-expert matrix as the kernels take it: (weight, fp32 one-element scale) for FP8, (weight, None)."""
+    if isinstance(m, Fp8Linear):
+        return m.weight, m.weight_scale.float().reshape(1)
+    return m, None

@@ -15,9 +15,9 @@ Each program keeps fp32 partial products in a [BLOCK_N, BLOCK_K] register tile w
 before this step's FMAs (`triton_gemv.dot_tiles`, one reduction at the end; `ExpertGemvTiles.depth` / `.stages` are
 tuning knobs for more tiles in flight, off by default; `.mma` > 0 runs the same products on tensor cores,
 `triton_gemv.mma_tiles`, the default for FP8 experts). `triton_moe.sum_slots` then sums each token's units in fp32
-with one rounding: one MoE layer with its shared expert is route + up + down + sum = 4 launches at batch 1; with
-persistent arrival counters (the triton bundle's) the down pass's last program per (token, row block) sums them
-instead (`_arrive_and_sum_slots`): 3 launches. PDL launches on Hopper+ (triton_common).
+with one rounding: one MoE layer with its shared expert is route + up + down + sum = 4 launches at batch 1 (summing
+in the down pass's last program per row block, behind an arrival counter, measured slower on H200). PDL launches
+on Hopper+ (triton_common).
 FP8 experts (float8_e4m3fn, fp32 per-expert weight scales; the shared expert's per-tensor): the same kernels with FP8
 set read the weight bytes, make them fp32 in registers (`triton_gemv.weight_f32`) and multiply each row sum by its
 matrix's scale; x and h stay in x's dtype (weight-only, as `fp8.fp8_moe_experts_ref` without quantize_activations).
@@ -33,13 +33,20 @@ import torch
 import triton
 import triton.language as tl
 
-from service.engine.kernels import fp8, moe, triton_fp8, triton_gemv, triton_moe
+from service.engine.kernels import fp8, triton_fp8, triton_gemv, triton_moe
 from service.engine.kernels.fp8 import Fp8Linear
 from service.engine.kernels.tiles import EXPERT_GEMV_FP8_DOWN_TILES, EXPERT_GEMV_FP8_TILES, ExpertGemvTiles
 from service.engine.kernels.triton_activation import relu2
-from service.engine.kernels.triton_common import check_dtype, check_same_device, pdl_args, pdl_release, pdl_wait
-from service.engine.kernels.triton_gemv import _load_w, _load_x, check_counters, dot_tiles, mma_tiles, weight_f32
-from service.engine.kernels.triton_moe import Fp8ExpertScales, check_experts_args, sum_slots
+from service.engine.kernels.triton_common import pdl_args, pdl_release, pdl_wait
+from service.engine.kernels.triton_gemv import _load_w, _load_x, dot_tiles, mma_tiles, weight_f32
+from service.engine.kernels.triton_moe import (
+    Fp8ExpertScales,
+    SharedLinear,
+    check_experts_args,
+    check_shared_args,
+    shared_weight_and_scale,
+    sum_slots,
+)
 
 MAX_GEMV_PAIRS = 16  # (token, slot) pairs up to which `moe_experts_gemv` accepts a batch
 
@@ -185,25 +192,8 @@ def _expert_up_kernel(
 
 
 @triton.jit
-def _arrive_and_sum_slots(count_ptr, t, j, offs_n, mask, y_ptr, out_ptr, s_y, s_out, nb_out, units):
-    """The down pass's slot sum, after this program stored its unit's rows offs_n of y: bump the arrival counter of
-    (token t, row block j); the last of the token's `units` programs to arrive adds their y rows in fp32 in unit
-    order into out (x's dtype, one rounding, as `triton_moe.sum_slots`) and sets the counter back to 0 (the
-    persistent buffer stays zeroed). Bumped after the K loop, so after `pdl_wait` (`triton_gemv.arrive_and_reduce`)."""
-    tl.debug_barrier()  # every thread's y stores are issued before the arrival
-    arrived = tl.atomic_add(count_ptr + t * nb_out + j, 1, sem="acq_rel", scope="gpu")
-    if arrived == units - 1:
-        tot = tl.zeros_like(offs_n).to(tl.float32)
-        for s in range(units):
-            row = y_ptr + (t * units + s) * s_y
-            tot += tl.load(row + offs_n, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        tl.store(out_ptr + t * s_out + offs_n, tot.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(count_ptr + t * nb_out + j, 0)
-
-
-@triton.jit
 def _down_unit(u, ids_ptr, w_ptr, w_shared_ptr, s_w_e, top_k, n_routed, n_shared, k_chunk, units, SHARED: tl.constexpr):
-    """Down-pass unit u of the [T, units] layout (units = k routed slots + the shared slot's K chunks) -> its token t,
+    """Down-pass unit u of the [T, units] layout (units = k routed slots + the shared slot's K chunks) -> its
     h row q (t * slots + slot), routed pair index p (not read for the shared slot), whether it is shared, its expert
     e (0 for the shared slot), the first weight element of its K range, its matrix's row length (I or S), the first
     K index k0 and the K length of its range (I, or one chunk of S)."""
@@ -217,7 +207,7 @@ def _down_unit(u, ids_ptr, w_ptr, w_shared_ptr, s_w_e, top_k, n_routed, n_shared
     w = tl.where(shared, w_shared_ptr, w_ptr + e * s_w_e) + k0
     row_len = tl.where(shared, n_shared, n_routed)
     k_len = tl.where(shared, tl.minimum(k_chunk, n_shared - k0), n_routed)
-    return t.to(tl.int64), t * (top_k + SHARED) + slot, p, shared, e, w, row_len, k0, k_len
+    return t * (top_k + SHARED) + slot, p, shared, e, w, row_len, k0, k_len
 
 
 @triton.jit
@@ -230,8 +220,6 @@ def _expert_down_kernel(
     ids_ptr,
     topk_w_ptr,
     y_ptr,
-    out_ptr,
-    count_ptr,
     top_k,
     n_routed,
     n_shared,
@@ -242,8 +230,6 @@ def _expert_down_kernel(
     s_h,
     s_w_e,
     s_y,
-    s_out,
-    SUM_SLOTS: tl.constexpr,
     SHARED: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -256,14 +242,12 @@ def _expert_down_kernel(
 ):
     """y[u] = w_q * W_q[:, K range] h[q, K range] for unit u (`_down_unit`: a routed slot with its routing weight, or
     one K chunk of the shared slot, weight 1); program -> (u, row block j), each unit's blocks consecutive.
-    SUM_SLOTS: the last program of each (token, row block) also writes out[t] = the sum of the token's units
-    (`_arrive_and_sum_slots`).
     PDL: the ids are read and the first weight tile loaded before the wait (the ids were written before the up
     pass started, and a PDL kernel releases its successor only after its own wait: so they are final here);
     h, the up pass's output, after it."""
     u = tl.program_id(0) // nb_out
     j = tl.program_id(0) - u * nb_out
-    t, q, p, shared, e, w, row_len, k0, K = _down_unit(
+    q, p, shared, e, w, row_len, k0, K = _down_unit(
         u, ids_ptr, w_ptr, w_shared_ptr, s_w_e, top_k, n_routed, n_shared, k_chunk, units, SHARED
     )
     offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -275,43 +259,6 @@ def _expert_down_kernel(
     r = r * tl.load(topk_w_ptr + p, mask=~shared, other=1.0).to(tl.float32)
     u = u.to(tl.int64)
     tl.store(y_ptr + u * s_y + offs_n, r.to(y_ptr.dtype.element_ty), mask=offs_n < n_out)
-    if SUM_SLOTS:
-        _arrive_and_sum_slots(count_ptr, t, j, offs_n, offs_n < n_out, y_ptr, out_ptr, s_y, s_out, nb_out, units)
-
-
-SharedLinear = torch.Tensor | Fp8Linear  # a shared-expert matrix: x's dtype with BF16 experts, FP8 with FP8 ones
-
-
-def check_shared_args(
-    x: torch.Tensor, shared_up: SharedLinear | None, shared_down: SharedLinear | None, is_fp8: bool = False
-) -> int:
-    """The optional shared expert of the Triton routed-experts ops, both or neither: with experts in x's dtype
-    tensors (`moe.check_shared_expert`: shared_up [S, d_in], shared_down [d_in, S]; x's dtype), with FP8 experts
-    (is_fp8) `Fp8Linear`s (`fp8.check_fp8_shared`); contiguous weights on x's device. Returns S (0: none)."""
-    if any(m is not None and isinstance(m, Fp8Linear) != is_fp8 for m in (shared_up, shared_down)):
-        want = "Fp8Linear" if is_fp8 else f"{x.dtype} tensors"
-        raise ValueError(f"the shared expert of {'FP8' if is_fp8 else x.dtype} experts must be {want}")
-    if is_fp8:
-        n_shared = fp8.check_fp8_shared(x, shared_up, shared_down)
-        ups, downs = (shared_up.weight, shared_down.weight) if n_shared else (None, None)
-    else:
-        n_shared, ups, downs = moe.check_shared_expert(x, shared_up, shared_down), shared_up, shared_down
-        if n_shared:
-            check_dtype("shared_up", ups, (x.dtype,))
-            check_dtype("shared_down", downs, (x.dtype,))
-    if not n_shared:
-        return 0
-    if not (ups.is_contiguous() and downs.is_contiguous()):
-        raise ValueError("shared_up and shared_down must be contiguous")
-    check_same_device(x=x, shared_up=ups, shared_down=downs)
-    return n_shared
-
-
-def _weight_and_scale(m: SharedLinear | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """A shared-expert matrix as the kernels take it: (weight, fp32 one-element scale) for FP8, (weight, None)."""
-    if isinstance(m, Fp8Linear):
-        return m.weight, m.weight_scale.float().reshape(1)
-    return m, None
 
 
 def _launch_args(t: ExpertGemvTiles, like: torch.Tensor) -> dict:
@@ -381,15 +328,12 @@ def expert_down_pass(
     shared_down: torch.Tensor | None = None,
     scale: torch.Tensor | None = None,
     shared_scale: torch.Tensor | None = None,
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The down pass of `moe_experts_gemv` and the slot sum: h [T * slots, >= max(I, S)] from `expert_up_pass`, down
+    """The down pass of `moe_experts_gemv` and the slot sum (`sum_slots`): h [T * slots, >= max(I, S)] from `expert_up_pass`, down
     [E, d_in, I], ids [T * k], weights [T * k] fp32 contiguous, shared_down [d_in, S] or None -> [T, d_in], row t =
     the sum over t's slots q of the routing weight (1 for the shared slot) times W_q h[q]. The shared slot's K is
     cut into `tiles.shared_chunks` chunks, each a unit like a routed slot (units rounded to x's dtype, then added in
-    fp32 with one rounding, as `sum_slots`). FP8 down / shared_down: scale [E], shared_scale.
-    counters (persistent int32 zeros, >= T * cdiv(d_in, block_n), left zeroed): the units are summed in the same
-    launch; None: by `sum_slots`."""
+    fp32 with one rounding by `sum_slots`). FP8 down / shared_down: scale [E], shared_scale."""
     d_in, inter = down.shape[1], down.shape[2]
     n_shared = 0 if shared_down is None else shared_down.shape[1]
     chunks = tiles.shared_chunks if n_shared else 0
@@ -397,10 +341,6 @@ def expert_down_pass(
     k_chunk = triton.cdiv(n_shared, max(chunks, 1))
     y = torch.empty(T * units, d_in, dtype=h.dtype, device=h.device)
     nb_out = triton.cdiv(d_in, tiles.block_n)
-    out = y
-    if counters is not None:
-        check_counters(counters, h, T * nb_out)
-        out = torch.empty(T, d_in, dtype=h.dtype, device=h.device)
     is_fp8 = down.dtype == fp8.FP8_DTYPE
     _expert_down_kernel[(T * units * nb_out,)](
         h,
@@ -411,8 +351,6 @@ def expert_down_pass(
         ids,
         weights,
         y,
-        out,
-        y if counters is None else counters,
         top_k,
         inter,
         n_shared,
@@ -423,14 +361,12 @@ def expert_down_pass(
         h.stride(0),
         down.stride(0),
         y.stride(0),
-        out.stride(0),
-        SUM_SLOTS=counters is not None,
         SHARED=min(chunks, 1),
         EVEN_K=inter % tiles.block_k == 0 and k_chunk % tiles.block_k == 0 and k_chunk * max(chunks, 1) == n_shared,
         FP8=is_fp8,
         **_launch_args(tiles, h),
     )
-    return out if counters is not None else sum_slots(y, T, units)
+    return sum_slots(y, T, units)
 
 
 def _bytes(w: torch.Tensor) -> torch.Tensor:
@@ -450,7 +386,6 @@ def moe_experts_gemv(
     shared_down: SharedLinear | None = None,
     down_tiles: ExpertGemvTiles | None = None,
     scales: Fp8ExpertScales | None = None,
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts (+ the shared expert) as grouped GEMVs (Triton) for T * k <= MAX_GEMV_PAIRS pairs.
     x [T, d_in] (unit stride in d_in), up [E, I, d_in], down [E, d_in, I] (contiguous), topk_weights [T, k]
@@ -459,8 +394,8 @@ def moe_experts_gemv(
     FP8 experts: up / down float8_e4m3fn with their `scales` (weight-only: the input scales are not used; x and h
     stay in x's dtype), the shared expert as `Fp8Linear`s; `fp8.fp8_moe_experts_ref` without quantize_activations.
     tiles: both passes' launch shape (None: `ExpertGemvTiles()`, FP8: `EXPERT_GEMV_FP8_TILES` for the up pass and
-    `EXPERT_GEMV_FP8_DOWN_TILES` for the down pass); down_tiles: the down pass's (None: tiles, or the FP8 default). counters: persistent zeroed int32 arrival counters (`triton_gemv.check_counters`,
-    >= T * cdiv(d_in, block_n)): the down pass sums the slots itself (2 launches instead of 3); None: `sum_slots`."""
+    `EXPERT_GEMV_FP8_DOWN_TILES` for the down pass); down_tiles: the down pass's (None: tiles, or the FP8
+    default)."""
     T, d_in, E, inter, top_k = check_experts_args(x, up, down, topk_weights, topk_ids, scales)
     n_shared = check_shared_args(x, shared_up, shared_down, scales is not None)
     if T * top_k > MAX_GEMV_PAIRS:
@@ -473,11 +408,11 @@ def moe_experts_gemv(
     t = tiles or (ExpertGemvTiles() if scales is None else EXPERT_GEMV_FP8_TILES)
     dt = down_tiles or (EXPERT_GEMV_FP8_DOWN_TILES if scales is not None and tiles is None else t)
     ids = topk_ids.reshape(-1).contiguous()
-    su, su_scale = _weight_and_scale(shared_up if n_shared else None)
-    sd, sd_scale = _weight_and_scale(shared_down if n_shared else None)
+    su, su_scale = shared_weight_and_scale(shared_up if n_shared else None)
+    sd, sd_scale = shared_weight_and_scale(shared_down if n_shared else None)
     h = expert_up_pass(x, up, ids, top_k, t, su, None if scales is None else scales.up, su_scale)
     w = topk_weights.to(torch.float32).reshape(-1).contiguous()
-    return expert_down_pass(h, down, ids, w, top_k, dt, sd, None if scales is None else scales.down, sd_scale, counters)
+    return expert_down_pass(h, down, ids, w, top_k, dt, sd, None if scales is None else scales.down, sd_scale)
 
 
 TILED_FP8_W8A8 = True  # FP8 experts above MAX_GEMV_PAIRS: W8A8 e4m3 tensor-core GEMMs (False: weight-only)
@@ -523,16 +458,15 @@ def moe_experts_by_size(
     shared_down: SharedLinear | None = None,
     scales: Fp8ExpertScales | None = None,
     w8a8: bool = TILED_FP8_W8A8,
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts (+ the shared expert when shared_up/shared_down are given), Triton, chosen by shape alone: the
     grouped GEMVs above for T * k <= MAX_GEMV_PAIRS (batch-1/2 decode: no alignment launch, no padded rows, the
-    shared expert folded into the same launches; FP8: weight-only; with counters the slot sum too), else
+    shared expert folded into the same launches; FP8: weight-only), else
     `moe_experts_tiled_shared` (FP8: w8a8 or weight-only). Same signature and shapes as `moe.moe_experts_ref` (FP8
     experts: with `scales`)."""
     shared = dict(shared_up=shared_up, shared_down=shared_down, scales=scales)
     if topk_ids.numel() <= MAX_GEMV_PAIRS:
-        return moe_experts_gemv(x, up, down, topk_weights, topk_ids, **shared, counters=counters)
+        return moe_experts_gemv(x, up, down, topk_weights, topk_ids, **shared)
     return moe_experts_tiled_shared(x, up, down, topk_weights, topk_ids, **shared, w8a8=w8a8)
 
 
@@ -550,10 +484,9 @@ def fp8_moe_experts(
     shared_up: Fp8Linear | None = None,
     shared_down: Fp8Linear | None = None,
     w8a8: bool = TILED_FP8_W8A8,
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The bundle's FP8 experts op in `fp8.fp8_moe_experts_ref`'s signature (up_scale / down_scale [E], the input
-    scales one element each): `moe_experts_by_size` with those scales (and counters). Its oracle is the reference weight-only
+    scales one element each): `moe_experts_by_size` with those scales. Its oracle is the reference weight-only
     for T * k <= MAX_GEMV_PAIRS, else with quantize_activations = w8a8 (the shared expert then W8A8 for T > 1)."""
     fp8.check_fp8_experts_args(x, up, down, up_scale, down_scale, up_input_scale, down_input_scale, topk_ids)
     scales = Fp8ExpertScales(
@@ -572,5 +505,4 @@ def fp8_moe_experts(
         shared_down=shared_down,
         scales=scales,
         w8a8=w8a8,
-        counters=counters,
     )
