@@ -161,13 +161,19 @@ def _fp8_gemv_variants(variants: tuple[GemvTiles, ...]) -> tuple[GemvTiles, ...]
 
 
 # The FP8 defaults of Nano's FP8 linears (mamba in_proj, out_proj), in CUDA-graph chains on H200
-# (benchmarks/fp8_decode_sweep.py): in_proj 10.7 us (2.6 TB/s) against 15.1 us for (8, 512, 4), out_proj 5.4 us
-# against 7.4 us for (4, 1024, 4); without the register prefetch both.
-_FP8_GEMV_DEFAULTS = {(10304, 2688): GemvTiles(8, 256, 4, False), (2688, 4096): GemvTiles(8, 1024, 4, False)}
+# (benchmarks/fp8_decode_sweep.py): in_proj 10.5 us (2.6 TB/s) against 15.0 us for (8, 512, 4), out_proj 5.3 us
+# against 7.3 us for (4, 1024, 4); FMA tiles without the register prefetch (tensor-core and split-K tiles: slower).
+_FP8_GEMV_DEFAULTS = {(10304, 2688): GemvTiles(4, 256, 2, False), (2688, 4096): GemvTiles(4, 1024, 2, False)}
+_FP8_GEMV_NEXT = {(10304, 2688): GemvTiles(8, 256, 4, False), (2688, 4096): GemvTiles(8, 1024, 4, False)}
 # Launch shapes the `gemv` benchmark compares for FP8 weights (the GPU tests check every one); first = default.
 GEMV_FP8_TILE_VARIANTS = MappingProxyType(
     {
-        shape: tuple(dict.fromkeys(tuple(v for v in [_FP8_GEMV_DEFAULTS.get(shape)] if v) + _fp8_gemv_variants(vs)))
+        shape: tuple(
+            dict.fromkeys(
+                tuple(v for v in (_FP8_GEMV_DEFAULTS.get(shape), _FP8_GEMV_NEXT.get(shape)) if v)
+                + _fp8_gemv_variants(vs)
+            )
+        )
         for shape, vs in GEMV_TILE_VARIANTS.items()
     }
 )
@@ -315,17 +321,16 @@ class ExpertGemvTiles:
             raise ValueError(f"tensor-core tiles (mma > 0) need block_n >= 16, got {self}")
 
 
-# FP8 expert weights, (up pass, down pass), the first the default: tensor-core tiles; the down pass with the shared
-# expert's K in two chunks. Nano at batch 1 in CUDA-graph chains on H200 (benchmarks/fp8_decode_sweep.py): up
-# (128, 128, 8, mma 4) 15.4 us, down (64, 128, 4, mma 3, 2 chunks) 15.4 us incl. the slot sum, the layer 31.6 us
-# (2.5 TB/s) against 40.0 us for (64, 128, 4, mma 4) in both passes with the shared expert as one unit (its
-# programs twice as long: the down pass 23.6 us); the FMA tiles (4 rows, 1024 K per step) ~26-29 us per pass.
-# The GPU tests check every pair.
+# FP8 expert weights, (up pass, down pass), the first the default: tensor-core tiles of 64 rows; the down pass with
+# the shared expert's K in two chunks. Nano at batch 1 in CUDA-graph chains on H200 (benchmarks/fp8_decode_sweep.py,
+# two rounds): up 15.5 us (2.6 TB/s), down 15.6 us incl. the slot sum, the layer 32.0 us against 40.2 us for the
+# second pair (the shared expert as one unit: its programs twice as long, the down pass 24.7 us); 128-row up tiles
+# tie (15.5-17.1 us); FMA tiles 16-25 us per pass. The GPU tests check every pair.
 EXPERT_GEMV_FP8_TILE_VARIANTS = (
-    (ExpertGemvTiles(128, 128, 8, mma=4), ExpertGemvTiles(64, 128, 4, mma=3, shared_chunks=2)),
+    (ExpertGemvTiles(64, 128, 4, mma=4), ExpertGemvTiles(64, 128, 4, mma=3, shared_chunks=2)),
     (ExpertGemvTiles(64, 128, 4, mma=4), ExpertGemvTiles(64, 128, 4, mma=4)),
+    (ExpertGemvTiles(128, 128, 8, mma=4), ExpertGemvTiles(64, 128, 4, mma=3, shared_chunks=2)),
     (ExpertGemvTiles(32, 256, 4, mma=4), ExpertGemvTiles(32, 256, 4, mma=4, shared_chunks=2)),
-    (ExpertGemvTiles(64, 128, 4, mma=3), ExpertGemvTiles(32, 128, 4, mma=4, shared_chunks=2)),
 )
 EXPERT_GEMV_FP8_TILES, EXPERT_GEMV_FP8_DOWN_TILES = EXPERT_GEMV_FP8_TILE_VARIANTS[0]
 EXPERT_GEMV_TILE_VARIANTS = (
