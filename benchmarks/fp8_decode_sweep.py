@@ -15,6 +15,7 @@ rows are timed a second time (`Sweep.confirm`) and the mean of the two picks the
 variants of shard i of n (one launch each, no timing) so several processes can fill Triton's cache in parallel.
 
     PYTHONPATH=. python benchmarks/fp8_decode_sweep.py [--only gemv,up,down,moe] [--layers 20] [--out sweep.json]
+CPU smoke run: TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/fp8_decode_sweep.py --tiny --layers 2 --out s.json
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import dataclasses
 import json
 import re
 import statistics
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,8 +39,6 @@ from service.engine.kernels.triton_gemv import gemv
 from service.engine.kernels.triton_moe import Fp8ExpertScales
 from service.engine.kernels.triton_moe_gemv import expert_down_pass, expert_up_pass, moe_experts_gemv
 
-DEV, BF16 = "cuda", torch.bfloat16
-E, TOPK, D, INTER, SHARED = 128, 6, 2688, 1856, 3712
 X = ExpertGemvTiles
 # launch shapes timed beside each shape's default (the first of its GEMV_FP8_TILE_VARIANTS); the FMA tiles without
 # the register prefetch led the first round (tensor-core and split-K tiles were slower at both shapes)
@@ -95,15 +96,66 @@ DOWN_SWEEP = (X(64, 128, 4, mma=3, shared_chunks=2), X(64, 128, 4, mma=4)) + tup
 )
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What one sweep runs: the device, the MoE layer's shapes, x's dtype and the launch shapes of each case."""
+
+    device: str
+    experts: int  # E
+    top_k: int
+    hidden: int  # d
+    inter: int  # I, a routed expert's intermediate size
+    shared: int  # S, the shared expert's
+    dtype: torch.dtype  # x's
+    gemv: dict[tuple[int, int], tuple[G, ...]] = field(hash=False)  # (N, K) -> launch shapes, the first the default
+    up: tuple[X, ...] = ()  # the up pass's launch shapes
+    down: tuple[X, ...] = ()  # the down pass's
+    pairs: tuple[tuple[X, X], ...] = ()  # (up, down) pairs of the whole op, the first the default
+
+
+def nano_plan() -> Plan:
+    gemv_shapes = {shape: GEMV_FP8_TILE_VARIANTS[shape][:1] + extra for shape, extra in GEMV_EXTRA.items()}
+    return Plan(
+        "cuda",
+        128,
+        6,
+        2688,
+        1856,
+        3712,
+        torch.bfloat16,
+        gemv_shapes,
+        UP_SWEEP,
+        DOWN_SWEEP,
+        EXPERT_GEMV_FP8_TILE_VARIANTS,
+    )
+
+
+def tiny_plan() -> Plan:
+    """Shrunken shapes, two or three launch shapes per case (FMA, split-K, tensor cores, shared-expert chunks) for
+    the CPU interpreter (fp32 x: its bf16 dots are off)."""
+    mma, fma = X(16, 32, 4, mma=2), X(4, 32, 2, 1)
+    gemv_shapes = {(40, 64): (G(4, 32, 2), G(8, 32, 2, False, 2), G(16, 32, 4, mma=2))}
+    down = (dataclasses.replace(mma, shared_chunks=2), fma)
+    return Plan("cpu", 8, 2, 64, 48, 96, torch.float32, gemv_shapes, (mma, fma), down, ((mma, down[0]),))
+
+
 def q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w -> (e4m3 weight, fp32 per-tensor scale [1])."""
     s = (w.abs().amax() / FP8_MAX).float().reshape(1)
     return (w / s).to(FP8_DTYPE), s
 
 
-def chain_us(launch: Callable[[int], object], layers: int, reps: int) -> float:
+def chain_us(launch: Callable[[int], object], layers: int, reps: int, device: str) -> float:
     """launch(i) for i < layers captured in one CUDA graph (after an eager pass that compiles), replayed reps times:
-    the median device us per launch."""
+    the median device us per launch. On the CPU (--tiny): the eager launches' median wall us, which only shows that
+    each variant runs."""
+    if device == "cpu":
+        walls = []
+        for i in range(layers):
+            t0 = time.perf_counter()
+            launch(i)
+            walls.append((time.perf_counter() - t0) * 1e6)
+        return statistics.median(walls)
     for i in range(layers):
         launch(i)
     torch.cuda.synchronize()
@@ -136,11 +188,12 @@ class Sweep:
     """Inputs of `layers` layers and the rows timed so far (each: case, variant, us, GB/s, rel err; after `confirm`
     also us2, the same chain timed again, and us_mean)."""
 
-    def __init__(self, layers: int, reps: int, warm_only: bool, shard: tuple[int, int]):
-        self.layers, self.reps, self.warm_only, self.shard = (1 if warm_only else layers), reps, warm_only, shard
+    def __init__(self, plan: Plan, layers: int, reps: int, warm_only: bool, shard: tuple[int, int]):
+        self.plan, self.layers, self.reps = plan, (1 if warm_only else layers), reps
+        self.warm_only, self.shard = warm_only, shard
         self.rows: list[dict] = []
         self.launches: dict[tuple[str, str], Callable[[int], torch.Tensor]] = {}
-        self.counters = torch.zeros(1 << 16, dtype=torch.int32, device=DEV)  # split-K GEMVs, as the bundle's
+        self.counters = torch.zeros(1 << 16, dtype=torch.int32, device=plan.device)  # split-K GEMVs, as the bundle's
         self._n = 0
 
     def mine(self) -> bool:
@@ -163,7 +216,7 @@ class Sweep:
         err = rel(view(launch(0)), view(ref))
         if self.warm_only:
             return
-        us = chain_us(launch, self.layers, self.reps)
+        us = chain_us(launch, self.layers, self.reps, self.plan.device)
         row = dict(case=case, variant=variant, us=round(us, 2), gbs=round(nbytes / us / 1e3), rel_err=f"{err:.1e}")
         row["nbytes"] = nbytes
         self.rows.append(row)
@@ -176,7 +229,8 @@ class Sweep:
         if self.warm_only or not rows:
             return
         for r in dict((id(r), r) for r in rows[:1] + sorted(rows, key=lambda r: r["us"])[:top]).values():
-            r["us2"] = round(chain_us(self.launches[(case, r["variant"])], self.layers, self.reps), 2)
+            us2 = chain_us(self.launches[(case, r["variant"])], self.layers, self.reps, self.plan.device)
+            r["us2"] = round(us2, 2)
             r["us_mean"] = round((r["us"] + r["us2"]) / 2, 2)
             print(f"{case:22s} {short(r['variant']):60s} again {r['us2']:7.2f} us, mean {r['us_mean']:.2f}")
 
@@ -187,13 +241,12 @@ class Sweep:
 
 
 def sweep_gemv(sw: Sweep) -> None:
-    for (n, k), table in GEMV_FP8_TILE_VARIANTS.items():
-        if (n, k) not in GEMV_EXTRA:
-            continue
-        ws = [q8(torch.randn(n, k, device=DEV) * k**-0.5) for _ in range(sw.layers)]
-        x = torch.randn(1, k, device=DEV, dtype=BF16)
+    dev = sw.plan.device
+    for (n, k), variants in sw.plan.gemv.items():
+        ws = [q8(torch.randn(n, k, device=dev) * k**-0.5) for _ in range(sw.layers)]
+        x = torch.randn(1, k, device=dev, dtype=sw.plan.dtype)
         ref = fp8.fp8_linear_dequant_ref(x, ws[0][0], ws[0][1], ws[0][1])
-        for t in dict.fromkeys(table[:1] + GEMV_EXTRA[(n, k)]):
+        for t in dict.fromkeys(variants):
             sw.time(
                 f"gemv {n}x{k}",
                 str(t),
@@ -206,31 +259,30 @@ def sweep_gemv(sw: Sweep) -> None:
 
 class MoeInputs:
     """One FP8 expert stack (E experts, per-expert scales) and `layers` FP8 shared experts; layer i routes to experts
-    6i..6i+5 (mod E: no expert repeats within 21 layers) with weights w."""
+    k*i .. k*i + k - 1 (mod E: no expert repeats within E / k layers) with weights w."""
 
-    def __init__(self, layers: int):
-        up, down = torch.randn(E, INTER, D, device=DEV) * D**-0.5, torch.randn(E, D, INTER, device=DEV) * INTER**-0.5
+    def __init__(self, plan: Plan, layers: int):
+        E, k, d, inter, S, dev = plan.experts, plan.top_k, plan.hidden, plan.inter, plan.shared, plan.device
+        up, down = torch.randn(E, inter, d, device=dev) * d**-0.5, torch.randn(E, d, inter, device=dev) * inter**-0.5
         self.up_s = (up.abs().amax(dim=(1, 2)) / FP8_MAX).float()
         self.down_s = (down.abs().amax(dim=(1, 2)) / FP8_MAX).float()
         self.up = (up / self.up_s[:, None, None]).to(FP8_DTYPE)
         self.down = (down / self.down_s[:, None, None]).to(FP8_DTYPE)
         del up, down
-        one = torch.ones((), device=DEV)
+        one = torch.ones((), device=dev)
         self.shared = []
         for _ in range(layers):
-            (su8, sus), (sd8, sds) = (
-                q8(torch.randn(SHARED, D, device=DEV) * D**-0.5),
-                q8(torch.randn(D, SHARED, device=DEV) * SHARED**-0.5),
-            )
-            self.shared.append(dict(shared_up=Fp8Linear(su8, sus, one), shared_down=Fp8Linear(sd8, sds, one)))
-        self.ids = [((torch.arange(TOPK, device=DEV) + TOPK * i) % E).reshape(1, TOPK) for i in range(layers)]
-        self.w = torch.rand(1, TOPK, device=DEV)
-        self.x = torch.randn(1, D, device=DEV, dtype=BF16)
+            su, sus = q8(torch.randn(S, d, device=dev) * d**-0.5)
+            sd, sds = q8(torch.randn(d, S, device=dev) * S**-0.5)
+            self.shared.append(dict(shared_up=Fp8Linear(su, sus, one), shared_down=Fp8Linear(sd, sds, one)))
+        self.ids = [((torch.arange(k, device=dev) + k * i) % E).reshape(1, k) for i in range(layers)]
+        self.w = torch.rand(1, k, device=dev)
+        self.x = torch.randn(1, d, device=dev, dtype=plan.dtype)
         self.scales = Fp8ExpertScales(self.up_s, self.down_s, one.reshape(1), one.reshape(1))
-        self.nbytes = TOPK * 2 * INTER * D + 2 * SHARED * D
+        self.nbytes = k * 2 * inter * d + 2 * S * d
 
     def ref(self) -> torch.Tensor:
-        one = torch.ones((), device=DEV)
+        one = torch.ones((), device=self.x.device)
         args = (self.x, self.up, self.down, self.up_s, self.down_s, one, one, self.w, self.ids[0])
         return fp8.fp8_moe_experts_ref(*args, **self.shared[0])
 
@@ -246,51 +298,44 @@ class MoeInputs:
 
 
 def sweep_moe(sw: Sweep, only: set[str]) -> None:
-    m = MoeInputs(sw.layers)
+    p = sw.plan
+    m = MoeInputs(p, sw.layers)
     ref = m.ref()
-    tiles_ref = X(64, 128, 4, mma=4)
-    h0 = expert_up_pass(m.x, m.up, m.ids[0].reshape(-1), TOPK, tiles_ref, m.pass_args(0)[1], m.up_s, m.pass_args(0)[3])
+    ids0, su0, sd0, sus0, sds0 = m.pass_args(0)
+    h0 = expert_up_pass(m.x, m.up, ids0, p.top_k, p.up[0], su0, m.up_s, sus0)
     wf = m.w.reshape(-1).contiguous()
-    up_bytes, down_bytes = m.nbytes / 2, m.nbytes / 2
+    tiles = {str(t): t for t in p.up + p.down}
     if "up" in only:
 
         def valid(h: torch.Tensor) -> torch.Tensor:  # the routed rows' I columns, the shared row's S (rest unset)
-            return torch.cat([h[:TOPK, :INTER].flatten(), h[TOPK, :SHARED]])
+            return torch.cat([h[: p.top_k, : p.inter].flatten(), h[p.top_k, : p.shared]])
 
-        for t in UP_SWEEP:
+        for t in p.up:
 
             def up(i, t=t):
                 ids, su, _, sus, _ = m.pass_args(i)
-                return expert_up_pass(m.x, m.up, ids, TOPK, t, su, m.up_s, sus)
+                return expert_up_pass(m.x, m.up, ids, p.top_k, t, su, m.up_s, sus)
 
-            sw.time("fp8 experts up pass", str(t), up, h0, up_bytes, valid)
+            sw.time("fp8 experts up pass", str(t), up, h0, m.nbytes / 2, valid)
         sw.confirm("fp8 experts up pass")
     if "down" in only:
-        y0 = expert_down_pass(
-            h0, m.down, m.ids[0].reshape(-1), wf, TOPK, tiles_ref, m.pass_args(0)[2], m.down_s, m.pass_args(0)[4]
-        )
-        for t in DOWN_SWEEP:
+        y0 = expert_down_pass(h0, m.down, ids0, wf, p.top_k, p.down[0], sd0, m.down_s, sds0)
+        for t in p.down:
 
             def down(i, t=t):
                 ids, _, sd, _, sds = m.pass_args(i)
-                return expert_down_pass(h0, m.down, ids, wf, TOPK, t, sd, m.down_s, sds)
+                return expert_down_pass(h0, m.down, ids, wf, p.top_k, t, sd, m.down_s, sds)
 
-            sw.time("fp8 experts down pass", str(t), down, y0, down_bytes)
+            sw.time("fp8 experts down pass", str(t), down, y0, m.nbytes / 2)
         sw.confirm("fp8 experts down pass")
     if "moe" in only:
-        pairs = list(EXPERT_GEMV_FP8_TILE_VARIANTS)
+        pairs = list(p.pairs)
         if not sw.warm_only and "up" in only and "down" in only:
-            pairs.append((_tiles(sw.best("fp8 experts up pass")), _tiles(sw.best("fp8 experts down pass"))))
+            best_up, best_down = sw.best("fp8 experts up pass"), sw.best("fp8 experts down pass")
+            pairs.append((tiles[best_up["variant"]], tiles[best_down["variant"]]))
         for up_t, down_t in dict.fromkeys(pairs):
             sw.time("fp8 moe T=1", f"up {up_t} down {down_t}", lambda i, u=up_t, d=down_t: m.op(i, u, d), ref, m.nbytes)
         sw.confirm("fp8 moe T=1", top=2)
-
-
-_TILES_BY_NAME = {str(t): t for t in UP_SWEEP + DOWN_SWEEP}
-
-
-def _tiles(row: dict) -> X:
-    return _TILES_BY_NAME[row["variant"]]
 
 
 def main() -> None:
@@ -301,10 +346,11 @@ def main() -> None:
     ap.add_argument("--warm-only", action="store_true", help="compile this shard's variants, no timing")
     ap.add_argument("--shard", default="0/1", help="i/n: with --warm-only, every n-th variant from the i-th")
     ap.add_argument("--out", default="", help="write the rows and each case's best as JSON here")
+    ap.add_argument("--tiny", action="store_true", help="shrunken shapes on the CPU (TRITON_INTERPRET=1): a smoke test")
     args = ap.parse_args()
     only = set(args.only.split(","))
     i, n = (int(v) for v in args.shard.split("/"))
-    sw = Sweep(args.layers, args.reps, args.warm_only, (i, n))
+    sw = Sweep(tiny_plan() if args.tiny else nano_plan(), args.layers, args.reps, args.warm_only, (i, n))
     if "gemv" in only:
         sweep_gemv(sw)
     if only & {"up", "down", "moe"}:
