@@ -6,8 +6,8 @@ the GEMV has no split, three "proxy" rows run the same product through the exper
 one expert, k = 1: a single-row GEMV with a ReLU² epilogue) at the default's tile: depth 2 (its calibration
 against the real kernel), depth 3 and Triton's loop pipeline, the knobs `gemv`'s own loop does not have.
 `moe_tune`: the batch-1 MoE layer as the engine calls it (T = 1, top-6 routed + the shared expert as a 7th slot),
-its up and down passes timed apart over ~40 ExpertGemvTiles (block sizes, warps, register prefetch depth 1-4,
-Triton's loop pipeline), then the whole op with the best pass tiles against the default.
+its up and down passes (the down pass with its slot sum) timed apart over ~40 ExpertGemvTiles (block sizes, warps,
+register prefetch depth 1-4, Triton's loop pipeline), then the whole op with the best pass tiles against the default.
 
 Each row: do_bench median (CUDA events; do_bench zeroes 256 MB between calls and the inputs rotate over several
 sets, so the weights come from HBM), GB/s over the fewest bytes the op must move, % of the measured copy bandwidth,
