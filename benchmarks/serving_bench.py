@@ -288,16 +288,21 @@ def core_counters(server: ServeProcess) -> dict[str, float]:
 
 
 def core_line(core: dict[str, float], duration_s: float) -> str:
-    """Where the engine core's wall time went over a timed run (fractions of the run), per step and per output."""
+    """Where the engine core's wall time went over a timed run, per step: host work in Engine.step, waiting for the
+    device in it, its sender thread; and outputs per step."""
     steps = core.get("ray_hybrid_serve_engine_core_steps_total", 0.0)
     if steps <= 0:
         return "engine core: no counters"
     tokens = core.get("ray_hybrid_serve_generation_tokens_total", 0.0)
-    phase = {p: core.get(f"ray_hybrid_serve_engine_core_seconds_total{{{p}}}", 0.0) for p in ("step", "send")}
+    ph = {
+        p: core.get(f"ray_hybrid_serve_engine_core_seconds_total{{{p}}}", 0.0) for p in ("host", "device_wait", "send")
+    }
+    in_step = ph["host"] + ph["device_wait"]
     return (
         f"engine core: {steps:.0f} steps, {tokens / steps:.1f} outputs/step, "
-        f"step {1e3 * phase['step'] / steps:.2f} ms/step ({phase['step'] / duration_s:.2f} of the run), "
-        f"sender {1e3 * phase['send'] / steps:.3f} ms/step"
+        f"{1e3 * in_step / steps:.2f} ms/step in Engine.step ({in_step / duration_s:.2f} of the run; host "
+        f"{1e3 * ph['host'] / steps:.2f}, device wait {1e3 * ph['device_wait'] / steps:.2f}), "
+        f"sender {1e3 * ph['send'] / steps:.3f} ms/step"
     )
 
 
@@ -445,18 +450,21 @@ def run_inprocess(args: argparse.Namespace, model_path: str, cases: list[Case]) 
             min(args.warmup_tokens, case.workload.osl),
             case.workload.concurrency,
         )
-        own0, steps0 = own_cpu_seconds(), engine.num_steps
+        own0, steps0, split0 = own_cpu_seconds(), engine.num_steps, dict(engine.step_seconds)
         summary = closed_loop_engine(engine, case.engine_prompts, case.workload.osl, case.workload.concurrency)
-        steps = engine.num_steps - steps0
+        steps = max(engine.num_steps - steps0, 1)
+        split = {k: engine.step_seconds[k] - split0[k] for k in split0}  # schedule / execute (waits) / update
         out[_key(case)] = {
             "summary": asdict(summary),
             "cpu_s": {"engine (this process)": own_cpu_seconds() - own0},
             "steps": steps,
+            "step_seconds": split,
         }
         print(
             f"  in-process {_key(case)}: {summary.output_tokens_per_s:.0f} tok/s; {steps} steps, "
-            f"{summary.output_tokens / max(steps, 1):.1f} outputs/step, "
-            f"{1e3 * summary.duration_s / max(steps, 1):.2f} ms/step",
+            f"{summary.output_tokens / steps:.1f} outputs/step, {1e3 * summary.duration_s / steps:.2f} ms/step wall "
+            f"(host {1e3 * (split['schedule'] + split['update']) / steps:.2f}, "
+            f"device wait {1e3 * split['execute'] / steps:.2f})",
             flush=True,
         )
     engine.shutdown()  # the device memory goes back before a server (--inprocess-first) builds its engine

@@ -131,10 +131,13 @@ class CoreLoop:
 
     # ---------- outputs ----------
     def core_stats(self) -> dict[str, float]:
-        """`Engine.stats()` plus where this loop's time went (wall seconds, cumulative) and its step count."""
+        """`Engine.stats()` plus where this loop's time went (wall seconds, cumulative) and its step count. A step
+        not launched ahead counts its whole execution as device wait."""
+        wait = self.engine.step_seconds["execute"]  # in Engine.step, waiting for a step's results
         return {
             **self.engine.stats(),
-            "core_step_seconds": self.step_s,
+            "core_host_seconds": self.step_s - wait,  # the rest of Engine.step: scheduling, launching, updating
+            "core_device_wait_seconds": wait,
             "core_idle_seconds": self.idle_s,
             "core_send_seconds": self.outbox.send_seconds,
             "core_steps": self.num_steps,
