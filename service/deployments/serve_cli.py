@@ -24,6 +24,7 @@ APP_NAME = "hybrid-serve"
 SERVE_MODES = ("high_throughput", "default")
 CPUS_PER_INGRESS_REPLICA = 4  # the default ingress replica count on a machine this command starts Ray on
 MAX_DEFAULT_INGRESS_REPLICAS = 8
+RAY_WORKER_NICENESS_ENV = "RAY_worker_niceness"  # Ray's nice offset of its worker processes (Ray's default: 15)
 _DEPLOYMENT_FLAGS = (
     "served_model_name",
     "replicas",
@@ -195,6 +196,10 @@ def run_serve(ns: argparse.Namespace) -> int:
         except ValueError as exc:
             shutil.rmtree(state_dir, ignore_errors=True)
             raise SystemExit(f"hybrid-serve serve: {exc}") from None
+        # Ray starts its workers (the Serve replicas, and with them the engine core processes) `worker_niceness` (15)
+        # nice levels below the process that starts it; the engine core's step loop sets every request's pace, so
+        # they keep this command's priority unless the environment says otherwise
+        os.environ.setdefault(RAY_WORKER_NICENESS_ENV, "0")
     import ray  # noqa: PLC0415  (heavy imports only for this subcommand)
     from ray import serve  # noqa: PLC0415
 

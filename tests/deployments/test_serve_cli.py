@@ -166,6 +166,15 @@ def _listener_pids(port: int) -> set[int]:
     return pids
 
 
+def _niceness(pid: int) -> int | None:
+    """The process' nice value (from /proc), None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[16])
+    except OSError:
+        return None
+
+
 def _descendants(root: int) -> set[int]:
     children: dict[int, list[int]] = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -206,10 +215,11 @@ def _listen_addresses(pids: set[int], ports: range) -> list[ipaddress.IPv4Addres
 def test_serve_cli_high_throughput_mode_streams_exactly_through_haproxy(tiny_model_path):
     """The default data path of a server this command starts itself: HAProxy answers the HTTP port and forwards to
     the ingress replicas' own HTTP servers; a streamed completion of N tokens still arrives once, in order, in at
-    most N chunks, with the right usage and finish reason."""
+    most N chunks, with the right usage and finish reason. Ray's workers (replicas, engine cores) run at the
+    command's priority."""
     port = free_port()
     ray_tmp = tempfile.mkdtemp(prefix="hst", dir="/tmp")  # short: Ray's socket paths live below it
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_worker_niceness")}  # the CLI's own
     env.update(RAY_TMPDIR=ray_tmp, RAY_USAGE_STATS_ENABLED="0")
     cmd = [str(Path(sys.executable).parent / "hybrid-serve"), "serve", "--model-path", tiny_model_path]
     cmd += ["--port", str(port), "--metrics-port", str(free_port()), "--ingress-replicas", "2"]
@@ -251,6 +261,9 @@ def test_serve_cli_high_throughput_mode_streams_exactly_through_haproxy(tiny_mod
         streamed = [t for c in choices for t in c["logprobs"]["tokens"]]
         assert len(streamed) == N and streamed == full["choices"][0]["logprobs"]["tokens"]
         assert "".join(c["text"] for c in choices) == full["choices"][0]["text"]
+        # every process of the server (Ray's workers: the replicas, their engine cores, HAProxy) at the CLI's priority
+        nice = {pid: _niceness(pid) for pid in _descendants(proc.pid)}
+        assert len(nice) > 5 and set(nice.values()) - {None} == {_niceness(proc.pid)}, nice
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 0
     finally:

@@ -253,11 +253,13 @@ def test_notes_tell_how_to_call_and_test(helm):
 @pytest.mark.parametrize("mode", ["high_throughput", "default"])
 def test_ray_serve_mode_sets_the_data_path_on_every_ray_pod(manifests, template, mode):
     """serve.rayServeMode: every Ray pod's processes read the setting (HAProxy and the ingress replicas can live on
-    the head or on workers); anything but the two modes is refused by the schema."""
+    the head or on workers); anything but the two modes is refused by the schema. Every Ray pod's raylet starts its
+    workers (replicas, engine cores) at the pod's priority, not Ray's default 15 nice levels below."""
     rayservice = only(manifests("default", "--set", f"serve.rayServeMode={mode}"), "RayService")
     for role, tpl in pod_templates(rayservice).items():
         env = {e["name"]: e.get("value") for c in tpl["spec"]["containers"] for e in c.get("env", [])}
         flags = {k: env.get(k) for k in ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_THROUGHPUT_OPTIMIZED")}
         assert flags == dict.fromkeys(flags, "1" if mode == "high_throughput" else None), (role, flags)
+        assert env.get("RAY_worker_niceness") == "0", role  # replicas and engine cores at the pod's priority
     refused = template("--set", "serve.rayServeMode=fast")
     assert refused.returncode != 0 and "rayServeMode" in refused.stderr

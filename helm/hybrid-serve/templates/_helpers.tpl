@@ -215,6 +215,8 @@ weights PVC; workers (where the OpenAI ingress replica runs) also mount the API 
 
 {{- /* Ray Serve data path settings of every Ray pod (serve.rayServeMode), as a YAML map. */ -}}
 {{- define "hybrid-serve.rayServeEnv" -}}
+{{- /* the raylet starts Serve replicas (and so the engine core processes) 15 nice levels down unless told: keep them at the pod's priority */}}
+RAY_worker_niceness: "0"
 {{- if eq .Values.serve.rayServeMode "high_throughput" }}
 RAY_SERVE_ENABLE_HA_PROXY: "1"
 RAY_SERVE_THROUGHPUT_OPTIMIZED: "1"
