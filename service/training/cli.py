@@ -137,7 +137,7 @@ def reproduce_command(cfg: TrainConfig, threads: int, steps_done: int) -> str:
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per `TrainConfig` field (--field-name; bools as --x/--no-x), typed, with the field's help and
     default. Unset flags stay out of the namespace, so the dataclass' defaults apply (`config_from_args`)."""
-    group = parser.add_argument_group("training recipe (TrainConfig; the defaults train the shipped model)")
+    group = parser.add_argument_group("training recipe (TrainConfig; the defaults: the staged from-scratch recipe)")
     default = TrainConfig()
     for f in dataclasses.fields(TrainConfig):
         value = getattr(default, f.name)

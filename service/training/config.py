@@ -1,5 +1,6 @@
-"""`TrainConfig`: every setting of a training run, declared once, with the recipe that trains the shipped model as
-its defaults. `hybrid-serve train-tiny-model` derives one flag per field (name, type, default, help) from it
+"""`TrainConfig`: every setting of a training run, declared once, with the staged from-scratch recipe as its
+defaults (the committed model came from an earlier two-run recipe; its manifest's `reproduce` spells that out).
+`hybrid-serve train-tiny-model` derives one flag per field (name, type, default, help) from it
 (service/training/cli.py), and a manifest's `reproduce` command lists the fields that differ from these defaults.
 
 The recipe is staged: recall and state alone on the shortest contexts first (their circuits form there; mixed with

@@ -1,5 +1,5 @@
 """`hybrid-serve train-tiny-model`'s flags are TrainConfig's fields: with no flags the run is TrainConfig()'s
-recipe (the shipped model's), a manifest's `reproduce` command parses back to the run's config, and the same
+recipe (the staged from-scratch one), a manifest's `reproduce` command parses back to the run's config, and the same
 command gives the same loss at every step (whatever the number of data workers)."""
 
 from __future__ import annotations
