@@ -6,25 +6,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.kernels.triton_test_util import run_interpreted
 
 
 def test_fp8_decode_sweep_tiny(tmp_path):
     out = tmp_path / "sweep.json"
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=REPO)
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/fp8_decode_sweep.py", "--tiny", "--layers", "1", "--reps", "1", "--out", str(out)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    run_interpreted(["benchmarks/fp8_decode_sweep.py", "--tiny", "--layers", "1", "--reps", "1", "--out", str(out)])
     result = json.loads(out.read_text(encoding="utf-8"))
     rows, best = result["rows"], result["best"]
     cases = ["gemv 40x64", "fp8 experts up pass", "fp8 experts down pass", "fp8 moe T=1"]

@@ -5,11 +5,8 @@ and the best-vs-default summary; the Nano shapes come from the repo's config; a 
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.kernels.triton_test_util import run_interpreted
 
 
 def _cells(line: str) -> list[str]:
@@ -18,16 +15,7 @@ def _cells(line: str) -> list[str]:
 
 def test_kernels_bench_tiny_sweeps(tmp_path):
     out = tmp_path / "tune.md"
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=REPO)
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/kernels.py", "--tiny", "--only", "gemv,moe_tune", "--out", str(out)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    run_interpreted(["benchmarks/kernels.py", "--tiny", "--only", "gemv,moe_tune", "--out", str(out)])
     text = out.read_text(encoding="utf-8")
     rows = [_cells(line) for line in text.splitlines() if line.startswith(("| gemv ", "| moe"))]
     table = [r for r in rows if len(r) == 7]  # case | variant | µs | GB/s | % copy | vs default | rel err
