@@ -329,11 +329,11 @@ def expert_down_pass(
     scale: torch.Tensor | None = None,
     shared_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The down pass of `moe_experts_gemv` and the slot sum (`sum_slots`): h [T * slots, >= max(I, S)] from `expert_up_pass`, down
-    [E, d_in, I], ids [T * k], weights [T * k] fp32 contiguous, shared_down [d_in, S] or None -> [T, d_in], row t =
-    the sum over t's slots q of the routing weight (1 for the shared slot) times W_q h[q]. The shared slot's K is
-    cut into `tiles.shared_chunks` chunks, each a unit like a routed slot (units rounded to x's dtype, then added in
-    fp32 with one rounding by `sum_slots`). FP8 down / shared_down: scale [E], shared_scale."""
+    """The down pass of `moe_experts_gemv` and the slot sum (`sum_slots`): h [T * slots, >= max(I, S)] from
+    `expert_up_pass`, down [E, d_in, I], ids [T * k], weights [T * k] fp32 contiguous, shared_down [d_in, S] or None
+    -> [T, d_in], row t = the sum over t's slots q of the routing weight (1 for the shared slot) times W_q h[q]. The
+    shared slot's K is cut into `tiles.shared_chunks` chunks, each a unit like a routed slot (units rounded to x's
+    dtype, then added in fp32 with one rounding by `sum_slots`). FP8 down / shared_down: scale [E], shared_scale."""
     d_in, inter = down.shape[1], down.shape[2]
     n_shared = 0 if shared_down is None else shared_down.shape[1]
     chunks = tiles.shared_chunks if n_shared else 0
