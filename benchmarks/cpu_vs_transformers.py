@@ -210,7 +210,11 @@ def with_op_ranges(kernels: Kernels) -> Kernels:
 
     return dataclasses.replace(
         kernels,
-        **{f.name: wrap(f.name, getattr(kernels, f.name)) for f in dataclasses.fields(kernels) if f.name != "name"},
+        **{
+            f.name: wrap(f.name, getattr(kernels, f.name))
+            for f in dataclasses.fields(kernels)
+            if callable(getattr(kernels, f.name))
+        },
     )
 
 

@@ -156,7 +156,8 @@ def _count_decode_forward(path: str) -> tuple[collections.Counter, collections.C
 
     k = model.kernels
     model.kernels = dataclasses.replace(
-        k, **{f.name: counted(f.name, getattr(k, f.name)) for f in dataclasses.fields(k) if f.name != "name"}
+        k,
+        **{f.name: counted(f.name, getattr(k, f.name)) for f in dataclasses.fields(k) if callable(getattr(k, f.name))},
     )
 
     def pre(mod, args):

@@ -61,6 +61,10 @@ class Kernels:
     # memory layout this bundle's ops read fastest (every bundle's ops take any layout)
     linear_weight_layout: Callable  # linear.linear_weight_layout_ref signature (non-FP8 linear weights [out, in])
     moe_weight_layout: Callable  # moe.moe_weight_layout_ref signature (non-FP8 routed experts)
+    # how a mamba layer runs a step that mixes one-token rows with longer ones: True: the one-token rows by the
+    # decode recurrence (conv_update_slots + selective_state_update_slots_raw_dt), the others by conv_varlen +
+    # ssd_varlen (two passes whose cost follows the rows each takes); False: every row by the varlen ops (one pass)
+    mamba_decode_split: bool
 
 
 def torch_reference_kernels() -> Kernels:
@@ -89,6 +93,7 @@ def torch_reference_kernels() -> Kernels:
         fp8_moe_experts=fp8.fp8_moe_experts_ref,
         linear_weight_layout=linear.linear_weight_layout_ref,
         moe_weight_layout=moe.moe_weight_layout_ref,
+        mamba_decode_split=False,
     )
 
 
@@ -114,6 +119,7 @@ def torch_kernels() -> Kernels:
         gated_norm_linear=cpu_norm.gated_norm_linear,
         linear_weight_layout=cpu_linear.linear_weight_layout,
         moe_weight_layout=cpu_moe.moe_weight_layout,
+        mamba_decode_split=True,
     )
 
 

@@ -195,5 +195,6 @@ def triton_kernels(counters: ArrivalCounters | None = None, fuse_norm_linear: bo
         fp8_moe_experts=triton_moe_gemv.fp8_moe_experts,
         linear_weight_layout=linear.linear_weight_layout_ref,
         moe_weight_layout=moe.moe_weight_layout_ref,
+        mamba_decode_split=False,  # a mixed step's mamba rows in one varlen launch each (graphs take the decodes)
     )
     return bundle if fuse_norm_linear else triton_norm_gemv.without_norm_fusion(bundle)

@@ -93,6 +93,36 @@ class Mamba2Mixer(nn.Module):
         ranks."""
         T = zxbcdt.shape[0]
         z, xbc, dt = zxbcdt.split([self.di, self.conv_dim, self.num_heads], dim=-1)
+        split = meta.split
+        if split is None:
+            y = self._scan(xbc, dt, meta, conv_pool, ssm_pool, k)
+        else:  # one-token rows by the decode recurrence, the others by the varlen scan, back in token order
+            dec, pre = split.decode_tokens, split.prefill_tokens
+            y_dec = self._scan(xbc.index_select(0, dec), dt.index_select(0, dec), split.decode, conv_pool, ssm_pool, k)
+            y_pre = self._scan(xbc.index_select(0, pre), dt.index_select(0, pre), split.prefill, conv_pool, ssm_pool, k)
+            y = y_dec.new_empty(T, *y_dec.shape[1:]).index_copy_(0, dec, y_dec).index_copy_(0, pre, y_pre)
+        y = y.reshape(T, self.di)
+        if self.shapes.group_ranks > 1:
+            return self.parallel.all_reduce(self._cross_rank_norm_linear(y, z, k))
+        # gated group RMSNorm (to out_proj's dtype) + out_proj: one launch at batch 1 on the Triton bundle
+        return self.parallel.all_reduce(
+            gated_norm_project(
+                k, self.out_proj, y, z, self.norm.weight, self.norm_group_size, self.cfg.layer_norm_epsilon
+            )
+        )
+
+    def _scan(
+        self,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        meta: MambaMeta,
+        conv_pool: torch.Tensor,
+        ssm_pool: torch.Tensor,
+        k: Kernels,
+    ) -> torch.Tensor:
+        """The conv and the SSM of meta's rows: xbc [T, conv_dim] (pre-conv x, B, C), raw dt [T, H] -> y [T, H, P]
+        fp32; the rows' conv and SSM states advanced in the pools and their snapshots stored."""
+        T = xbc.shape[0]
         weight = self.conv1d.weight[:, 0, :]  # [D, K]
         snaps = meta.snapshots
         if meta.decode_only:  # recurrence on the pools in place, by slot id (no gather / scatter)
@@ -106,34 +136,26 @@ class Mamba2Mixer(nn.Module):
                 src = meta.slot_ids[snaps.req_idx]
                 conv_pool[snaps.dest_slots] = conv_pool[src]
                 ssm_pool[snaps.dest_slots] = ssm_pool[src]
-        else:
-            A = -torch.exp(self.A_log.float())
-            dt = dt_softplus_clamp(dt, self.dt_bias, self.cfg.dt_clamp)  # [T, H] fp32
-            init_conv = conv_pool[meta.slot_ids]
-            query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
-            all_reqs = torch.arange(init_conv.shape[0], device=zxbcdt.device)
-            if not snaps.empty:
-                conv_pool[snaps.dest_slots] = k.conv_windows(
-                    xbc, init_conv, meta.query_start_loc, snaps.req_idx, snaps.num_new_tokens
-                )
-            conv_pool[meta.slot_ids] = k.conv_windows(xbc, init_conv, meta.query_start_loc, all_reqs, query_lens)
-            xbc = k.conv_varlen(xbc, weight, self.conv1d.bias, init_conv, meta.query_start_loc, meta.token_req)
-            x, B, C = self._split(xbc, T)
-            # states in the pool's dtype (bf16 pools: the scan rounds every chunk-end state to bf16, so the stores
-            # below are exact and a snapshot equals the state a longer scan carries through the same chunk end)
-            y, chunk_states = k.ssd_varlen(x, dt, A, B, C, self.D, ssm_pool[meta.slot_ids], meta.layout)
-            ssm_pool[meta.slot_ids] = chunk_states[final_chunk_indices(meta.layout)].to(ssm_pool.dtype)
-            if not snaps.empty:
-                ssm_pool[snaps.dest_slots] = chunk_states[snaps.chunk_idx].to(ssm_pool.dtype)
-        y = y.reshape(T, self.di)
-        if self.shapes.group_ranks > 1:
-            return self.parallel.all_reduce(self._cross_rank_norm_linear(y, z, k))
-        # gated group RMSNorm (to out_proj's dtype) + out_proj: one launch at batch 1 on the Triton bundle
-        return self.parallel.all_reduce(
-            gated_norm_project(
-                k, self.out_proj, y, z, self.norm.weight, self.norm_group_size, self.cfg.layer_norm_epsilon
+            return y
+        A = -torch.exp(self.A_log.float())
+        dt = dt_softplus_clamp(dt, self.dt_bias, self.cfg.dt_clamp)  # [T, H] fp32
+        init_conv = conv_pool[meta.slot_ids]
+        query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+        all_reqs = torch.arange(init_conv.shape[0], device=xbc.device)
+        if not snaps.empty:
+            conv_pool[snaps.dest_slots] = k.conv_windows(
+                xbc, init_conv, meta.query_start_loc, snaps.req_idx, snaps.num_new_tokens
             )
-        )
+        conv_pool[meta.slot_ids] = k.conv_windows(xbc, init_conv, meta.query_start_loc, all_reqs, query_lens)
+        xbc = k.conv_varlen(xbc, weight, self.conv1d.bias, init_conv, meta.query_start_loc, meta.token_req)
+        x, B, C = self._split(xbc, T)
+        # states in the pool's dtype (bf16 pools: the scan rounds every chunk-end state to bf16, so the stores
+        # below are exact and a snapshot equals the state a longer scan carries through the same chunk end)
+        y, chunk_states = k.ssd_varlen(x, dt, A, B, C, self.D, ssm_pool[meta.slot_ids], meta.layout)
+        ssm_pool[meta.slot_ids] = chunk_states[final_chunk_indices(meta.layout)].to(ssm_pool.dtype)
+        if not snaps.empty:
+            ssm_pool[snaps.dest_slots] = chunk_states[snaps.chunk_idx].to(ssm_pool.dtype)
+        return y
 
     def _cross_rank_norm_linear(self, y: torch.Tensor, z: torch.Tensor, k: Kernels) -> torch.Tensor:
         """Gated RMSNorm + out_proj when this rank holds part of one norm group (tp > n_groups): y, z [T, Di_local]

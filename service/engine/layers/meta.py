@@ -42,3 +42,17 @@ class MambaMeta:
     decode_only: bool  # every request has exactly one new token: recurrence path
     layout: ChunkLayout | None  # chunk layout for the SSD path (None when decode_only)
     snapshots: SnapshotPlan  # snapshot copies to make in every mamba layer
+    split: MambaSplit | None = None  # a mixed step run in two parts (set only when the kernel bundle asks for it)
+
+
+@dataclass(frozen=True)
+class MambaSplit:
+    """A mixed step's rows in two parts, each run by its own path in every mamba layer: the one-token rows by the
+    decode recurrence (conv update + selective state update on the pools, by slot), the other rows by the varlen
+    conv and chunked scan. Requests are independent (own slots, own snapshot slots), so the two parts compute what
+    one varlen pass over all rows does; their outputs go back to the batch's token order."""
+
+    decode_tokens: torch.Tensor  # [Bd] int64: flat token index of each one-token row's token, in batch order
+    decode: MambaMeta  # the one-token rows alone (decode_only; their snapshots, req_idx into these rows)
+    prefill_tokens: torch.Tensor  # [Tp] int64: flat token indices of the other rows' tokens, in batch order
+    prefill: MambaMeta  # the other rows alone (their chunk layout; their snapshots, req_idx into these rows)

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from service.engine.distributed.step import StepPlan
+from service.engine.distributed.step import StepPlan, StepRow
 from service.engine.kernels.ssd import build_chunk_layout, snapshot_chunk_indices
 from service.engine.kernels.transfer import host_to_device, to_device_async
-from service.engine.layers.meta import AttentionMeta, MambaMeta, SnapshotPlan
+from service.engine.layers.meta import AttentionMeta, MambaMeta, MambaSplit, SnapshotPlan
 
 
 @dataclass(frozen=True)
@@ -31,10 +31,16 @@ def scheduled_token_ids(plan: StepPlan) -> np.ndarray:
 
 
 def build_forward_batch(
-    plan: StepPlan, page_size: int, chunk_size: int, device: torch.device | str, input_ids: torch.Tensor | None = None
+    plan: StepPlan,
+    page_size: int,
+    chunk_size: int,
+    device: torch.device | str,
+    input_ids: torch.Tensor | None = None,
+    split_mamba: bool = False,
 ) -> ForwardBatch:
     """input_ids: [T] int64 on the device, the step's tokens when they are not on the host yet (None: the rows'
-    token_ids)."""
+    token_ids). split_mamba: a step that mixes one-token rows with longer ones gets `MambaMeta.split` (the kernel
+    bundle's `mamba_decode_split`)."""
     reqs = plan.rows
     B = len(reqs)
     qlens = np.array([s.num_new_tokens for s in reqs], dtype=np.int64)
@@ -59,24 +65,52 @@ def build_forward_batch(
     attn = AttentionMeta(
         dev(slot_mapping), dev(page_table), qsl_dev, dev(plens), int(qlens.max()), int((plens + qlens).max()), page_size
     )
-    decode_only = bool((qlens == 1).all())
-    layout = None if decode_only else build_chunk_layout(qlens.tolist(), plens.tolist(), chunk_size, device)
-    mamba = MambaMeta(
-        slot_ids=dev(np.array([s.live_slot for s in reqs], dtype=np.int64)),
-        query_start_loc=qsl_dev,
-        token_req=dev(token_req),
-        decode_only=decode_only,
-        layout=layout,
-        snapshots=_snapshot_plan(plan, layout, device),
-    )
+    mamba = _mamba_meta(reqs, chunk_size, device, qsl_dev)
+    one = qlens == 1
+    if split_mamba and one.any() and not one.all():
+        dec, pre = np.flatnonzero(one), np.flatnonzero(~one)
+        mamba = replace(
+            mamba,
+            split=MambaSplit(
+                decode_tokens=dev(qsl[dec]),
+                decode=_mamba_meta(tuple(reqs[i] for i in dec), chunk_size, device),
+                prefill_tokens=dev(np.flatnonzero(~one[token_req])),
+                prefill=_mamba_meta(tuple(reqs[i] for i in pre), chunk_size, device),
+            ),
+        )
     ids = dev(scheduled_token_ids(plan)) if input_ids is None else input_ids
     return ForwardBatch(ids, attn, mamba, dev(logits_idx), sample_rows)
 
 
-def _snapshot_plan(plan: StepPlan, layout, device: torch.device) -> SnapshotPlan:
+def _mamba_meta(
+    rows: tuple[StepRow, ...], chunk_size: int, device: torch.device | str, qsl_dev: torch.Tensor | None = None
+) -> MambaMeta:
+    """The mamba layers' metadata of rows (batch order) run as one batch; qsl_dev: their query_start_loc on the
+    device when it is built already."""
+    qlens = np.array([s.num_new_tokens for s in rows], dtype=np.int64)
+    qsl = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(qlens, out=qsl[1:])
+
+    def dev(a: np.ndarray) -> torch.Tensor:
+        return host_to_device(torch.from_numpy(a), device)
+
+    decode_only = bool((qlens == 1).all())
+    plens = [s.prefix_len for s in rows]
+    layout = None if decode_only else build_chunk_layout(qlens.tolist(), plens, chunk_size, device)
+    return MambaMeta(
+        slot_ids=dev(np.array([s.live_slot for s in rows], dtype=np.int64)),
+        query_start_loc=dev(qsl) if qsl_dev is None else qsl_dev,
+        token_req=dev(np.repeat(np.arange(len(rows)), qlens)),
+        decode_only=decode_only,
+        layout=layout,
+        snapshots=_snapshot_plan(rows, layout, device),
+    )
+
+
+def _snapshot_plan(rows: tuple[StepRow, ...], layout, device: torch.device) -> SnapshotPlan:
     req_idx, num_new, positions, dests = [], [], [], []
-    plens = [s.prefix_len for s in plan.rows]
-    for i, s in enumerate(plan.rows):
+    plens = [s.prefix_len for s in rows]
+    for i, s in enumerate(rows):
         for pt in s.snapshots:
             req_idx.append(i)
             num_new.append(pt.position - s.prefix_len)

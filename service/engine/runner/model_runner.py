@@ -333,7 +333,14 @@ class ModelRunner:
     def _eager(self, plan: StepPlan, input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[int, ...]]:
         """One eager forward of the step: logits [R, vocab] and the R sampled rows. input_ids: [T] on the device
         when some tokens are not on the host (None: the rows' token_ids)."""
-        batch = build_forward_batch(plan, self.cfg.page_size, self.model_cfg.chunk_size, self.device, input_ids)
+        batch = build_forward_batch(
+            plan,
+            self.cfg.page_size,
+            self.model_cfg.chunk_size,
+            self.device,
+            input_ids,
+            split_mamba=self.model.kernels.mamba_decode_split,
+        )
         logits = self.model(
             batch.input_ids,
             batch.attn,
