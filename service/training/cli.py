@@ -7,8 +7,10 @@ The folder: `config.json` + `model.safetensors` (transformers' `save_pretrained`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import multiprocessing
 import os
 import platform
 import shutil
@@ -16,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -25,6 +28,7 @@ from service.engine.tokenizer import Tokenizer
 from service.testing.tiny import tokenizer_config
 from service.training.config import TrainConfig, differing_flags, format_value, parse_mix, parse_pair, value_parser
 from service.training.data import TOKENIZER_VOCAB_SIZE, train_tokenizer
+from service.training.parallel import Shard, host_store, join_store, start_group, stop_group
 from service.training.probe import state_accuracy_ablations
 from service.training.train import MODEL_OVERRIDES, heldout_accuracy, train
 
@@ -61,10 +65,17 @@ def write_checkpoint(out: str, tokenizer_json: Any, cfg: TrainConfig, steps_done
 
 
 def run(
-    out: str, cfg: TrainConfig, device: str, data_workers: int, threads: int, checkpoint_every: int = 0
+    out: str,
+    cfg: TrainConfig,
+    device: str,
+    data_workers: int,
+    threads: int,
+    checkpoint_every: int = 0,
+    workers: int = 1,
 ) -> dict[str, Any]:
     """Train (SIGTERM ends training early and still writes the folder), measure, write `out`; every
-    `checkpoint_every` steps (0: never) the weights so far go to `out`/checkpoint."""
+    `checkpoint_every` steps (0: never) the weights so far go to `out`/checkpoint. `workers` > 1 trains data-parallel
+    over that many processes (this one is worker 0; service/training/parallel.py)."""
     torch.set_num_threads(threads)
     # continuing from a checkpoint keeps its tokenizer (its embeddings are indexed by those ids)
     hf_tokenizer = (
@@ -74,19 +85,21 @@ def run(
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     start, cpu_start, load_start = time.monotonic(), _cpu_s(), os.getloadavg()[0]
-    result = train(
-        cfg,
-        tokenizer,
-        device,
-        data_workers,
-        should_stop=stop.is_set,
-        checkpoint_every=checkpoint_every,
-        on_checkpoint=lambda steps_done, model: write_checkpoint(out, hf_tokenizer, cfg, steps_done, model),
-    )
+    with _worker_group(cfg, hf_tokenizer, device, data_workers, threads, workers) as shard:
+        result = train(
+            cfg,
+            tokenizer,
+            device,
+            data_workers,
+            should_stop=stop.is_set,
+            checkpoint_every=checkpoint_every,
+            on_checkpoint=lambda steps_done, model: write_checkpoint(out, hf_tokenizer, cfg, steps_done, model),
+            shard=shard,
+        )
     train_s, train_cpu_s, load_end = time.monotonic() - start, _cpu_s() - cpu_start, os.getloadavg()[0]
     accuracy = heldout_accuracy(result.model, tokenizer, cfg.eval_num, device)
     ablations = state_accuracy_ablations(result.model, tokenizer, cfg.eval_num, device)
-    rerun = reproduce_command(cfg, threads, result.steps_done)
+    rerun = reproduce_command(cfg, threads, result.steps_done, workers)
     manifest = {
         "train_config": dataclasses.asdict(cfg),
         "steps_done": result.steps_done,
@@ -103,11 +116,12 @@ def run(
             "state_attention_blind": ablations["attention_blind"],
         },
         "train_wall_s": round(train_s, 1),
-        # process CPU time of training (all torch threads, plus the data workers once they have exited)
+        # process CPU time of training (all torch threads, plus the data and training workers once they have exited)
         "train_cpu_s": round(train_cpu_s, 1),
         "load_average_1m": [round(load_start, 2), round(load_end, 2)],  # at the start and at the end of training
         "device": device if device == "cpu" else torch.cuda.get_device_name(),
-        "threads": threads,
+        "threads": threads,  # torch threads per worker
+        "workers": workers,  # data-parallel training processes
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
@@ -119,18 +133,76 @@ def run(
     return manifest
 
 
+@contextlib.contextmanager
+def _worker_group(
+    cfg: TrainConfig, hf_tokenizer: Any, device: str, data_workers: int, threads: int, workers: int
+) -> Iterator[Shard]:
+    """Worker 0's shard; with `workers` > 1 the other workers run in spawned processes for the `with` block and
+    are joined at its end (their CPU time then counts in this process' children's)."""
+    if workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+    if workers == 1:
+        yield Shard()
+        return
+    store = host_store(workers)
+    ctx = multiprocessing.get_context("spawn")
+    procs = [
+        ctx.Process(
+            target=_train_worker,
+            args=(cfg, hf_tokenizer.to_str(), device, data_workers, threads, rank, workers, store.port),
+            daemon=True,
+        )
+        for rank in range(1, workers)
+    ]
+    for p in procs:
+        p.start()
+    shard = start_group(0, workers, store)
+    try:
+        yield shard
+    finally:
+        stop_group(shard)
+        for p in procs:
+            p.join(timeout=60)
+    if any(p.exitcode != 0 for p in procs):
+        raise RuntimeError(f"a training worker failed (exit codes {[p.exitcode for p in procs]}); see its output")
+
+
+def _train_worker(
+    cfg: TrainConfig,
+    tokenizer_json: str,
+    device: str,
+    data_workers: int,
+    threads: int,
+    rank: int,
+    world: int,
+    port: int,
+) -> None:
+    """Worker `rank` > 0: train on its rows of every step in lockstep with worker 0, then exit (SIGTERM is worker
+    0's to handle: it ends every worker at the same step)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    torch.set_num_threads(threads)
+    hf_tokenizer = HFTokenizer.from_str(tokenizer_json)
+    shard = start_group(rank, world, join_store(port, world))
+    try:
+        train(cfg, Tokenizer(hf_tokenizer, tokenizer_config(hf_tokenizer)), device, data_workers, shard=shard)
+    finally:
+        stop_group(shard)
+
+
 def _cpu_s() -> float:
     """User + system CPU seconds of this process and of its exited children."""
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system
 
 
-def reproduce_command(cfg: TrainConfig, threads: int, steps_done: int) -> str:
+def reproduce_command(cfg: TrainConfig, threads: int, steps_done: int, workers: int = 1) -> str:
     """The command that trains `cfg` again: the seed, the fields that differ from the defaults, the torch threads
-    (float sums may round differently with more threads) and, for a run stopped early, `--stop-at` its steps."""
+    and training workers (float sums may round differently with others) and, for a run stopped early, `--stop-at`
+    its steps."""
     skip = ("seed", "stop_at")
     stop = f" --stop-at {steps_done}" if steps_done < cfg.steps else ""
-    flags = " ".join([f"--seed {cfg.seed}", *differing_flags(cfg, skip), f"--threads {threads}"])
+    machine = [f"--threads {threads}"] + ([f"--workers {workers}"] if workers > 1 else [])
+    flags = " ".join([f"--seed {cfg.seed}", *differing_flags(cfg, skip), *machine])
     return f"hybrid-serve train-tiny-model OUT {flags}{stop}"
 
 
@@ -163,7 +235,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def _run_cli(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    manifest = run(args.out, cfg, device, args.data_workers, args.threads, args.checkpoint_every)
+    manifest = run(args.out, cfg, device, args.data_workers, args.threads, args.checkpoint_every, args.workers)
     print(
         json.dumps(
             {
@@ -189,14 +261,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def add_cli(subparsers: Any) -> None:
-    """Register `train-tiny-model OUT [recipe flags] [--device D --threads N --data-workers N --checkpoint-every N]`."""
+    """Register `train-tiny-model OUT [recipe flags] [--device D --threads N --workers N --data-workers N
+    --checkpoint-every N]`."""
     p = subparsers.add_parser("train-tiny-model", help="train the tiny NemotronH on the synthetic tasks")
     p.add_argument("out", metavar="OUT", help="output checkpoint folder (created if missing)")
     add_train_arguments(p)
     machine = p.add_argument_group("machine (the batches and the schedule do not depend on these)")
     machine.add_argument("--device", default="auto", help="torch device: auto (cuda if available), cpu, cuda")
     machine.add_argument("--data-workers", type=int, default=1, help="processes that build batches ahead (default: 1)")
-    machine.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default: 2)")
+    machine.add_argument("--threads", type=int, default=2, help="torch intra-op threads per worker (default: 2)")
+    machine.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="data-parallel training processes, each on its share of every step's rows (default: 1)",
+    )
     machine.add_argument(
         "--checkpoint-every",
         type=int,

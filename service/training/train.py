@@ -25,6 +25,7 @@ from service.evals.tasks import GENERATORS, Example, make_examples
 from service.testing.tiny import tiny_config
 from service.training.config import TrainConfig
 from service.training.data import Batch, attention_mask_hiding, make_batch
+from service.training.parallel import Shard, shard_rows
 
 # Every layer kind (Mamba-2, attention, latent MoE); ~0.8M parameters, ~3 MB in fp32.
 MODEL_OVERRIDES: dict[str, Any] = dict(
@@ -114,10 +115,11 @@ def _band(cfg: TrainConfig, step: int, size_range: tuple[int, int], rng: random.
 
 
 class _Steps(torch.utils.data.IterableDataset):
-    """Batches for steps [0, steps), split round-robin over data workers and re-ordered by the loader."""
+    """Batches for steps [0, steps) (this training worker's rows of each), split round-robin over data workers and
+    re-ordered by the loader."""
 
-    def __init__(self, cfg: TrainConfig, tokenizer: Tokenizer) -> None:
-        self.cfg, self.tokenizer = cfg, tokenizer
+    def __init__(self, cfg: TrainConfig, tokenizer: Tokenizer, shard: Shard) -> None:
+        self.cfg, self.tokenizer, self.shard = cfg, tokenizer, shard
 
     def __iter__(self) -> Iterator[tuple[int, str, Batch]]:
         info = torch.utils.data.get_worker_info()
@@ -125,7 +127,8 @@ class _Steps(torch.utils.data.IterableDataset):
         pad_id = self.tokenizer.token_to_id("<|pad|>")
         for step in range(wid, self.cfg.steps, nw):
             task, examples, visible = _step_plan(self.cfg, step)
-            yield step, task, make_batch(self.tokenizer, examples, pad_id, visible)
+            rows, visible = shard_rows(examples, self.shard), shard_rows(visible, self.shard)
+            yield step, task, make_batch(self.tokenizer, rows, pad_id, visible)
 
 
 def _ignore_sigterm(worker_id: int) -> None:
@@ -158,10 +161,13 @@ def train(
     log: Callable[[str], None] = print,
     checkpoint_every: int = 0,
     on_checkpoint: Callable[[int, Any], None] = lambda steps_done, model: None,
+    shard: Shard | None = None,
 ) -> TrainResult:
-    """Train from scratch; stops early at `cfg.stop_at` steps or once `should_stop()` (checked every step).
-    Every `checkpoint_every` steps (0: never) calls `on_checkpoint(steps_done, model)` (the model in train mode;
-    the callback must not change it)."""
+    """Train from scratch; stops early at `cfg.stop_at` steps or once `should_stop()` (checked every step, on any
+    worker). Every `checkpoint_every` steps (0: never) calls `on_checkpoint(steps_done, model)` (the model in train
+    mode; the callback must not change it). With a `shard` of `world` > 1 this worker trains on its rows of every step
+    (service/training/parallel.py); only worker 0 logs and checkpoints."""
+    shard = shard or Shard()
     if cfg.init_from is not None:
         from transformers import NemotronHForCausalLM
 
@@ -180,37 +186,35 @@ def train(
     )
     # the loader's workers interleave in order (in-order iteration), so step i always gets batch i
     loader = torch.utils.data.DataLoader(
-        _Steps(cfg, tokenizer),
+        _Steps(cfg, tokenizer, shard),
         batch_size=None,
         num_workers=data_workers,
         prefetch_factor=4 if data_workers else None,
         worker_init_fn=_ignore_sigterm,
     )
-    losses: list[tuple[str, float]] = []
+    losses: list[tuple[str, torch.Tensor]] = []  # (task, the step's loss over the whole batch)
     start = time.monotonic()
     steps_done = 0
     for step, task, batch in loader:
-        if should_stop() or (cfg.stop_at is not None and step >= cfg.stop_at):
+        stops, num_label_tokens = shard.sum_counts([int(should_stop()), int((batch.labels != -100).sum())])
+        if stops or (cfg.stop_at is not None and step >= cfg.stop_at):
             break
         logits = model(input_ids=batch.input_ids.to(device), attention_mask=_masks(batch, device)).logits
         loss = torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1).float(), batch.labels.to(device).flatten(), ignore_index=-100
-        )
+            logits.flatten(0, 1).float(), batch.labels.to(device).flatten(), ignore_index=-100, reduction="sum"
+        ) / max(1, num_label_tokens)
         for group in opt.param_groups:
             group["lr"] = lr_at(cfg, step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        loss = shard.sum_grads(model, loss)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         steps_done = step + 1
-        if step % 50 == 0 or step == cfg.steps - 1:
-            losses.append((task, loss.item()))
-            log(
-                f"step {step} {task} loss {losses[-1][1]:.4f} lr {lr_at(cfg, step):.2e} {time.monotonic() - start:.1f}s"
-            )
-        else:
-            losses.append((task, loss.detach()))
-        if checkpoint_every and steps_done % checkpoint_every == 0 and steps_done < cfg.steps:
+        losses.append((task, loss))
+        if shard.rank == 0 and (step % 50 == 0 or step == cfg.steps - 1):
+            log(f"step {step} {task} loss {loss.item():.4f} lr {lr_at(cfg, step):.2e} {time.monotonic() - start:.1f}s")
+        if shard.rank == 0 and checkpoint_every and steps_done % checkpoint_every == 0 and steps_done < cfg.steps:
             on_checkpoint(steps_done, model)
     model.eval()
     recent: dict[str, list[float]] = {}

@@ -176,3 +176,34 @@ def test_first_mix_and_ramp_from_hold_short_recall_and_state_first():
     late = dataclasses.replace(cfg, mix={"recall": 1.0})
     sizes = [ex.messages[0]["content"].count("=") for s in range(120, 200) for ex in step_examples(late, s)[1]]
     assert max(sizes) >= 44
+
+
+def test_two_workers_train_the_weights_of_one(tmp_path):
+    """Data-parallel training (2 processes, each on half of every step's rows, gradients summed over 127.0.0.1)
+    ends at the weights of the same recipe in one process, up to float summation order; the manifest's command
+    names the workers."""
+    from safetensors.torch import load_file
+
+    from service.training.cli import run
+
+    cfg = TrainConfig(
+        batch_size=4,
+        steps=3,
+        warmup_steps=1,
+        first_mix={},
+        mix={"state": 0.5, "addition": 0.5},
+        state_hidden_from=0,
+        state_hidden_share=1.0,
+        eval_num=2,
+    )
+    weights = {}
+    for workers in (1, 2):
+        manifest = run(str(tmp_path / str(workers)), cfg, "cpu", 0, 1, workers=workers)
+        weights[workers] = load_file(str(tmp_path / str(workers) / "model.safetensors"))
+        assert manifest["workers"] == workers and manifest["steps_done"] == 3
+    assert "--workers 2" in manifest["reproduce"]
+    start = build_model(_tokenizer(), cfg.seed).state_dict()
+    moved = [k for k in weights[1] if k in start and not torch.equal(weights[1][k], start[k])]
+    assert moved, "the run must change the weights for the comparison to mean anything"
+    for k in weights[1]:
+        torch.testing.assert_close(weights[2][k], weights[1][k], rtol=1e-4, atol=1e-5)
