@@ -1,6 +1,7 @@
 """Burst admission through `hybrid-serve serve`: B bursts of N streamed `/v1/completions` sent at once (random-token
 prompts, few output tokens, ignore_eos), each after the previous one has finished; per burst: TTFT p50 / p90, wall
-time, errors, and the CPU milliseconds per request of the engine replica, its engine core and the ingress (/proc).
+time, errors, and the CPU milliseconds per request of the engine replica, its engine core, the ingress and this
+client (/proc).
 
 What it shows: how long a burst waits to be admitted when every request is one Serve call into the single engine
 replica (its per-call work runs one call after another on its event loop).
@@ -18,29 +19,23 @@ import statistics
 import sys
 import time
 
-import httpx
-
 if __package__ in (None, ""):  # run as a script: the repository root is the import root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.serving_bench import write_model  # noqa: E402
-from benchmarks.serving_procs import ServeProcess, cpu_delta_by_role, cpu_seconds_by_pid  # noqa: E402
-from loadtests.bench_client import Summary, stream_request, summarize  # noqa: E402
+from benchmarks.serving_bench import Case, Workload, _closed_loop_http, write_model  # noqa: E402
+from benchmarks.serving_procs import ServeProcess, cpu_delta_by_role, cpu_seconds_by_pid, own_cpu_seconds  # noqa: E402
+from loadtests.bench_client import Summary  # noqa: E402
 from loadtests.workloads import random_token_prompts  # noqa: E402
 
-ROLES = ("engine replica", "engine core", "ingress")  # the processes whose CPU per request is reported
+ROLES = ("engine replica", "engine core", "ingress", "client")  # the processes whose CPU per request is reported
 
 
-async def burst(base_url: str, model: str, prompts: list[list[int]], max_tokens: int) -> Summary:
+async def burst(base_url: str, model: str, prompts: list[list[int]], max_tokens: int, http_client: str) -> Summary:
     """All `prompts` sent at once, streamed, measured."""
-    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
-    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
-        body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
-        start = time.perf_counter()
-        results = await asyncio.gather(
-            *(stream_request(client, "/completions", {**body, "prompt": p}) for p in prompts)
-        )
-        return summarize(list(results), time.perf_counter() - start)
+    bodies = [{"prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True} for p in prompts]
+    case = Case(Workload(len(prompts[0]), max_tokens, len(prompts), len(prompts)), "completions", bodies, [])
+    summary, _ = await _closed_loop_http(base_url, model, case, 600.0, http_client)
+    return summary
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -52,12 +47,16 @@ def run(args: argparse.Namespace) -> list[dict]:
     rows = []
     with ServeProcess(model_path, serve_args, startup_timeout_s=args.startup_timeout_s) as server:
         print(f"server up in {server.startup_s:.1f} s", flush=True)
-        asyncio.run(burst(server.base_url, server.model, prompts[:n], max_tokens))  # warm-up (connections, caches)
+        warm = burst(server.base_url, server.model, prompts[:n], max_tokens, args.http_client)
+        asyncio.run(warm)  # warm-up (connections, caches)
         for b in range(1, args.bursts + 1):
             time.sleep(args.pause_s)
-            cpu0 = cpu_seconds_by_pid(server.pid)
-            s = asyncio.run(burst(server.base_url, server.model, prompts[b * n : (b + 1) * n], max_tokens))
+            cpu0, own0 = cpu_seconds_by_pid(server.pid), own_cpu_seconds()
+            s = asyncio.run(
+                burst(server.base_url, server.model, prompts[b * n : (b + 1) * n], max_tokens, args.http_client)
+            )
             cpu = cpu_delta_by_role(cpu0, cpu_seconds_by_pid(server.pid))
+            cpu["client"] = own_cpu_seconds() - own0
             row = {
                 "burst": b,
                 "ttft_p50_ms": round(1e3 * s.ttft.get("p50", float("nan")), 1),
@@ -81,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve-extra", default="", help="more `hybrid-serve serve` flags, one string")
     p.add_argument("--startup-timeout-s", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--http-client", choices=("aiohttp", "httpx"), default="aiohttp", help="the client sending bursts")
     p.add_argument("--out", default=None, help="also write the rows as JSON here")
     args = p.parse_args(argv)
     parts = args.burst.split(":")

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import json
 import multiprocessing
 import os
@@ -32,6 +34,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 
+import aiohttp
 import httpx
 
 if __package__ in (None, ""):  # run as a script: the repository root is the import root
@@ -46,7 +49,13 @@ from benchmarks.serving_procs import (  # noqa: E402
     metric_sums,
     own_cpu_seconds,
 )
-from loadtests.bench_client import RequestResult, Summary, stream_request, summarize  # noqa: E402
+from loadtests.bench_client import (  # noqa: E402
+    RequestResult,
+    Summary,
+    stream_request,
+    stream_request_aiohttp,
+    summarize,
+)
 from loadtests.workloads import random_token_prompts  # noqa: E402
 
 ENDPOINTS = {"completions": "/completions", "chat": "/chat/completions"}
@@ -188,33 +197,55 @@ def make_cases(model_path: str, workloads: list[Workload], endpoints: list[str],
 
 
 # ---------------------------------------------------------------- served
-async def _closed_loop_http(base_url: str, model: str, case: Case, timeout_s: float) -> tuple[Summary, list]:
-    limits = httpx.Limits(
-        max_connections=case.workload.concurrency + 8, max_keepalive_connections=case.workload.concurrency + 8
-    )
-    async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits) as client:
-        gate = asyncio.Semaphore(case.workload.concurrency)
+async def _closed_loop_http(
+    base_url: str, model: str, case: Case, timeout_s: float, http_client: str
+) -> tuple[Summary, list]:
+    """The case's requests streamed at its concurrency (a closed loop) over `http_client` ("aiohttp" or "httpx")."""
+    conc = case.workload.concurrency
+    path = ENDPOINTS[case.endpoint]
+    async with contextlib.AsyncExitStack() as stack:
+        if http_client == "aiohttp":
+            session = await stack.enter_async_context(
+                aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(limit=conc + 8), timeout=aiohttp.ClientTimeout(total=timeout_s)
+                )
+            )
+            send = functools.partial(stream_request_aiohttp, session, base_url + path)
+        else:
+            limits = httpx.Limits(max_connections=conc + 8, max_keepalive_connections=conc + 8)
+            client = await stack.enter_async_context(
+                httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits)
+            )
+            send = functools.partial(stream_request, client, path)
+        gate = asyncio.Semaphore(conc)
 
         async def one(body: dict) -> RequestResult:
             async with gate:
-                return await stream_request(client, ENDPOINTS[case.endpoint], {**body, "model": model})
+                return await send({**body, "model": model})
 
         start = time.perf_counter()
         results = await asyncio.gather(*(one(b) for b in case.bodies))
         return summarize(list(results), time.perf_counter() - start), list(results)
 
 
-def _client_results(base_url: str, model: str, case: Case, timeout_s: float) -> list[RequestResult]:
+def _client_results(base_url: str, model: str, case: Case, timeout_s: float, http_client: str) -> list[RequestResult]:
     """One client process' share of a closed loop (run in a worker process)."""
-    return asyncio.run(_closed_loop_http(base_url, model, case, timeout_s))[1]
+    return asyncio.run(_closed_loop_http(base_url, model, case, timeout_s, http_client))[1]
 
 
-def closed_loop_clients(base_url: str, model: str, case: Case, timeout_s: float, procs: int) -> tuple[Summary, float]:
-    """(summary, client CPU seconds) of the closed loop run by `procs` client processes (forked), each with every
-    procs-th request and its share of the concurrency, so that one client's event loop is not the limit."""
+def _started(_: int) -> None:
+    """A no-op task: the pool's worker processes exist once it has run."""
+
+
+def closed_loop_clients(
+    base_url: str, model: str, case: Case, timeout_s: float, procs: int, http_client: str
+) -> tuple[Summary, float]:
+    """(summary, client CPU seconds) of the closed loop run by `procs` client processes (forked before the clock
+    starts), each with every procs-th request and its share of the concurrency, so that one client's event loop is
+    not the limit."""
     if procs == 1:
         own0 = own_cpu_seconds()
-        summary, _ = asyncio.run(_closed_loop_http(base_url, model, case, timeout_s))
+        summary, _ = asyncio.run(_closed_loop_http(base_url, model, case, timeout_s, http_client))
         return summary, own_cpu_seconds() - own0
     w = case.workload
     parts = []
@@ -224,8 +255,9 @@ def closed_loop_clients(base_url: str, model: str, case: Case, timeout_s: float,
         parts.append(Case(Workload(w.isl, w.osl, len(bodies), max(conc, 1)), case.endpoint, bodies, []))
     children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("fork")) as pool:
+        list(pool.map(_started, range(procs)))
         start = time.perf_counter()
-        futures = [pool.submit(_client_results, base_url, model, part, timeout_s) for part in parts]
+        futures = [pool.submit(_client_results, base_url, model, part, timeout_s, http_client) for part in parts]
         results = [r for f in futures for r in f.result()]
         duration = time.perf_counter() - start
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -247,12 +279,14 @@ def run_served(args: argparse.Namespace, model_path: str, cases: list[Case], out
         for case in cases:
             warm = Case(case.workload, case.endpoint, case.bodies[: _warmup_prompts(args, case)], [])
             asyncio.run(
-                _closed_loop_http(server.base_url, server.model, _shorter(warm, args.warmup_tokens), args.timeout_s)
+                _closed_loop_http(
+                    server.base_url, server.model, _shorter(warm, args.warmup_tokens), args.timeout_s, args.http_client
+                )
             )
             core0 = core_counters(server)
             cpu0 = cpu_seconds_by_pid(server.pid)
             summary, client_cpu_s = closed_loop_clients(
-                server.base_url, server.model, case, args.timeout_s, args.client_procs
+                server.base_url, server.model, case, args.timeout_s, args.client_procs, args.http_client
             )
             cpu = cpu_delta_by_role(cpu0, cpu_seconds_by_pid(server.pid))
             core = {k: v - core0.get(k, 0.0) for k, v in core_counters(server).items()}
@@ -318,7 +352,9 @@ def cross_check(args: argparse.Namespace, server: ServeProcess, case: Case, mode
     runs = []
     for i in range(args.guidellm_rounds):
         if i > 0 or data is not None:
-            ours, _ = closed_loop_clients(server.base_url, server.model, case, args.timeout_s, args.client_procs)
+            ours, _ = closed_loop_clients(
+                server.base_url, server.model, case, args.timeout_s, args.client_procs, args.http_client
+            )
         runs.append(
             {
                 "client": "ours",
@@ -642,6 +678,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="prompts of the untimed warm-up run before each workload (0: the workload's concurrency)",
     )
     p.add_argument("--client-procs", type=int, default=1, help="client processes sharing the served closed loop (fork)")
+    p.add_argument(
+        "--http-client",
+        choices=("aiohttp", "httpx"),
+        default="aiohttp",
+        help="the served closed loop's HTTP client (httpx costs each client process ~10-20x aiohttp's CPU per "
+        "streamed request, which delays a burst of requests in the client itself)",
+    )
     p.add_argument("--warmup-tokens", type=int, default=8)
     p.add_argument("--timeout-s", type=float, default=1200.0)
     p.add_argument("--seed", type=int, default=0)

@@ -73,3 +73,67 @@ def test_sse_lines_split_only_at_cr_lf():
                 return [line async for line in sse_lines(resp)]
 
     assert asyncio.run(read()) == ['data: {"t": "a\u2028b\u0085c"}', "", "data: [DONE]", "last"]
+
+
+def test_aiohttp_and_httpx_clients_measure_the_same_stream():
+    """The benchmark's two HTTP clients read one SSE stream (served by aiohttp's own server on 127.0.0.1, written
+    in pieces that cut an event and a CRLF) into the same text, chunks, usage and finish reason; an error event and
+    an HTTP error status come back as the request's error."""
+    import asyncio
+
+    import aiohttp
+    import httpx
+    from aiohttp import web
+
+    from loadtests.bench_client import stream_request, stream_request_aiohttp
+
+    events = [
+        'data: {"choices": [{"index": 0, "text": "a\u2028b", "finish_reason": null}]}\r\n\r\n',
+        'data: {"choices": [{"index": 0, "text": "", "finish_reason": null}]}\n\n',
+        'data: {"choices": [{"index": 0, "text": "c", "finish_reason": "length"}]}\r',
+        '\rdata: {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8, '
+        '"prompt_tokens_details": {"cached_tokens": 2}}}\n\ndata: [DONE]\n\n',
+    ]
+    wire = "".join(events).encode()
+    pieces = [wire[:30], wire[30:75], wire[75:200], wire[200:]]
+    seen_bodies = []
+
+    async def sse(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        seen_bodies.append(body)
+        if body["prompt"] == "refuse":
+            return web.json_response({"error": {"message": "no"}}, status=400)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for piece in pieces if body["prompt"] == "ok" else [b'data: {"error": {"message": "engine failed"}}\n\n']:
+            await resp.write(piece)
+            await asyncio.sleep(0.01)
+        return resp
+
+    async def run() -> list:
+        app = web.Application()
+        app.router.add_post("/v1/completions", sse)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        base = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+        out = []
+        try:
+            async with aiohttp.ClientSession() as session, httpx.AsyncClient(base_url=base) as client:
+                for prompt in ("ok", "fail", "refuse"):
+                    body = {"prompt": prompt, "max_tokens": 3}
+                    out.append(await stream_request_aiohttp(session, base + "/completions", body))
+                    out.append(await stream_request(client, "/completions", body))
+        finally:
+            await runner.cleanup()
+        return out
+
+    a_ok, h_ok, a_fail, h_fail, a_refused, h_refused = asyncio.run(run())
+    for r in (a_ok, h_ok):
+        assert (r.text, r.num_chunks, r.finish_reason, r.error) == ("a\u2028bc", 3, "length", None)
+        assert (r.prompt_tokens, r.cached_tokens, r.completion_tokens) == (5, 2, 3)
+        assert 0 < r.ttft_s <= r.e2e_s and len(r.itl_s) == 2 and r.ttft_text_s == r.ttft_s
+    assert a_fail.error == h_fail.error == "engine failed" and a_fail.completion_tokens == 0
+    assert a_refused.error.startswith("HTTP 400") and h_refused.error.startswith("HTTP 400")
+    assert all(b["stream"] and b["stream_options"] == {"include_usage": True} for b in seen_bodies)
