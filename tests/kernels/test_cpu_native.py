@@ -77,6 +77,61 @@ def test_selective_state_update_hands_other_inputs_to_the_torch_bundle(monkeypat
     assert len(calls) == 2
 
 
+# ---------------------------------------------------------------- prefill scan
+SSD_BATCHES = [  # (query_lens, prefix_lens): full chunks, unaligned prefixes, one-token requests, one long request
+    ([32, 32], [0, 0]),
+    ([40, 7, 16, 33], [0, 5, 16, 3]),
+    ([1, 1, 1], [3, 20, 0]),
+    ([1, 64, 1, 13], [30, 0, 7, 19]),
+    ([70], [9]),
+]
+
+
+@pytest.mark.parametrize("lens", SSD_BATCHES)
+@pytest.mark.parametrize("sizes", [(4, 8, 2, 16), (8, 32, 1, 64), (3, 5, 1, 20)])  # (H, P, G, N): N with a tail
+def test_ssd_varlen(lens, sizes):
+    """y at every token and the state at every chunk end against the chunked reference; x, B, C strided column
+    slices of one row (as the layer's split gives)."""
+    torch.manual_seed(5)
+    ql, pl = lens
+    H, P, G, N = sizes
+    layout = ssd.build_chunk_layout(ql, pl, 16)
+    T = sum(ql)
+    xbc = torch.randn(T, H * P + 2 * G * N + 3)
+    x = xbc[:, : H * P].view(T, H, P)
+    B = xbc[:, H * P : H * P + G * N].view(T, G, N)
+    C = xbc[:, H * P + G * N : H * P + 2 * G * N].view(T, G, N)
+    dt = ssd.dt_softplus_clamp(torch.randn(T, H), torch.randn(H), (0.0, float("inf")))
+    A, D = -torch.rand(H) - 0.2, torch.randn(H)
+    init = torch.randn(len(ql), H, P, N)
+    y, states = cpu_native_ops.ssd_varlen(x, dt, A, B, C, D, init, layout)
+    y_ref, states_ref = ssd.ssd_varlen_ref(x, dt, A, B, C, D, init, layout)
+    close(y, y_ref, TOL[torch.float32])
+    close(states, states_ref, TOL[torch.float32])
+
+
+def test_ssd_varlen_hands_bf16_states_to_the_torch_bundle(monkeypatch):
+    """bf16 initial states (rounded at every chunk end) run cpu_ssd's scan, which matches the reference there
+    (tests/kernels/test_cpu_kernels.py)."""
+    calls = []
+    fast = cpu_ssd.ssd_varlen
+    monkeypatch.setattr(cpu_ssd, "ssd_varlen", lambda *a: calls.append(1) or fast(*a))
+    layout = ssd.build_chunk_layout([5], [0], 16)
+    args = (torch.randn(5, 2, 4), torch.rand(5, 2), -torch.rand(2), torch.randn(5, 1, 8), torch.randn(5, 1, 8))
+    cpu_native_ops.ssd_varlen(*args, torch.randn(2), torch.randn(1, 2, 4, 8).bfloat16(), layout)
+    cpu_native_ops.ssd_varlen(*args, torch.randn(2), torch.randn(1, 2, 4, 8), layout)
+    assert len(calls) == 1
+
+
+def test_ssd_varlen_checks_the_layout():
+    args = (torch.randn(5, 2, 4), torch.rand(5, 2), -torch.rand(2), torch.randn(5, 1, 8), torch.randn(5, 1, 8))
+    init = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="chunk layout"):  # a layout of 6 tokens over 5
+        cpu_native_ops.ssd_varlen(*args, torch.randn(2), init, ssd.build_chunk_layout([6], [0], 16))
+    with pytest.raises(ValueError, match="requests"):  # a layout of 2 requests, 1 initial state
+        cpu_native_ops.ssd_varlen(*args, torch.randn(2), init, ssd.build_chunk_layout([3, 2], [0, 0], 16))
+
+
 # ---------------------------------------------------------------- conv update
 @pytest.mark.parametrize("slots", [[1, 2, 3], [5, 1, 7], [0]])
 @pytest.mark.parametrize("kernel", [2, 4, 5])  # 4: the unrolled width-4 path; 2, 5: the generic loops
@@ -347,7 +402,9 @@ def test_native_bundle_runs_the_compiled_kernels():
     assert native.gated_norm_linear is cpu_native_ops.gated_norm_linear
     assert native.add_rms_norm is cpu_native_ops.add_rms_norm
     assert native.add_rms_norm_linear is cpu_native_ops.add_rms_norm_linear
-    assert native.ssd_varlen is fast.ssd_varlen is cpu_ssd.ssd_varlen  # the rest: the torch bundle's
+    assert native.ssd_varlen is cpu_native_ops.ssd_varlen
+    assert fast.ssd_varlen is cpu_ssd.ssd_varlen
+    assert native.mamba_decode_split and fast.mamba_decode_split
     assert native.moe_experts is cpu_native_ops.moe_experts
     assert native.moe_weight_layout is cpu_native_ops.moe_weight_layout
     assert native.moe_route is cpu_native_ops.moe_route

@@ -125,9 +125,10 @@ def torch_kernels() -> Kernels:
 
 def native_kernels() -> Kernels:
     """The "native" bundle: the "torch" bundle with compiled C kernels (csrc/cpu_decode.c, `cpu_native_ops`) for
-    the decode recurrence, the conv (decode and prefill), the decode rows of paged attention, the routed experts of
-    small batches, the router's top-k, the Mamba output norm and the residual add + norm (alone and before in_proj)
-    (fp32 on the CPU; other inputs run the torch bundle's ops). Builds the kernels now (`cpu_native.native_library`:
+    the decode recurrence, the prefill scan (the same recurrence, token after token), the conv (decode and
+    prefill), the decode rows of paged attention, the routed experts of small batches, the router's top-k, the Mamba
+    output norm and the residual add + norm (alone and before in_proj) (fp32 on the CPU; other inputs run the torch
+    bundle's ops). Builds the kernels now (`cpu_native.native_library`:
     compiled once per machine, then cached), so an engine that chose this backend fails at start, naming what to
     install, when they cannot be."""
     cpu_native.native_library()
@@ -144,6 +145,7 @@ def native_kernels() -> Kernels:
         add_rms_norm=cpu_native_ops.add_rms_norm,
         add_rms_norm_linear=cpu_native_ops.add_rms_norm_linear,
         moe_route=cpu_native_ops.moe_route,
+        ssd_varlen=cpu_native_ops.ssd_varlen,
     )
 
 

@@ -38,6 +38,7 @@ P, I64, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # int64 status (0: done, -1: a slot, page or expert id out of range, nothing touched)
 SIGNATURES = {
     "hs_ssu_f32": (P, I64, P, I64, I64, I64, I64, I64, P, I64, P, I64, P, P, I64, P, I64, P, P, F32, F32, P),
+    "hs_ssd_scan_f32": (I64, I64, I64, I64, I64, P, I64, P, I64, P, P, I64, P, I64, P, P, P, P, P, P, I64, I64, P, P),
     "hs_conv_update_f32": (P, I64, P, I64, I64, I64, P, I64, P, P, P),
     "hs_decode_attention_f32": (P, I64, P, P, I64, P, I64, I64, P, P, P, I64, I64, I64, I64, F32, P, P),
     "hs_moe_experts_f32": (P, I64, I64, I64, I64, I64, P, P, P, P, I64, P, P, P),

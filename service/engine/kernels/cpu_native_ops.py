@@ -19,6 +19,7 @@ from service.engine.kernels import cpu_attention, cpu_conv1d, cpu_moe, cpu_norm,
 from service.engine.kernels.attention import _check_bounds
 from service.engine.kernels.cpu_native import native_library
 from service.engine.kernels.moe import check_shared_expert, moe_route_ref
+from service.engine.kernels.ssd import ChunkLayout
 
 MOE_MAX_PAIRS = 512  # (token, pick) pairs up to which the routed experts run in the kernel (decode batches); more
 #                      (prefill) run `cpu_moe`'s grouped GEMMs
@@ -92,6 +93,49 @@ def selective_state_update_slots_raw_dt(
     )  # fmt: skip
     _check(status, "slot_ids", S)
     return y
+
+
+def ssd_varlen(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    initial_states: torch.Tensor,
+    layout: ChunkLayout,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ssd.ssd_varlen_ref`: x [T, H, P], dt [T, H] fp32 (softplus'd), A [H], B/C [T, G, N], D [H], initial_states
+    [B, H, P, N] -> (y [T, H, P] fp32, chunk_states [Nc, H, P, N] fp32). fp32 states and inputs on the CPU: the
+    kernel (`hs_ssd_scan_f32`: the recurrence token after token, each head's state in the core's cache, stored at
+    every chunk end; on one core it beat `cpu_ssd`'s batched matmuls from 64 to 8192 tokens); otherwise
+    `cpu_ssd.ssd_varlen` (bf16 states: rounded at every chunk end, as the reference does)."""
+    if not _fp32_cpu(x, dt, B, C, initial_states):
+        return cpu_ssd.ssd_varlen(x, dt, A, B, C, D, initial_states, layout)
+    T, H, P = x.shape
+    nb, G, N, nc = initial_states.shape[0], B.shape[1], B.shape[2], len(layout.chunk_lens_host)
+    if dt.shape != (T, H) or B.shape != (T, G, N) or C.shape != B.shape or initial_states.shape[1:] != (H, P, N):
+        raise ValueError(
+            f"ssd shapes: x {tuple(x.shape)}, dt {tuple(dt.shape)}, B/C {tuple(B.shape)}, "
+            f"initial_states {tuple(initial_states.shape)}"
+        )
+    if H % G or layout.first_chunk.shape != (nb,):
+        raise ValueError(f"heads {H} not divisible by groups {G}, or a layout of other than {nb} requests")
+    y = torch.empty(T, H, P, dtype=torch.float32)
+    states = torch.empty(nc, H, P, N, dtype=torch.float32)
+    if T == 0:
+        return y, states
+    xs, dts, Bs, Cs = _rows(x), _rows(dt), _rows(B), _rows(C)
+    A, D, init = _flat(A), _flat(D), initial_states.contiguous()
+    first, count = _flat(layout.first_chunk, torch.int64), _flat(layout.num_chunks, torch.int64)
+    start, length = _flat(layout.chunk_start, torch.int64), _flat(layout.chunk_len, torch.int64)
+    status = native_library().hs_ssd_scan_f32(
+        nb, H, P, N, G, xs.data_ptr(), xs.stride(0), dts.data_ptr(), dts.stride(0), A.data_ptr(), Bs.data_ptr(),
+        Bs.stride(0), Cs.data_ptr(), Cs.stride(0), D.data_ptr(), init.data_ptr(), first.data_ptr(), count.data_ptr(),
+        start.data_ptr(), length.data_ptr(), nc, T, y.data_ptr(), states.data_ptr(),
+    )  # fmt: skip
+    _check(status, "the chunk layout's chunks and tokens", nc)
+    return y, states
 
 
 def causal_conv1d_update_slots(

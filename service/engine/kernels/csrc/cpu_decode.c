@@ -127,6 +127,60 @@ HS_CLONES int64_t hs_ssu_f32(float *pool, int64_t num_slots, const int64_t *slot
     return 0;
 }
 
+/* Mamba-2 prefill scan of a packed batch as its recurrence, token after token (the decode step's update), per
+   request b and head h. The head's state lives in the states row of the chunk being scanned: entering chunk c it is
+   init[b] (the request's first chunk) or the state after chunk c-1; then per token t of the chunk:
+   dA = exp(dt A[h]), state = state dA + dt x_t B_t^T, y_t = state C_t + D[h] x_t.
+   x [T, H, P] (row x_row, heads contiguous); dt [T, H] softplus'd and clamped (row dt_row); A (negative), D [H];
+   Bm, Cm [T, G, N] (rows b_row, c_row; head h reads group h / (H / G)); init [nb, H, P, N];
+   the chunks of request b are first_chunk[b] .. first_chunk[b] + num_chunks[b] - 1, in order, chunk c covering
+   tokens chunk_start[c] .. chunk_start[c] + chunk_len[c] - 1; y [T, H, P]; states [nc, H, P, N] (the state after
+   each chunk's last token). Returns -1, having written nothing, when a chunk or token index lies outside [0, nc) or
+   [0, T). */
+HS_CLONES int64_t hs_ssd_scan_f32(int64_t nb, int64_t H, int64_t P, int64_t N, int64_t G, const float *x,
+                                  int64_t x_row, const float *dt, int64_t dt_row, const float *A, const float *Bm,
+                                  int64_t b_row, const float *Cm, int64_t c_row, const float *D, const float *init,
+                                  const int64_t *first_chunk, const int64_t *num_chunks, const int64_t *chunk_start,
+                                  const int64_t *chunk_len, int64_t nc, int64_t T, float *y, float *states) {
+    for (int64_t b = 0; b < nb; b++)
+        if (first_chunk[b] < 0 || num_chunks[b] < 0 || first_chunk[b] + num_chunks[b] > nc) return -1;
+    for (int64_t c = 0; c < nc; c++)
+        if (chunk_start[c] < 0 || chunk_len[c] < 0 || chunk_start[c] + chunk_len[c] > T) return -1;
+    int64_t rep = H / G, PN = P * N;
+    for (int64_t b = 0; b < nb; b++) {
+        for (int64_t h = 0; h < H; h++) {
+            const float *prev = init + (b * H + h) * PN;
+            for (int64_t c = first_chunk[b]; c < first_chunk[b] + num_chunks[b]; c++) {
+                float *st = states + (c * H + h) * PN;
+                memmove(st, prev, PN * sizeof(float));
+                for (int64_t t = chunk_start[c]; t < chunk_start[c] + chunk_len[c]; t++) {
+                    float dtv = dt[t * dt_row + h], dA = expf(dtv * A[h]);
+                    const float *Bv = Bm + t * b_row + (h / rep) * N, *Cv = Cm + t * c_row + (h / rep) * N;
+                    const float *xv = x + t * x_row + h * P;
+                    float *yv = y + (t * H + h) * P, *s = st;
+                    for (int64_t p = 0; p < P; p++, s += N) {
+                        float dtx = dtv * xv[p], tail = 0.0f;
+                        v16 acc = {0};
+                        int64_t n = 0;
+                        for (; n + LANES <= N; n += LANES) {
+                            v16 sn = *(v16 *)(s + n) * dA + dtx * *(const v16 *)(Bv + n);
+                            *(v16 *)(s + n) = sn;
+                            acc += sn * *(const v16 *)(Cv + n);
+                        }
+                        for (; n < N; n++) {
+                            s[n] = s[n] * dA + dtx * Bv[n];
+                            tail += s[n] * Cv[n];
+                        }
+                        yv[p] = hs_hsum(acc) + tail + D[h] * xv[p];
+                    }
+                }
+                prev = st;
+            }
+        }
+    }
+    return 0;
+}
+
 /* Causal depthwise conv decode step per request b and channel d, the state shifted in place:
    out = silu(bias + sum_k state[k] w[k] + x w[K-1]), state = [state[1:], x].
    pool [S, D, K-1] (rows slots[b]); x [nb, D] (row x_row); w [D, K]; bias [D] or NULL; out [nb, D]. */
