@@ -52,7 +52,7 @@ class Shard:
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
-        return flat[-1]
+        return flat[-1].clone()  # a copy: a view would keep the whole summed buffer alive with the loss
 
 
 def start_group(rank: int, world: int, store: Any) -> Shard:
