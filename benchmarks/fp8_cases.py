@@ -59,6 +59,10 @@ W8A8_TILE_VARIANTS = {
         MoeTiles(16, 128, 256, 4, 3),
         MoeTiles(32, 64, 256, 4, 3),
         MoeTiles(64, 64, 256, 4, 3),
+        MoeTiles(16, 128, 128, 4, 4),
+        MoeTiles(32, 128, 128, 4, 4),
+        MoeTiles(64, 128, 128, 4, 4),
+        MoeTiles(16, 64, 128, 4, 5),
     ),
     512: W8A8_LARGE_DECODE_TILES,
     1024: W8A8_LARGE_DECODE_TILES,
@@ -68,6 +72,10 @@ W8A8_TILE_VARIANTS = {
         MoeTiles(128, 256, 64, 8, 4),
         MoeTiles(64, 256, 128, 4, 3),
         MoeTiles(128, 128, 256, 8, 3),
+        MoeTiles(128, 256, 128, 8, 4),
+        MoeTiles(64, 128, 128, 4, 4),
+        MoeTiles(128, 128, 128, 4, 3),
+        MoeTiles(256, 128, 128, 8, 3),
     ),
 }
 

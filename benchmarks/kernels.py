@@ -339,7 +339,7 @@ def route_cases() -> list[Case]:
             grid = (triton.cdiv(T, t.block_t), triton.cdiv(E, t.block_e), triton.cdiv(HIDDEN, t.block_k * t.k_steps))
             name = (
                 f"route {base.name} {t.mode} bt={t.block_t} be={t.block_e} bk={t.block_k}x{t.k_steps} "
-                f"w={t.warps} s={t.stages} grid={grid}"
+                f"w={t.warps} s={t.stages} sel={t.select_rows} grid={grid}"
             )
             out.append(
                 Case(
@@ -414,7 +414,26 @@ def all_cases(only: set[str]) -> list[Case]:
     ]
 
 
-def run(only: set[str], log: list[str], ceilings: tuple[float, float], deadline: float = math.inf) -> list[str]:
+@dataclass(frozen=True)
+class Selection:
+    """Which main-table cases this process runs."""
+
+    match: tuple[str, ...] = ()  # run only cases whose name contains one of these (empty: every case)
+    warm_only: bool = False  # compile each selected case (one call), no timing
+    shard: tuple[int, int] = (0, 1)  # (i, n): with warm_only, every n-th selected case from the i-th
+
+    def picks(self, cases: list[Case]) -> list[Case]:
+        chosen = [c for c in cases if not self.match or any(m in c.name for m in self.match)]
+        return chosen[self.shard[0] :: self.shard[1]] if self.warm_only else chosen
+
+
+def run(
+    only: set[str],
+    log: list[str],
+    ceilings: tuple[float, float],
+    deadline: float = math.inf,
+    selection: Selection = Selection(),
+) -> list[str]:
     copy_gbs, mm_tflops = ceilings
     lines = [
         "| case | wall ms | device ms | torch ref wall ms | speedup | GB/s | % copy BW | TFLOP/s | % bf16 peak "
@@ -422,7 +441,11 @@ def run(only: set[str], log: list[str], ceilings: tuple[float, float], deadline:
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     print("\n".join(lines), flush=True)
-    for case in all_cases(only):
+    for case in selection.picks(all_cases(only)):
+        if selection.warm_only:
+            case.triton_fn(*case.make())
+            print(f"| {case.name} | compiled |", flush=True)
+            continue
         if time.monotonic() > deadline:
             lines.append(f"| {case.name} | skipped: past --budget-s |")
             continue
@@ -621,7 +644,17 @@ def main(argv: list[str] | None = None) -> None:
         help="start no case after this many seconds from "
         "launch (the rest is listed as skipped, the summary covers what ran); 0 = no limit",
     )
+    ap.add_argument("--match", default="", help="comma list: run only main-table cases whose name contains one")
+    ap.add_argument(
+        "--warm-only",
+        default="",
+        metavar="I/N",
+        help="compile (one call each, no timing) every N-th selected main-table case from the I-th, so that N "
+        "processes fill Triton's cache in parallel before the timed run",
+    )
     args = ap.parse_args(argv)
+    shard = tuple(int(v) for v in args.warm_only.split("/")) if args.warm_only else (0, 1)
+    selection = Selection(tuple(m for m in args.match.split(",") if m), bool(args.warm_only), shard)
     start = time.monotonic()
     deadline = start + args.budget_s if args.budget_s > 0 else math.inf
     cuda = torch.cuda.is_available()
@@ -632,7 +665,10 @@ def main(argv: list[str] | None = None) -> None:
         only = only & set(SWEEP_GROUPS) or set(SWEEP_GROUPS)
     torch.manual_seed(0)
     device = "cuda" if cuda else "cpu"
-    ceilings = (gemv_sweep.small_copy_gbs(device), math.nan) if args.tiny else measure_ceilings()
+    if args.tiny:
+        ceilings = (gemv_sweep.small_copy_gbs(device), math.nan)
+    else:
+        ceilings = (math.nan, math.nan) if selection.warm_only else measure_ceilings()
     gpu = f"GPU: {torch.cuda.get_device_name()}" if cuda else "CPU (Triton interpreter)"
     head = [
         f"{gpu}, torch {torch.__version__}, triton {triton.__version__}",
@@ -663,7 +699,7 @@ def main(argv: list[str] | None = None) -> None:
         write_out(sweep)
     log: list[str] = []
     if not args.tiny and (not only or only - {"gemv"}):  # "gemv" alone has no main-table cases
-        lines = run(only, log, ceilings, deadline)
+        lines = run(only, log, ceilings, deadline, selection)
         write_out(sweep + lines)
         if cases:  # the sweep's summary last again
             print("\n".join(summary), flush=True)

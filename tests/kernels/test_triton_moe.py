@@ -81,6 +81,12 @@ def test_moe_route_super_experts():
     _assert_route_matches(*_router_inputs(7, 512, 32, torch.float32, seed=11), 22, 1, 1, True)
 
 
+def test_moe_route_super_experts_selected_apart():
+    """E 512, top-22 with the selection in a second launch: the tile budgets cut its rows per program to 1."""
+    tiles = RouteTiles("ieee", 16, 128, 16, 1, 4, select_rows=4)
+    _assert_route_matches(*_router_inputs(3, 512, 32, torch.float32, seed=12), 22, 1, 1, True, tiles)
+
+
 def test_moe_route_prefill_blocks():
     """T=1100: 64-token blocks, E=64 in 4 slices of 16, the selection in two 32-row steps; grouped."""
     _assert_route_matches(*_router_inputs(1100, 64, 32, torch.float32, seed=8), 6, 4, 2, True)
@@ -93,6 +99,9 @@ ROUTE_TILES_CPU = [  # (T, E, d, h dtype, tiles): K split in several slices, sev
     (40, 64, 160, torch.float32, RouteTiles("ieee", 16, 64, 16, 1, 4)),  # 10 K slices: two partial-sum loads
     (40, 64, 100, torch.bfloat16, RouteTiles("bf16x3", 16, 32, 16, 1, 4)),
     (33, 64, 100, torch.bfloat16, RouteTiles("bf16x3", 32, 16, 32, 2, 4)),
+    (40, 64, 100, torch.bfloat16, RouteTiles("bf16x3", 16, 32, 16, 2, 4, select_rows=4)),  # two launches
+    (37, 48, 100, torch.float32, RouteTiles("ieee", 16, 16, 16, 1, 4, select_rows=8)),  # ragged rows, 7 K slices
+    (5, 64, 100, torch.float16, RouteTiles("fma", 4, 16, 16, 2, 2, select_rows=2)),
 ]
 
 
@@ -136,6 +145,7 @@ def test_moe_route_rejects_bad_tiles():
         RouteTiles("ieee", 8, 16, 16, 1, 4),  # tl.dot needs 16-wide tiles
         RouteTiles("fma", 1, 8, 24, 1, 4),
         RouteTiles("tf32", 16, 16, 16, 1, 4),
+        RouteTiles("ieee", 16, 16, 16, 1, 4, select_rows=3),  # rows per select program: a power of 2
     ):
         with pytest.raises(ValueError):
             moe_route_tiled(h, gate, bias, 2, 1, 1, True, 1.0, tiles)

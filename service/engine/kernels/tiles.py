@@ -356,6 +356,8 @@ class RouteTiles:
     k_steps: int  # steps per program: its K slice is block_k * k_steps ("fma": unrolled, <= 16)
     warps: int
     stages: int = 3
+    select_rows: int = 0  # 0: one launch, the last program of a token block selects its rows; > 0 (a power of 2):
+    # a second launch selects, this many rows per program (the logits programs carry no selection code)
 
 
 def route_tiles(T: int, e_pad: int, d: int, dtype: torch.dtype) -> RouteTiles:
@@ -383,7 +385,8 @@ def route_tiles(T: int, e_pad: int, d: int, dtype: torch.dtype) -> RouteTiles:
 
 
 # Launch-shape variants timed by benchmarks/kernels.py (group "route") and checked by the GPU tests; the first of
-# each list is `route_tiles`' pick at Nano shapes (E=128, d=2688, bf16 h).
+# each list is `route_tiles`' pick at Nano shapes (E=128, d=2688, bf16 h). The two-launch variants (select_rows > 0)
+# spread the selection over T / select_rows programs.
 ROUTE_TILE_VARIANTS = {
     1: [
         RouteTiles("fma", 1, 8, 256, 1, 4),
@@ -399,21 +402,35 @@ ROUTE_TILE_VARIANTS = {
         RouteTiles("bf16x3", 16, 64, 64, 3, 4),
         RouteTiles("bf16x3", 16, 32, 64, 3, 4),
         RouteTiles("bf16x3", 32, 128, 64, 6, 8),
-        RouteTiles("bf16x3", 64, 128, 64, 6, 8),
-        RouteTiles("bf16x3", 32, 64, 32, 6, 4),
         RouteTiles("bf16x3", 32, 64, 64, 3, 4),
         RouteTiles("ieee", 32, 64, 32, 6, 4),
-        RouteTiles("ieee", 16, 32, 32, 6, 4),
+        RouteTiles("bf16x3", 16, 64, 64, 3, 4, select_rows=4),
+        RouteTiles("bf16x3", 16, 64, 64, 3, 4, select_rows=2),
+        RouteTiles("bf16x3", 16, 64, 64, 3, 4, select_rows=8),
+        RouteTiles("bf16x3", 16, 128, 64, 3, 4, select_rows=4),
+        RouteTiles("bf16x3", 32, 64, 64, 3, 4, select_rows=4),
+        RouteTiles("bf16x3", 16, 64, 64, 6, 4, select_rows=4),
+        RouteTiles("bf16x3", 16, 64, 64, 2, 4, select_rows=4),
+    ],
+    1024: [
+        RouteTiles("bf16x3", 128, 64, 64, 42, 8),
+        RouteTiles("bf16x3", 64, 64, 64, 6, 8, select_rows=4),
+        RouteTiles("bf16x3", 32, 64, 64, 6, 4, select_rows=4),
+        RouteTiles("bf16x3", 32, 128, 64, 6, 4, select_rows=4),
+        RouteTiles("bf16x3", 64, 128, 64, 6, 8, select_rows=4),
+        RouteTiles("bf16x3", 16, 64, 64, 6, 4, select_rows=4),
     ],
     8192: [
         RouteTiles("bf16x3", 128, 64, 64, 42, 8),
         RouteTiles("bf16x3", 64, 128, 64, 42, 8),
-        RouteTiles("bf16x3", 128, 128, 32, 21, 8, 2),
         RouteTiles("bf16x3", 64, 128, 64, 21, 8),
-        RouteTiles("bf16x3", 64, 128, 32, 42, 8),
         RouteTiles("bf16x3", 64, 64, 32, 84, 4),
-        RouteTiles("ieee", 64, 128, 32, 84, 8),
         RouteTiles("ieee", 64, 128, 32, 42, 8),
+        RouteTiles("bf16x3", 128, 64, 64, 42, 8, select_rows=4),
+        RouteTiles("bf16x3", 64, 128, 64, 21, 8, select_rows=4),
+        RouteTiles("bf16x3", 64, 64, 64, 21, 8, select_rows=4),
+        RouteTiles("bf16x3", 128, 128, 64, 21, 8, select_rows=8),
+        RouteTiles("bf16x3", 64, 128, 64, 14, 8, select_rows=4),
     ],
 }
 

@@ -19,6 +19,10 @@ Products, by `RouteTiles.mode`:
            bf16 tensor-core dots have exact products summed in fp32 (only the summation order differs from fp32).
 The top-k packs (order-preserving int of the fp32 choice, E_PAD - 1 - index) into one int64 per expert: one max
 reduction per pick, ties to the lowest index. No host sync: graph-capturable.
+Two launches (`RouteTiles.select_rows` > 0): the logits kernel only writes the partials (no counters, no selection
+code: fewer registers, more programs per SM), then `_route_select_kernel` sums them and selects select_rows rows per
+program, so the selection of a large batch runs on ~T / select_rows programs instead of one per token block (PDL
+between the two where available).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ SELECT_TILE = 2048  # rows * padded experts per selection step (int64 keys)
 WEIGHT_TILE = 8192  # rows * padded top_k * padded experts (the weight gather)
 REDUCE_TILE = 8192  # K slices * rows * padded experts per partial-sum load
 MODES = {"fma": 0, "ieee": 1, "bf16x3": 2}
+SELECT_WARPS = 4  # warps of `_route_select_kernel` (two launches)
 
 
 @triton.jit
@@ -320,6 +325,8 @@ def _moe_route_kernel(
     tl.store(
         part_ptr + (pid_k * T + offs_t.to(tl.int64))[:, None] * E + offs_e[None, :], acc, mask=mt[:, None] & me[None, :]
     )
+    if N_ARRIVE == 0:  # two launches: `_route_select_kernel` sums and selects
+        return
     tl.debug_barrier()  # every thread's stores are done before the read-back / the counter
     if N_ARRIVE == 1:
         _select_block(
@@ -374,6 +381,56 @@ def _moe_route_kernel(
             tl.store(count_ptr + pid_t, 0)  # leaves a persistent counter buffer zeroed for the next launch
 
 
+@triton.jit
+def _route_select_kernel(
+    part_ptr,
+    bias_ptr,
+    w_out_ptr,
+    ids_ptr,
+    T,
+    E,
+    n_ks,
+    s_b,
+    top_k,
+    n_group,
+    topk_group,
+    scaling,
+    SEL_T: tl.constexpr,
+    KS_TILE: tl.constexpr,
+    E_PAD: tl.constexpr,
+    K_PAD: tl.constexpr,
+    G_PAD: tl.constexpr,
+    GROUPED: tl.constexpr,
+    NORM: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Rows [program_id(0) * SEL_T, + SEL_T): the n_ks partial logits summed, sigmoid, top-k, weights."""
+    pdl_wait(PDL)
+    pdl_release(PDL)
+    _select_rows(
+        part_ptr,
+        bias_ptr,
+        w_out_ptr,
+        ids_ptr,
+        tl.program_id(0) * SEL_T,
+        T,
+        E,
+        n_ks,
+        s_b,
+        top_k,
+        n_group,
+        topk_group,
+        scaling,
+        SEL_T,
+        KS_TILE,
+        E_PAD,
+        K_PAD,
+        G_PAD,
+        GROUPED,
+        NORM,
+    )
+
+
 def _check_route_args(h, gate_weight, correction_bias, top_k, n_group, topk_group) -> None:
     check_dim("h", h, 2)
     check_dim("gate_weight", gate_weight, 2)
@@ -404,6 +461,23 @@ def _check_tiles(t: RouteTiles, h: torch.Tensor) -> None:
         raise ValueError(f"block sizes must be powers of two and 1 <= k_steps (<= 16 for 'fma'): {t}")
     if t.mode != "fma" and min(dims) < 16:
         raise ValueError(f"tl.dot modes need block_t, block_e, block_k >= 16: {t}")
+    if t.select_rows < 0 or t.select_rows & (t.select_rows - 1):
+        raise ValueError(f"select_rows must be 0 (one launch) or a power of two: {t}")
+
+
+def _select_consts(rows: int, n_ks: int, e_pad: int, k_pad: int, n_group: int, norm: bool) -> dict:
+    """The selection's constexprs for programs that select `rows` rows each: SEL_T rows per step (the [SEL_T, E_PAD]
+    keys and the [SEL_T, K_PAD, E_PAD] weight gather stay within their tile budgets), KS_TILE K slices per load."""
+    sel_t = max(1, min(rows, SELECT_TILE // e_pad, WEIGHT_TILE // (e_pad * k_pad)))
+    return dict(
+        SEL_T=sel_t,
+        KS_TILE=min(triton.next_power_of_2(n_ks), max(1, REDUCE_TILE // (sel_t * e_pad))),
+        E_PAD=e_pad,
+        K_PAD=k_pad,
+        G_PAD=triton.next_power_of_2(n_group),
+        GROUPED=n_group > 1,
+        NORM=bool(norm),
+    )
 
 
 def moe_route(
@@ -419,9 +493,10 @@ def moe_route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h [T, d] (bf16/fp16/fp32, unit stride in d), gate_weight [E, d] (unit stride in d), correction_bias [E]
     -> (topk_weights [T, top_k] fp32, topk_ids [T, top_k] int64), one Triton launch (+ a zero fill of one int32
-    arrival counter per token block when a token block spans several programs and counters is None); tiles from
-    `route_tiles`. counters: optional persistent int32 zeros of >= one element per token block (left zeroed; unused
-    when a token block has a single program)."""
+    arrival counter per token block when a token block spans several programs and counters is None), or two when
+    the tiles select apart (`RouteTiles.select_rows`); tiles from `route_tiles`. counters: optional persistent int32
+    zeros of >= one element per token block (left zeroed; unused when a token block has a single program or the
+    selection runs apart)."""
     return moe_route_tiled(
         h, gate_weight, correction_bias, top_k, n_group, topk_group, norm_topk_prob, scaling, None, counters
     )
@@ -454,13 +529,14 @@ def moe_route_tiled(
     _check_tiles(cfg, h)
     grid = (triton.cdiv(T, cfg.block_t), triton.cdiv(E, cfg.block_e), triton.cdiv(d, cfg.block_k * cfg.k_steps))
     part = torch.empty(grid[2], T, E, dtype=torch.float32, device=dev)  # partial logits per K slice
-    n_arrive = grid[1] * grid[2]
+    apart = cfg.select_rows > 0
+    n_arrive = 0 if apart else grid[1] * grid[2]
     if n_arrive > 1:  # one arrival counter per token block
         counts = arrival_counters(counters, h, grid[0])
     else:  # never read: a placeholder pointer
         counts = counters if counters is not None else torch.empty(1, dtype=torch.int32, device=dev)
-    sel_t = max(1, min(cfg.block_t, SELECT_TILE // e_pad, WEIGHT_TILE // (e_pad * k_pad)))
-    ks_tile = min(triton.next_power_of_2(grid[2]), max(1, REDUCE_TILE // (sel_t * e_pad)))
+    select = _select_consts(cfg.select_rows if apart else cfg.block_t, grid[2], e_pad, k_pad, n_group, norm_topk_prob)
+    scalars = (top_k, n_group, topk_group, float(scaling))
     _moe_route_kernel[grid](
         h,
         gate_weight,
@@ -475,26 +551,32 @@ def moe_route_tiled(
         h.stride(0),
         gate_weight.stride(0),
         correction_bias.stride(0),
-        top_k,
-        n_group,
-        topk_group,
-        float(scaling),
+        *scalars,
         MODE=MODES[cfg.mode],
         BLOCK_T=cfg.block_t,
         BLOCK_E=cfg.block_e,
         BLOCK_K=cfg.block_k,
         K_STEPS=cfg.k_steps,
         N_ARRIVE=n_arrive,
-        SEL_T=sel_t,
-        KS_TILE=ks_tile,
-        E_PAD=e_pad,
-        K_PAD=k_pad,
-        G_PAD=triton.next_power_of_2(n_group),
-        GROUPED=n_group > 1,
-        NORM=bool(norm_topk_prob),
         DOT_TY=tl.bfloat16 if dev.type == "cuda" else tl.float32,
         num_warps=cfg.warps,
         num_stages=cfg.stages,
+        **select,
         **pdl_args(h),
     )
+    if apart:
+        _route_select_kernel[(triton.cdiv(T, select["SEL_T"]),)](
+            part,
+            correction_bias,
+            weights,
+            ids,
+            T,
+            E,
+            grid[2],
+            correction_bias.stride(0),
+            *scalars,
+            num_warps=SELECT_WARPS,
+            **select,
+            **pdl_args(h),
+        )
     return weights, ids
