@@ -67,6 +67,7 @@ W8A8_TILE_VARIANTS = {
     512: W8A8_LARGE_DECODE_TILES,
     1024: W8A8_LARGE_DECODE_TILES,
     8192: (
+        MoeTiles(128, 128, 128, 4, 3),
         MoeTiles(128, 256, 128, 8, 3),
         MoeTiles(128, 128, 128, 8, 4),
         MoeTiles(128, 256, 64, 8, 4),
@@ -74,7 +75,6 @@ W8A8_TILE_VARIANTS = {
         MoeTiles(128, 128, 256, 8, 3),
         MoeTiles(128, 256, 128, 8, 4),
         MoeTiles(64, 128, 128, 4, 4),
-        MoeTiles(128, 128, 128, 4, 3),
         MoeTiles(256, 128, 128, 8, 3),
     ),
 }

@@ -281,8 +281,9 @@ def default_tiles(pairs_per_expert: float, element_size: int) -> MoeTiles:
             return MoeTiles(16, 64, 256, 4, 4)
         if pairs_per_expert <= 32:
             return MoeTiles(32, 64, 256, 4, 4)
-        # large decode batches (Nano at T=1024: 62 % of copy bandwidth, against 42 % with the 32-row tile)
-        return MoeTiles(64, 128, 128, 4, 4) if pairs_per_expert <= 48 else MoeTiles(128, 256, 128, 8, 3)
+        # large decode batches (Nano at T=1024: 62 % of copy bandwidth, against 42 % with the 32-row tile); prefill
+        # (Nano at T=8192, 384 pairs per expert: 2.08 ms per layer against 2.22 ms for (128, 256, 128, 8, 3))
+        return MoeTiles(64, 128, 128, 4, 4) if pairs_per_expert <= 48 else MoeTiles(128, 128, 128, 4, 3)
     if pairs_per_expert <= 16:
         return MOE_DECODE_TILE_VARIANTS[0]
     if pairs_per_expert <= 48:  # large decode batches: bf16 streams the weights best through 64x128 tiles
@@ -362,21 +363,27 @@ class RouteTiles:
 
 def route_tiles(T: int, e_pad: int, d: int, dtype: torch.dtype) -> RouteTiles:
     """T <= 8 (decode): "fma", 256-wide K slices and e_pad / 16 experts per program (Nano: 16 x 11 = 176 programs,
-    8 KB of W each, every load in flight at once). Larger T: "bf16x3" for bf16 h ("ieee" otherwise) on 16/32/64-token
-    blocks; K split so that there are about TARGET_PROGRAMS programs while the last program of a token block sums
-    at most 64K partial logits; bf16 h above 64 tokens takes the tiles measured fastest (Nano: T=256 ->
-    16 x 2 x 14 programs, T=8192 -> 64 x 2 x 1; measured on H200, see benchmarks/RESULTS.md)."""
+    8 KB of W each, every load in flight at once), one launch. Larger T: "bf16x3" for bf16 h ("ieee" otherwise) on
+    16/32/64-token blocks; K split so that there are about TARGET_PROGRAMS programs while the last program of a token
+    block sums at most 64K partial logits. bf16 h above 64 tokens takes the tiles measured fastest, with the
+    selection in a second launch (one program per 2-4 rows instead of one per token block): up to 512 tokens 16 x 64
+    tiles, 3 K steps per slice, 2 rows per select program (Nano T=256: 16 x 2 x 14 programs, 12.6 us against 43.4 us
+    for one launch); up to 2048 tokens 32 x 64 tiles over 6 K steps (T=1024: 32 x 2 x 7, 23.1 us against 104.6 us
+    for 128 x 64 tiles over the whole K in one launch); above, 128 x 64 tiles over the whole K (T=8192: 64 x 2 x 1,
+    71.5 us against 102.9 us in one launch); measured on H200, see benchmarks/RESULTS.md."""
     if T <= 8:
         bt = triton.next_power_of_2(T)
         bk = max(32, 256 // bt)
         return RouteTiles("fma", bt, max(8, e_pad // 16), bk, 256 // bk, 4)
     mode = "bf16x3" if dtype == torch.bfloat16 else "ieee"
     steps = triton.cdiv(d, 64)
-    if mode == "bf16x3" and T > 64:  # up to 512 tokens: 16 x 64 tiles, 3 K steps per slice;
-        if T <= 512:  # above: 128 x 64 tiles over the whole K
+    if mode == "bf16x3" and T > 64:
+        if T <= 512:
             n_ks = max(1, min(triton.cdiv(steps, 3), 65536 // (16 * e_pad)))
-            return RouteTiles(mode, 16, min(64, e_pad), 64, triton.cdiv(steps, n_ks), 4)
-        return RouteTiles(mode, 128, min(64, e_pad), 64, steps, 8)
+            return RouteTiles(mode, 16, min(64, e_pad), 64, triton.cdiv(steps, n_ks), 4, select_rows=2)
+        if T <= 2048:
+            return RouteTiles(mode, 32, min(64, e_pad), 64, 6, 4, select_rows=4)
+        return RouteTiles(mode, 128, min(64, e_pad), 64, steps, 8, select_rows=4)
     bt, be = (16, 32) if T <= 64 else (32, 64) if T <= 512 else (64, 128)
     be = min(be, e_pad)
     blocks = triton.cdiv(T, bt) * triton.cdiv(e_pad, be)
@@ -399,38 +406,30 @@ ROUTE_TILE_VARIANTS = {
         RouteTiles("fma", 1, 32, 128, 1, 4),
     ],
     256: [
-        RouteTiles("bf16x3", 16, 64, 64, 3, 4),
-        RouteTiles("bf16x3", 16, 32, 64, 3, 4),
-        RouteTiles("bf16x3", 32, 128, 64, 6, 8),
-        RouteTiles("bf16x3", 32, 64, 64, 3, 4),
-        RouteTiles("ieee", 32, 64, 32, 6, 4),
-        RouteTiles("bf16x3", 16, 64, 64, 3, 4, select_rows=4),
         RouteTiles("bf16x3", 16, 64, 64, 3, 4, select_rows=2),
-        RouteTiles("bf16x3", 16, 64, 64, 3, 4, select_rows=8),
-        RouteTiles("bf16x3", 16, 128, 64, 3, 4, select_rows=4),
+        RouteTiles("bf16x3", 16, 64, 64, 3, 4),
+        RouteTiles("bf16x3", 16, 64, 64, 3, 4, select_rows=4),
         RouteTiles("bf16x3", 32, 64, 64, 3, 4, select_rows=4),
+        RouteTiles("bf16x3", 32, 64, 64, 3, 4, select_rows=2),
         RouteTiles("bf16x3", 16, 64, 64, 6, 4, select_rows=4),
-        RouteTiles("bf16x3", 16, 64, 64, 2, 4, select_rows=4),
+        RouteTiles("bf16x3", 16, 64, 64, 3, 4, select_rows=8),
     ],
     1024: [
-        RouteTiles("bf16x3", 128, 64, 64, 42, 8),
-        RouteTiles("bf16x3", 64, 64, 64, 6, 8, select_rows=4),
         RouteTiles("bf16x3", 32, 64, 64, 6, 4, select_rows=4),
+        RouteTiles("bf16x3", 128, 64, 64, 42, 8),
+        RouteTiles("bf16x3", 32, 64, 64, 6, 4, select_rows=2),
         RouteTiles("bf16x3", 32, 128, 64, 6, 4, select_rows=4),
-        RouteTiles("bf16x3", 64, 128, 64, 6, 8, select_rows=4),
         RouteTiles("bf16x3", 16, 64, 64, 6, 4, select_rows=4),
+        RouteTiles("bf16x3", 64, 64, 64, 6, 8, select_rows=4),
     ],
     8192: [
-        RouteTiles("bf16x3", 128, 64, 64, 42, 8),
-        RouteTiles("bf16x3", 64, 128, 64, 42, 8),
-        RouteTiles("bf16x3", 64, 128, 64, 21, 8),
-        RouteTiles("bf16x3", 64, 64, 32, 84, 4),
-        RouteTiles("ieee", 64, 128, 32, 42, 8),
         RouteTiles("bf16x3", 128, 64, 64, 42, 8, select_rows=4),
-        RouteTiles("bf16x3", 64, 128, 64, 21, 8, select_rows=4),
-        RouteTiles("bf16x3", 64, 64, 64, 21, 8, select_rows=4),
+        RouteTiles("bf16x3", 128, 64, 64, 42, 8),
+        RouteTiles("bf16x3", 128, 64, 64, 21, 8, select_rows=4),
+        RouteTiles("bf16x3", 128, 64, 64, 42, 8, select_rows=2),
         RouteTiles("bf16x3", 128, 128, 64, 21, 8, select_rows=8),
-        RouteTiles("bf16x3", 64, 128, 64, 14, 8, select_rows=4),
+        RouteTiles("bf16x3", 64, 64, 32, 84, 4),
+        RouteTiles("bf16x3", 32, 64, 64, 6, 4, select_rows=4),
     ],
 }
 
