@@ -18,8 +18,14 @@ import torch
 from benchmarks.kernels import BF16, DEV, HIDDEN, INTER, TOPK, Case, E
 from service.engine.kernels import fp8, moe
 from service.engine.kernels.fp8 import FP8_DTYPE, FP8_MAX, Fp8Linear
-from service.engine.kernels.tiles import EXPERT_GEMV_FP8_TILES, GEMV_FP8_TILE_VARIANTS, ExpertGemvTiles, MoeTiles
-from service.engine.kernels.triton_fp8 import fp8_linear, quantize_fp8
+from service.engine.kernels.tiles import (
+    EXPERT_GEMV_FP8_TILES,
+    GEMV_FP8_TILE_VARIANTS,
+    QUANTIZE_TILE_VARIANTS,
+    ExpertGemvTiles,
+    MoeTiles,
+)
+from service.engine.kernels.triton_fp8 import fp8_linear, quantize_fp8, quantize_fp8_tiled
 from service.engine.kernels.triton_gemv import gemv
 from service.engine.kernels.triton_moe import Fp8ExpertScales, moe_experts_tiled
 from service.engine.kernels.triton_moe_gemv import moe_experts_gemv
@@ -217,6 +223,18 @@ def quantize_cases() -> list[Case]:
                 0.0,
             )
         )
+        for t in QUANTIZE_TILE_VARIANTS:
+            out.append(
+                Case(
+                    f"quantize_fp8 T={T} {t}",
+                    make,
+                    lambda x, s, t=t: quantize_fp8_tiled(x, s, t).view(torch.uint8).float(),
+                    None,
+                    T * HIDDEN * 3,
+                    0.0,
+                    lambda x, s: fp8.quantize_fp8(x, s).view(torch.uint8).float(),
+                )
+            )
         make_lin = _linear_make(T, 10304, HIDDEN)
         out.append(
             Case(

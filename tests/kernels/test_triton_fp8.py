@@ -13,8 +13,14 @@ import triton.language as tl
 from service.engine.kernels import fp8
 from service.engine.kernels.fp8 import FP8_DTYPE, FP8_MAX, Fp8Linear
 from service.engine.kernels.moe import relu2
-from service.engine.kernels.tiles import EXPERT_GEMV_FP8_TILE_VARIANTS, GEMV_FP8_TILE_VARIANTS, GemvTiles, MoeTiles
-from service.engine.kernels.triton_fp8 import f32_to_e4m3_bits, fp8_linear, quantize_fp8
+from service.engine.kernels.tiles import (
+    EXPERT_GEMV_FP8_TILE_VARIANTS,
+    GEMV_FP8_TILE_VARIANTS,
+    QUANTIZE_TILE_VARIANTS,
+    GemvTiles,
+    MoeTiles,
+)
+from service.engine.kernels.triton_fp8 import f32_to_e4m3_bits, fp8_linear, quantize_fp8, quantize_fp8_tiled
 from service.engine.kernels.triton_gemv import gemv
 from service.engine.kernels.triton_moe import Fp8ExpertScales, moe_experts_tiled
 from service.engine.kernels.triton_moe_gemv import MAX_GEMV_PAIRS, fp8_moe_experts, moe_experts_gemv
@@ -110,14 +116,16 @@ def test_e4m3_rounding_equals_torch_cast():
     assert bad.numel() == 0, list(zip(v[bad][:8].tolist(), od.cpu()[bad][:8].tolist(), expect[bad][:8].tolist()))
 
 
+@pytest.mark.parametrize("tiles", [None, *QUANTIZE_TILE_VARIANTS[1:]], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantize_fp8_equals_torch(dtype):
+def test_quantize_fp8_equals_torch(dtype, tiles):
     """The one-launch activation quantization equals `fp8.quantize_fp8` bit for bit, clamping included (values
-    beyond +-448 * scale), on strided rows and a ragged last column block."""
+    beyond +-448 * scale), on strided rows, a ragged last row block and a ragged last column block; every launch
+    shape the benchmark times."""
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(5, 1100, generator=g) * 3).to(DEVICE, dtype)[:, 30:]
     scale = torch.tensor([2.5 / FP8_MAX], device=DEVICE)
-    q = quantize_fp8(x, scale)
+    q = quantize_fp8(x, scale) if tiles is None else quantize_fp8_tiled(x, scale, tiles)
     assert q.dtype == FP8_DTYPE and q.shape == x.shape
     assert torch.equal(q.view(torch.uint8), fp8.quantize_fp8(x, scale).view(torch.uint8))
 

@@ -343,6 +343,30 @@ EXPERT_GEMV_TILE_VARIANTS = (
 )
 
 
+# ---- activation quantization (triton_fp8) ----
+
+
+@dataclass(frozen=True)
+class QuantizeTiles:
+    """Launch shape of `quantize_fp8`: programs of rows x block elements (block capped at K's next power of 2)."""
+
+    block: int  # columns per program (a power of 2)
+    rows: int  # rows per program (a power of 2)
+    warps: int
+
+
+# Launch shapes the `fp8` benchmark group times (the tests check each); the first is the default: several rows per
+# program, so a prefill step's activations ([8192, 2688] for Nano) run as ~6K programs of 4K elements each instead of
+# ~25K programs of one row's 1K.
+QUANTIZE_TILE_VARIANTS = (
+    QuantizeTiles(1024, 4, 4),
+    QuantizeTiles(1024, 1, 4),
+    QuantizeTiles(1024, 8, 8),
+    QuantizeTiles(512, 8, 4),
+    QuantizeTiles(2048, 4, 8),
+)
+
+
 # ---- router (triton_moe_route) ----
 
 

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from service.engine.kernels import fp8
+from service.engine.kernels.tiles import QUANTIZE_TILE_VARIANTS, QuantizeTiles
 from service.engine.kernels.triton_common import check_dim, check_inner_contiguous, check_same_device
 from service.engine.kernels.triton_gemv import MAX_GEMV_WEIGHT_ELEMENTS, gemv
 
@@ -37,19 +38,24 @@ def f32_to_e4m3_bits(v):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, scale_ptr, q_ptr, n_cols, s_x, s_q, BLOCK: tl.constexpr):
-    """Row program_id(0), columns of block program_id(1): q = e4m3 bits of clamp(x / scale, +-448)."""
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n_cols
-    v = tl.load(x_ptr + row * s_x + offs, mask=m, other=0.0).to(tl.float32) / tl.load(scale_ptr)
+def _quantize_kernel(x_ptr, scale_ptr, q_ptr, n_rows, n_cols, s_x, s_q, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows of block program_id(0), columns of block program_id(1): q = e4m3 bits of clamp(x / scale, +-448)."""
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
+    offs = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
+    m = (rows < n_rows) & (offs < n_cols)
+    v = tl.load(x_ptr + rows * s_x + offs, mask=m, other=0.0).to(tl.float32) / tl.load(scale_ptr)
     v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
-    tl.store(q_ptr + row * s_q + offs, f32_to_e4m3_bits(v).to(tl.uint8), mask=m)
+    tl.store(q_ptr + rows * s_q + offs, f32_to_e4m3_bits(v).to(tl.uint8), mask=m)
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`fp8.quantize_fp8` in one launch: x [T, K] (unit stride in K), scale fp32 (one element) ->
     float8_e4m3fn [T, K] contiguous, equal to torch's clamp(x / scale, +-448) cast bit for bit."""
+    return quantize_fp8_tiled(x, scale, None)
+
+
+def quantize_fp8_tiled(x: torch.Tensor, scale: torch.Tensor, tiles: QuantizeTiles | None) -> torch.Tensor:
+    """`quantize_fp8` with a given launch shape (None: the first of `QUANTIZE_TILE_VARIANTS`)."""
     check_dim("x", x, 2)
     check_inner_contiguous("x", x)
     if scale.numel() != 1 or scale.dtype != torch.float32:
@@ -57,9 +63,10 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     check_same_device(x=x, scale=scale)
     q = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     if x.numel():
-        block = min(1024, triton.next_power_of_2(x.shape[1]))
-        _quantize_kernel[(x.shape[0], triton.cdiv(x.shape[1], block))](
-            x, scale, q, x.shape[1], x.stride(0), q.stride(0), BLOCK=block, num_warps=4
+        t = tiles or QUANTIZE_TILE_VARIANTS[0]
+        block = min(t.block, triton.next_power_of_2(x.shape[1]))
+        _quantize_kernel[(triton.cdiv(x.shape[0], t.rows), triton.cdiv(x.shape[1], block))](
+            x, scale, q, x.shape[0], x.shape[1], x.stride(0), q.stride(0), ROWS=t.rows, BLOCK=block, num_warps=t.warps
         )
     return q.view(fp8.FP8_DTYPE)
 
