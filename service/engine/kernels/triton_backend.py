@@ -5,8 +5,9 @@ Triton ops:  ssd_varlen, selective_state_update, selective_state_update_slots_ra
              (triton_conv1d);
              paged_attention (triton_attention: decode with split-KV, prefill with cached prefix);
              write_kv (triton_kv: K and V rows into the pages, one launch);
-             moe_route (triton_moe_route: router GEMV + top-k in one launch), moe_experts (triton_moe_gemv:
-             grouped GEMVs for <= 16 (token, slot) pairs, else triton_moe's sorted-token grouped GEMMs);
+             moe_route (triton_moe_route: router GEMV + top-k, one launch; two above 64 bf16 tokens),
+             moe_experts (triton_moe_gemv: grouped GEMVs for <= 16 (token, slot) pairs, else triton_moe's
+             sorted-token grouped GEMMs);
              rms_norm, add_rms_norm (residual add + RMSNorm), gated_rms_norm (triton_norm); relu2 (triton_activation);
              linear (triton_gemv.linear: one-launch GEMV for single-row decode linears up to 32 M weights,
              cuBLAS otherwise); add_rms_norm_linear, gated_norm_linear (triton_norm_gemv: a single row runs the norm

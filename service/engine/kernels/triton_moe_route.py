@@ -1,4 +1,4 @@
-"""Triton MoE router: fp32 router logits, sigmoid, (group-limited) top-k and weights in ONE kernel launch.
+"""Triton MoE router: fp32 router logits, sigmoid, (group-limited) top-k and weights in one kernel launch (or two).
 
 Same signature, semantics and dtypes as `moe.moe_route_ref`:
   s = sigmoid(h @ W^T) with exact products summed in fp32 (never TF32), choice = s + bias; with n_group > 1 only
