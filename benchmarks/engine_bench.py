@@ -423,8 +423,12 @@ def bench_variant(
 
 def run_throughput(engine: Engine, args: argparse.Namespace, notes: list[str] | None) -> dict[str, float]:
     """The throughput run of the arguments, after an untimed warm-up that compiles the kernels of mixed
-    prefill+decode steps; prints its numbers."""
-    throughput_run(engine, 8, args.tp_isl, 8, 4, seed=6)
+    prefill+decode steps at the run's sizes; prints its numbers. The warm-up sends 3 x (prompts per token budget)
+    requests of 16 output tokens, twice a budget's worth at once: its steps fill the whole budget and cut a prompt
+    into chunks beside decode rows, as the closed loop's do (a warm-up of 8 prompts at concurrency 4 left steps of
+    >4 prompts and prompt chunks to compile inside the timed run)."""
+    per_step = max(1, args.max_batched_tokens // args.tp_isl)
+    throughput_run(engine, 3 * per_step, args.tp_isl, 16, min(2 * per_step, args.tp_concurrency), seed=6)
     out = throughput_run(
         engine,
         args.tp_prompts,
