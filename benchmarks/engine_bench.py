@@ -425,8 +425,9 @@ def run_throughput(engine: Engine, args: argparse.Namespace, notes: list[str] | 
     """The throughput run of the arguments, after an untimed warm-up that compiles the kernels of mixed
     prefill+decode steps at the run's sizes; prints its numbers. The warm-up sends 3 x (prompts per token budget)
     requests of 16 output tokens, twice a budget's worth at once: its steps fill the whole budget and cut a prompt
-    into chunks beside decode rows, as the closed loop's do (a warm-up of 8 prompts at concurrency 4 left steps of
-    >4 prompts and prompt chunks to compile inside the timed run)."""
+    into chunks beside decode rows, as the closed loop's do (a warm-up of 8 prompts at concurrency 4 never ran
+    steps of more than 4 prompts or prompt chunks: the likely reason why the first engine run on a fresh machine
+    lost ~100-140 ms per mixed step, benchmarks/RESULTS.md)."""
     per_step = max(1, args.max_batched_tokens // args.tp_isl)
     throughput_run(engine, 3 * per_step, args.tp_isl, 16, min(2 * per_step, args.tp_concurrency), seed=6)
     out = throughput_run(
