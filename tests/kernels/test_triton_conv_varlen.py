@@ -109,3 +109,18 @@ def test_conv_varlen_variants_gpu_nano_shapes(case, tiles, dtype):
     assert_close(
         causal_conv1d_varlen_tiled(*args, tiles), conv1d.causal_conv1d_varlen_ref(*args), dtype, f"conv varlen {tiles}"
     )
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_bundle_conv_windows_gpu_equal_ref(dtype):
+    """The triton bundle's conv_windows (the torch bundle's row gather) equals the reference bit for bit on the
+    GPU: states after 0, 1, some and all new tokens of each request, Nano's conv width and channels."""
+    from service.engine.kernels.triton_backend import triton_kernels
+
+    x, _, _, init, qsl, _ = _inputs([700, 1, 3, 1024], 6144, 4, dtype, seed=3)
+    req = torch.tensor([0, 0, 0, 1, 1, 2, 2, 3, 3], device=DEVICE)
+    new = torch.tensor([0, 2, 700, 0, 1, 2, 3, 5, 1024], device=DEVICE)
+    out = triton_kernels().conv_windows(x, init, qsl, req, new)
+    assert torch.equal(out, conv1d.conv_state_windows_ref(x, init, qsl, req, new))

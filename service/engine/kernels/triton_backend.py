@@ -17,8 +17,9 @@ Triton ops:  ssd_varlen, selective_state_update, selective_state_update_slots_ra
              grouped GEMVs with the shared expert for <= 16 pairs, else triton_moe's grouped GEMMs, W8A8).
 moe_route, linear, fp8_linear and the norm + linear ops are bound to the bundle's `ArrivalCounters` (one persistent zeroed
 counter buffer per device for the multi-program router and split-K GEMVs: no memset per launch).
-Torch references used on purpose (each a single gather/scatter, no Python loop):
-             conv_windows = conv1d.conv_state_windows_ref.
+Torch ops used on purpose (a few gathers, no Python loop): conv_windows = cpu_conv1d.conv_state_windows (the torch
+             bundle's: gathers only the n * (K-1) rows it returns, where the reference copies all of a prefill's
+             [T, conv_dim] inputs into one buffer first).
 There is no runtime fallback: every field is fixed here.
 
 On a machine without CUDA the Triton ops run only under TRITON_INTERPRET=1 (set before triton is imported).
@@ -30,7 +31,7 @@ import torch
 
 from service.engine.kernels import (
     Kernels,
-    conv1d,
+    cpu_conv1d,
     linear,
     moe,
     triton_activation,
@@ -47,7 +48,7 @@ from service.engine.kernels import (
 )
 
 # fields that hold the torch reference
-TORCH_REFERENCE_OPS = ("conv_windows", "linear_weight_layout", "moe_weight_layout")
+TORCH_REFERENCE_OPS = ("linear_weight_layout", "moe_weight_layout")
 ARRIVAL_COUNTER_SLOTS = 1 << 16  # int32 counters per device (256 KB): see `ArrivalCounters`
 
 
@@ -180,7 +181,7 @@ def triton_kernels(counters: ArrivalCounters | None = None, fuse_norm_linear: bo
         conv_varlen=triton_conv1d.causal_conv1d_varlen,
         conv_update=triton_conv1d.causal_conv1d_update,
         conv_update_slots=triton_conv1d.causal_conv1d_update_slots,
-        conv_windows=conv1d.conv_state_windows_ref,
+        conv_windows=cpu_conv1d.conv_state_windows,
         write_kv=triton_kv.write_kv,
         paged_attention=triton_attention.paged_attention,
         moe_route=counters.moe_route,
