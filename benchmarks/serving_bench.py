@@ -64,6 +64,9 @@ CORE_METRICS = (  # the engine core's counters (summed over engine replicas), sc
     "ray_hybrid_serve_engine_core_steps_total",
     "ray_hybrid_serve_generation_tokens_total",
 )
+# an engine replica's log line for each call it turned away at max_ongoing_requests (the ingress' router then retries
+# it after a backoff of 25 ms, doubling up to 0.5 s)
+AT_CAPACITY = "Replica at capacity of max_ongoing_requests"
 METRICS_SETTLE_S = 1.0 + 3 * METRICS_REPORT_MS / 1e3  # the replica exports stats every 1 s, Ray reports them after
 NANO_OVERRIDES = {  # Nemotron-3 Nano 30B-A3B shapes (tests/engine/fixtures/nano_30b_a3b_config.json), 8 layers
     "hidden_size": 2688,
@@ -284,6 +287,7 @@ def run_served(args: argparse.Namespace, model_path: str, cases: list[Case], out
                 )
             )
             core0 = core_counters(server)
+            rejected0 = server.count_log(AT_CAPACITY)
             cpu0 = cpu_seconds_by_pid(server.pid)
             summary, client_cpu_s = closed_loop_clients(
                 server.base_url, server.model, case, args.timeout_s, args.client_procs, args.http_client
@@ -295,9 +299,16 @@ def run_served(args: argparse.Namespace, model_path: str, cases: list[Case], out
             )
             if args.device.startswith("cuda"):
                 gpu_roles = gpu_process_roles(server.pid)
-            out[_key(case)] = {"summary": asdict(summary), "cpu_s": cpu, "engine_core": core}
+            rejected = server.count_log(AT_CAPACITY) - rejected0
+            out[_key(case)] = {
+                "summary": asdict(summary),
+                "cpu_s": cpu,
+                "engine_core": core,
+                "calls_rejected_at_capacity": rejected,
+            }
             print(
-                f"  served {_key(case)}: {summary.output_tokens_per_s:.0f} tok/s, errors {summary.num_errors}; "
+                f"  served {_key(case)}: {summary.output_tokens_per_s:.0f} tok/s, errors {summary.num_errors}, "
+                f"engine calls rejected at capacity {rejected}; "
                 f"{core_line(core, summary.duration_s)}",
                 flush=True,
             )

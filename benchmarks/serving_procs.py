@@ -223,10 +223,13 @@ class ServeProcess:
 
     def count_log(self, needle: str) -> int:
         """Lines containing `needle` in the CLI's output and in every Ray log file of this cluster."""
-        files = [
-            self.log_path,
-            *glob.glob(os.path.join(self.serve_log_dir, "session_*", "logs", "**", "*"), recursive=True),
-        ]
+        files = {  # session_latest links to the session's own folder: each file once
+            os.path.realpath(f)
+            for f in (
+                self.log_path,
+                *glob.glob(os.path.join(self.serve_log_dir, "session_*", "logs", "**", "*"), recursive=True),
+            )
+        }
         return sum((_read(f) or "").count(needle) for f in files if os.path.isfile(f))
 
     def __exit__(self, *exc: object) -> None:

@@ -33,6 +33,7 @@ _DEPLOYMENT_FLAGS = (
     "ingress_replicas",
     "stream_chunks_per_s",
     "group_max_requests",
+    "max_ongoing_requests",
     "access_log",
 )
 
@@ -68,6 +69,13 @@ def add_cli(subparsers: Any) -> None:
         default=None,
         help="requests one Serve call from an ingress replica to an engine replica carries at most (requests "
         "arriving while the previous call is being set up share the next one); default 1: one call per request",
+    )
+    p.add_argument(
+        "--max-ongoing-requests",
+        type=int,
+        default=None,
+        help="engine calls one engine replica runs at once (Ray Serve's max_ongoing_requests); more wait in the "
+        "ingress' router, and beyond 4x this per replica get 503 (default: 256)",
     )
     p.add_argument(
         "--access-log",
