@@ -286,39 +286,39 @@ def run_served(args: argparse.Namespace, model_path: str, cases: list[Case], out
                     server.base_url, server.model, _shorter(warm, args.warmup_tokens), args.timeout_s, args.http_client
                 )
             )
-            core0 = core_counters(server)
-            rejected0 = server.count_log(AT_CAPACITY)
-            cpu0 = cpu_seconds_by_pid(server.pid)
-            summary, client_cpu_s = closed_loop_clients(
-                server.base_url, server.model, case, args.timeout_s, args.client_procs, args.http_client
-            )
-            cpu = cpu_delta_by_role(cpu0, cpu_seconds_by_pid(server.pid))
-            core = {k: v - core0.get(k, 0.0) for k, v in core_counters(server).items()}
-            cpu[f"client ({args.client_procs} processes)" if args.client_procs > 1 else "client (this process)"] = (
-                client_cpu_s
-            )
-            if args.device.startswith("cuda"):
-                gpu_roles = gpu_process_roles(server.pid)
-            rejected = server.count_log(AT_CAPACITY) - rejected0
-            out[_key(case)] = {
-                "summary": asdict(summary),
-                "cpu_s": cpu,
-                "engine_core": core,
-                "calls_rejected_at_capacity": rejected,
-            }
-            print(
-                f"  served {_key(case)}: {summary.output_tokens_per_s:.0f} tok/s, errors {summary.num_errors}, "
-                f"engine calls rejected at capacity {rejected}; "
-                f"{core_line(core, summary.duration_s)}",
-                flush=True,
-            )
-            if args.guidellm and case.endpoint == "completions":
-                out[_key(case)].update(cross_check(args, server, case, model_path, summary))
+            for rep in range(args.served_repeats):
+                key = _key(case) + (f" (repeat {rep + 1})" if rep else "")
+                out[key] = timed_served(args, server, case, key)
+                if args.guidellm and case.endpoint == "completions" and rep == 0:
+                    out[key].update(cross_check(args, server, case, model_path, Summary(**out[key]["summary"])))
+        if args.device.startswith("cuda"):
+            gpu_roles = gpu_process_roles(server.pid)
         out["_warnings"] = {
             "queue_length_warnings": server.count_log("Failed to get queue length"),
             "serve_log_dir": server.serve_log_dir,
             "gpu_processes": gpu_roles,
         }
+
+
+def timed_served(args: argparse.Namespace, server: ServeProcess, case: Case, key: str) -> dict:
+    """One timed closed loop of `case` against the running server: its summary, CPU seconds per role, the engine
+    core's counters and the engine calls turned away at capacity over the run; prints its line."""
+    core0 = core_counters(server)
+    rejected0 = server.count_log(AT_CAPACITY)
+    cpu0 = cpu_seconds_by_pid(server.pid)
+    summary, client_cpu_s = closed_loop_clients(
+        server.base_url, server.model, case, args.timeout_s, args.client_procs, args.http_client
+    )
+    cpu = cpu_delta_by_role(cpu0, cpu_seconds_by_pid(server.pid))
+    core = {k: v - core0.get(k, 0.0) for k, v in core_counters(server).items()}
+    cpu[f"client ({args.client_procs} processes)" if args.client_procs > 1 else "client (this process)"] = client_cpu_s
+    rejected = server.count_log(AT_CAPACITY) - rejected0
+    print(
+        f"  served {key}: {summary.output_tokens_per_s:.0f} tok/s, errors {summary.num_errors}, "
+        f"engine calls rejected at capacity {rejected}; {core_line(core, summary.duration_s)}",
+        flush=True,
+    )
+    return {"summary": asdict(summary), "cpu_s": cpu, "engine_core": core, "calls_rejected_at_capacity": rejected}
 
 
 def core_counters(server: ServeProcess) -> dict[str, float]:
@@ -584,7 +584,9 @@ def report(served: dict, inproc: dict, cases: list[Case]) -> list[str]:
     for case in cases:
         key = _key(case)
         base = inproc.get(key, {}).get("summary", {}).get("output_tokens_per_s")
-        for path, res in (("in-process", inproc.get(key)), ("served", served.get(key))):
+        runs = [("in-process", key, inproc.get(key))]
+        runs += [("served", k, r) for k, r in served.items() if k == key or k.startswith(key + " (repeat")]
+        for path, label, res in runs:
             if res is None:
                 continue
             s = res["summary"]
@@ -596,7 +598,7 @@ def report(served: dict, inproc: dict, cases: list[Case]) -> list[str]:
             )
             t, tp, itl = s["ttft"], s["tpot"], s["itl"]
             lines.append(
-                f"| {key} | {path} | {s['output_tokens_per_s']:.0f} | {ratio} | {_ms(t, 'p50')} / "
+                f"| {label} | {path} | {s['output_tokens_per_s']:.0f} | {ratio} | {_ms(t, 'p50')} / "
                 f"{_ms(t, 'p90')} / {_ms(t, 'p99')} | {_ms(tp, 'p50')} | {_ms(itl, 'p50')} / {_ms(itl, 'p99')} "
                 f"| {s['tokens_per_chunk']:.2f} | {s['num_errors']} | {cpu} |"
             )
@@ -697,6 +699,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "streamed request, which delays a burst of requests in the client itself)",
     )
     p.add_argument("--warmup-tokens", type=int, default=8)
+    p.add_argument(
+        "--served-repeats",
+        type=int,
+        default=1,
+        help="timed served runs of each workload on the same server, back to back (reported as '(repeat N)'): "
+        "the later ones find every kernel variant the first compiled",
+    )
     p.add_argument("--timeout-s", type=float, default=1200.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-served", action="store_true")
