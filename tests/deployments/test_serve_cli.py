@@ -59,7 +59,6 @@ def test_access_log_flag_reaches_both_deployments():
     assert options("--no-access-log") == [{"enable_access_log": False}] * 2
 
 
-
 def test_max_ongoing_requests_flag_sets_the_engine_bound_and_the_ingress_admission():
     """`--max-ongoing-requests` is the engine replica's Serve bound; its handle-side queue and what the ingress
     admits scale with it (default 256)."""
@@ -77,6 +76,7 @@ def test_max_ongoing_requests_flag_sets_the_engine_bound_and_the_ingress_admissi
     assert engine["max_ongoing_requests"] == 256 and engine2["max_ongoing_requests"] == 512
     assert engine2["max_queued_requests"] == QUEUED_REQUESTS_PER_REPLICA * 512
     assert ingress2["max_ongoing_requests"] == 2 * ingress["max_ongoing_requests"]
+
 
 DRAIN_TOKENS = 800
 N = 40  # tokens of the streamed completion in the high-throughput test
