@@ -84,6 +84,27 @@ static int64_t hs_check_slots(const int64_t *slots, int64_t n, int64_t num_slots
     return 0;
 }
 
+/* One token through one head's state, in place: s [P, N] = s dA + (dt x) B^T, y [P] = s C + Dh x
+   (x, y [P]; B, C [N]). */
+HS_INLINE void hs_head_token(float *s, const float *xv, float dt, float dA, const float *Bv, const float *Cv, float Dh,
+                             float *yv, int64_t P, int64_t N) {
+    for (int64_t p = 0; p < P; p++, s += N) {
+        float dtx = dt * xv[p], tail = 0.0f;
+        v16 acc = {0};
+        int64_t n = 0;
+        for (; n + LANES <= N; n += LANES) {
+            v16 sn = *(v16 *)(s + n) * dA + dtx * *(const v16 *)(Bv + n);
+            *(v16 *)(s + n) = sn;
+            acc += sn * *(const v16 *)(Cv + n);
+        }
+        for (; n < N; n++) {
+            s[n] = s[n] * dA + dtx * Bv[n];
+            tail += s[n] * Cv[n];
+        }
+        yv[p] = hs_hsum(acc) + tail + Dh * xv[p];
+    }
+}
+
 /* One Mamba-2 decode step per (request b, head h), the state updated in place in one pass over it:
    dt = clamp(softplus(dt_raw + dt_bias), dt_lo, dt_hi), dA = exp(-dt exp(A_log)),
    state = state dA + dt x B^T, y = state C + D x.
@@ -107,21 +128,7 @@ HS_CLONES int64_t hs_ssu_f32(float *pool, int64_t num_slots, const int64_t *slot
             float *yv = y + (b * H + h) * P;
             const float *next = h + 1 < H ? s + P * N : (b + 1 < nb ? pool + slots[b + 1] * H * P * N : s);
             for (int64_t i = 0; i < P * N; i += 16) __builtin_prefetch(next + i, 1); /* the next head's state */
-            for (int64_t p = 0; p < P; p++, s += N) {
-                float dtx = dt * xv[p], tail = 0.0f;
-                v16 acc = {0};
-                int64_t n = 0;
-                for (; n + LANES <= N; n += LANES) {
-                    v16 sn = *(v16 *)(s + n) * dA + dtx * *(const v16 *)(Bv + n);
-                    *(v16 *)(s + n) = sn;
-                    acc += sn * *(const v16 *)(Cv + n);
-                }
-                for (; n < N; n++) {
-                    s[n] = s[n] * dA + dtx * Bv[n];
-                    tail += s[n] * Cv[n];
-                }
-                yv[p] = hs_hsum(acc) + tail + D[h] * xv[p];
-            }
+            hs_head_token(s, xv, dt, dA, Bv, Cv, D[h], yv, P, N);
         }
     }
     return 0;
@@ -157,22 +164,7 @@ HS_CLONES int64_t hs_ssd_scan_f32(int64_t nb, int64_t H, int64_t P, int64_t N, i
                     float dtv = dt[t * dt_row + h], dA = expf(dtv * A[h]);
                     const float *Bv = Bm + t * b_row + (h / rep) * N, *Cv = Cm + t * c_row + (h / rep) * N;
                     const float *xv = x + t * x_row + h * P;
-                    float *yv = y + (t * H + h) * P, *s = st;
-                    for (int64_t p = 0; p < P; p++, s += N) {
-                        float dtx = dtv * xv[p], tail = 0.0f;
-                        v16 acc = {0};
-                        int64_t n = 0;
-                        for (; n + LANES <= N; n += LANES) {
-                            v16 sn = *(v16 *)(s + n) * dA + dtx * *(const v16 *)(Bv + n);
-                            *(v16 *)(s + n) = sn;
-                            acc += sn * *(const v16 *)(Cv + n);
-                        }
-                        for (; n < N; n++) {
-                            s[n] = s[n] * dA + dtx * Bv[n];
-                            tail += s[n] * Cv[n];
-                        }
-                        yv[p] = hs_hsum(acc) + tail + D[h] * xv[p];
-                    }
+                    hs_head_token(st, xv, dtv, dA, Bv, Cv, D[h], y + (t * H + h) * P, P, N);
                 }
                 prev = st;
             }
