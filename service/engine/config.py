@@ -344,6 +344,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
 SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+CUDA_WARMUP_STEPS = 256  # start-up warm-up steps on CUDA (EngineConfig.warmup_steps)
 
 
 def setting(default: Any, help: str, **checks: Any) -> Any:  # noqa: A002  (the metadata key is "help")
@@ -396,6 +397,13 @@ class EngineConfig:
     debug_integrity: bool = setting(False, "check the cache and pool invariants after every step (slow)")
     cuda_graphs: bool = setting(True, "replay captured decode-only steps (CUDA with triton kernels; ignored otherwise)")
     async_scheduling: bool = setting(True, "launch the next step before reading this one's tokens")
+    warmup_steps: int | None = setting(
+        None,
+        "engine steps of random traffic run at start, before the first request, so the kernels of the step "
+        "shapes that traffic makes are compiled and loaded then and not in a user's step; default: "
+        f"{CUDA_WARMUP_STEPS} on CUDA, 0 on CPU (no kernel is compiled there)",
+        min=0,
+    )
     tp: int = setting(1, "tensor-parallel ranks, one GPU each: GPUs per engine replica", min=1)
     ep: int = setting(
         1,
@@ -437,8 +445,10 @@ class EngineConfig:
         device = self.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        backend = self.kernel_backend or ("triton" if device.startswith("cuda") else "native")
-        return replace(self, device=device, kernel_backend=backend)
+        cuda = device.startswith("cuda")
+        backend = self.kernel_backend or ("triton" if cuda else "native")
+        warmup = self.warmup_steps if self.warmup_steps is not None else (CUDA_WARMUP_STEPS if cuda else 0)
+        return replace(self, device=device, kernel_backend=backend, warmup_steps=warmup)
 
     def validate(self) -> None:
         """ValueError naming the setting to change; the per-field checks come from the field declarations."""

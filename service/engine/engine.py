@@ -25,6 +25,7 @@ from service.engine.runner.model_runner import ModelRunner, resolve_dtype, resol
 from service.engine.runner.sampler import SamplerOutput
 from service.engine.scheduler.scheduler import Scheduler, SchedulerOutput
 from service.engine.tokenizer import Tokenizer
+from service.engine.warmup import warm_up
 
 MAX_CAPTURED_REQUESTS = 64  # state copies kept for capture_states requests until popped
 
@@ -55,6 +56,16 @@ class Engine:
         # the rank-0 worker when it runs in this process (tp == 1), else None
         self.runner: ModelRunner | None = self.workers.runner
         self.dtype = resolve_dtype(config, self.model_config)  # weights and KV/conv state (ssm state is fp32)
+        self._detokenize = detokenize
+        self._reset()
+        if config.warmup_steps:
+            warm_up(self, config.warmup_steps)
+            self._reset()  # the warm-up leaves no request, cache entry or count behind
+
+    def _reset(self) -> None:
+        """Fresh scheduling state: pools, prefix cache, scheduler, output processor and counters (the ranks'
+        tensors are kept: no request holds a slot or page, and every slot and page is written before it is read)."""
+        config = self.config
         pools = SlotPools(self.workers.pool_sizes, config.page_size)
         self.cache = CacheManager(
             pools,
@@ -72,7 +83,7 @@ class Engine:
             self.model_config.chunk_size if resolve_ssm_dtype(config, self.model_config) != torch.float32 else 0,
         )
         eos = self.tokenizer.eos_token_ids if self.tokenizer else self.model_config.eos_token_id
-        self.output = OutputProcessor(self.tokenizer, tuple(eos), self.max_model_len, detokenize)
+        self.output = OutputProcessor(self.tokenizer, tuple(eos), self.max_model_len, self._detokenize)
         self.requests: dict[str, Request] = {}  # request_id -> unfinished request
         self.captured: dict[str, dict[str, CapturedState]] = {}  # request_id -> "hit"|"prompt" -> state copy
         self._order = itertools.count()
