@@ -25,6 +25,7 @@ import functools
 import json
 import multiprocessing
 import os
+import re
 import resource
 import signal
 import statistics
@@ -306,9 +307,12 @@ def timed_served(args: argparse.Namespace, server: ServeProcess, case: Case, key
     core0 = core_counters(server)
     rejected0 = server.count_log(AT_CAPACITY)
     cpu0 = cpu_seconds_by_pid(server.pid)
+    spies = start_py_spy(args, cpu0, key)
     summary, client_cpu_s = closed_loop_clients(
         server.base_url, server.model, case, args.timeout_s, args.client_procs, args.http_client
     )
+    for spy in spies:
+        spy.wait()
     cpu = cpu_delta_by_role(cpu0, cpu_seconds_by_pid(server.pid))
     core = {k: v - core0.get(k, 0.0) for k, v in core_counters(server).items()}
     cpu[f"client ({args.client_procs} processes)" if args.client_procs > 1 else "client (this process)"] = client_cpu_s
@@ -319,6 +323,26 @@ def timed_served(args: argparse.Namespace, server: ServeProcess, case: Case, key
         flush=True,
     )
     return {"summary": asdict(summary), "cpu_s": cpu, "engine_core": core, "calls_rejected_at_capacity": rejected}
+
+
+PY_SPY_ROLES = ("engine core", "engine replica", "ingress")  # the busiest process of each role is sampled
+
+
+def start_py_spy(args: argparse.Namespace, procs: dict[int, tuple[str, float]], key: str) -> list[subprocess.Popen]:
+    """With --py-spy-s: py-spy (on PATH) samples the busiest process of each PY_SPY_ROLES role for that long,
+    without pausing it, into collapsed stacks `<out>.<key>.<role>.txt` (idle samples left out)."""
+    if not args.py_spy_s:
+        return []
+    spies = []
+    for role in PY_SPY_ROLES:
+        busiest = sorted((sec, pid) for pid, (r, sec) in procs.items() if r == role)
+        if not busiest:
+            continue
+        path = f"{args.out or 'serving_bench'}.{re.sub(r'[^A-Za-z0-9]+', '_', f'{key} {role}')}.txt"
+        cmd = ["py-spy", "record", "--nonblocking", "--format", "raw", "--rate", "250"]
+        cmd += ["--duration", str(args.py_spy_s), "--output", path, "--pid", str(busiest[-1][1])]
+        spies.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+    return spies
 
 
 def core_counters(server: ServeProcess) -> dict[str, float]:
@@ -705,6 +729,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1,
         help="timed served runs of each workload on the same server, back to back (reported as '(repeat N)'): "
         "the later ones find every kernel variant the first compiled",
+    )
+    p.add_argument(
+        "--py-spy-s",
+        type=int,
+        default=0,
+        help="sample the engine core, the engine replica and an ingress replica with py-spy (on PATH) for this many "
+        "seconds from the start of each timed served run (collapsed stacks next to --out)",
     )
     p.add_argument("--timeout-s", type=float, default=1200.0)
     p.add_argument("--seed", type=int, default=0)
