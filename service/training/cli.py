@@ -2,7 +2,9 @@
 
 The folder: `config.json` + `model.safetensors` (transformers' `save_pretrained`), `tokenizer.json`,
 `tokenizer_config.json` (the tiny model's chat template), `generation_config.json` and `manifest.json`
-(model config, data recipe, seed, steps, final losses, held-out greedy accuracy, wall time, device)."""
+(model config, data recipe, seed, steps, final losses, held-out greedy accuracy, wall time, device). A run that
+continues from another folder (`--init-from`) keeps that folder's manifest (`init_manifest`) and lists every
+command from random weights in order (`reproduce_chain`)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import json
 import multiprocessing
 import os
 import platform
+import shlex
 import shutil
 import signal
 import sys
@@ -129,6 +132,7 @@ def run(
     if cfg.init_from and os.path.isfile(previous):
         with open(previous, encoding="utf-8") as f:
             manifest["init_manifest"] = json.load(f)
+        manifest["reproduce_chain"] = reproduce_chain(manifest["init_manifest"], cfg.init_from) + [rerun]
     write_folder(out, result.model.to("cpu"), hf_tokenizer, manifest)
     return manifest
 
@@ -204,6 +208,16 @@ def reproduce_command(cfg: TrainConfig, threads: int, steps_done: int, workers: 
     machine = [f"--threads {threads}"] + ([f"--workers {workers}"] if workers > 1 else [])
     flags = " ".join([f"--seed {cfg.seed}", *differing_flags(cfg, skip), *machine])
     return f"hybrid-serve train-tiny-model OUT {flags}{stop}"
+
+
+def reproduce_chain(init_manifest: dict[str, Any], init_from: str) -> list[str]:
+    """The commands, in order, that wrote the `init_from` folder of `init_manifest` from random weights: its own
+    chain (or its `reproduce`), the last of them writing to `init_from` instead of OUT."""
+    chain = list(init_manifest.get("reproduce_chain") or [init_manifest["reproduce"]])
+    head, sep, tail = chain[-1].partition(" train-tiny-model OUT ")
+    if not sep:
+        raise ValueError(f"expected a 'train-tiny-model OUT ...' command, got {chain[-1]!r}")
+    return chain[:-1] + [f"{head} train-tiny-model {shlex.quote(init_from)} {tail}"]
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:

@@ -74,6 +74,12 @@ def test_manifest_describes_the_committed_weights(trained_model):
     no_stop = {"stop_at": None}
     assert _reproduced_config(manifest["reproduce"]) | no_stop == manifest["train_config"] | no_stop
     assert manifest["train_config"]["init_from"] is None or manifest["init_manifest"]["train_config"]["seed"] == 0
+    # a run continued from another one lists every command from random weights; each builds its run's config
+    chain, run = manifest.get("reproduce_chain", [manifest["reproduce"]]), manifest
+    assert chain[-1] == manifest["reproduce"]
+    for command in reversed(chain[:-1]):
+        run = run["init_manifest"]
+        assert _reproduced_config(command) | no_stop == run["train_config"] | no_stop
     assert manifest["heldout_greedy_accuracy"]["num_per_task"] == NUM_QUESTIONS
     assert os.path.getsize(os.path.join(trained_model, "model.safetensors")) < 8 * 2**20
 

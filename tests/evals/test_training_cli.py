@@ -13,7 +13,7 @@ import pytest
 
 from service.engine.tokenizer import Tokenizer
 from service.testing.tiny import tokenizer_config
-from service.training.cli import add_cli, config_from_args, reproduce_command
+from service.training.cli import add_cli, config_from_args, reproduce_chain, reproduce_command
 from service.training.config import TrainConfig
 from service.training.data import train_tokenizer
 from service.training.train import train
@@ -67,6 +67,25 @@ def test_reproduce_command_parses_back_to_the_config():
     args = _parse(shlex.split(command)[2:])
     assert config_from_args(args) == changed and args.threads == 3
     assert "--no-length-bands" in command.split()
+
+
+def test_reproduce_chain_names_the_folder_each_run_continues_from():
+    """A run continued from BASE (itself continued from a random-weights run) lists all three commands; each but the
+    last writes the folder the next one starts from."""
+    first = reproduce_command(TrainConfig(), threads=1, steps_done=TrainConfig().steps)
+    second = reproduce_command(TrainConfig(init_from="A 0", steps=10), threads=1, steps_done=10)
+    third = reproduce_command(TrainConfig(init_from="BASE", steps=5), threads=1, steps_done=5)
+    chain = reproduce_chain(
+        {"reproduce": second, "reproduce_chain": [first.replace(" OUT ", " 'A 0' "), second]}, "BASE"
+    )
+    assert [*chain, third] == [
+        "hybrid-serve train-tiny-model 'A 0' --seed 0 --threads 1",
+        "hybrid-serve train-tiny-model BASE --seed 0 --steps 10 --init-from 'A 0' --threads 1",
+        "hybrid-serve train-tiny-model OUT --seed 0 --steps 5 --init-from BASE --threads 1",
+    ]
+    assert reproduce_chain({"reproduce": first}, "A 0") == [chain[0]]
+    outs = [_parse(shlex.split(c)[2:]).out for c in chain]
+    assert outs == ["A 0", "BASE"]
 
 
 @pytest.mark.parametrize(
