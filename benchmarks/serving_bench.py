@@ -364,14 +364,15 @@ def core_line(core: dict[str, float], duration_s: float) -> str:
         return "engine core: no counters"
     tokens = core.get("ray_hybrid_serve_generation_tokens_total", 0.0)
     ph = {
-        p: core.get(f"ray_hybrid_serve_engine_core_seconds_total{{{p}}}", 0.0) for p in ("host", "device_wait", "send")
+        p: core.get(f"ray_hybrid_serve_engine_core_seconds_total{{{p}}}", 0.0)
+        for p in ("host", "device_wait", "send", "gc")
     }
     in_step = ph["host"] + ph["device_wait"]
     return (
         f"engine core: {steps:.0f} steps, {tokens / steps:.1f} outputs/step, "
         f"{1e3 * in_step / steps:.2f} ms/step in Engine.step ({in_step / duration_s:.2f} of the run; host "
         f"{1e3 * ph['host'] / steps:.2f}, device wait {1e3 * ph['device_wait'] / steps:.2f}), "
-        f"sender {1e3 * ph['send'] / steps:.3f} ms/step"
+        f"sender {1e3 * ph['send'] / steps:.3f} ms/step, garbage collector {1e3 * ph['gc'] / steps:.3f} ms/step"
     )
 
 

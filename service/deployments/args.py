@@ -55,10 +55,10 @@ class DeploymentArgs(BaseModel):
     # sends every (open streams / this) seconds (at most MAX_STREAM_INTERVAL_S), its first and last token at once
     stream_chunks_per_s: float = Field(500.0, gt=0)
     # requests one ingress -> engine Serve call carries at most (service/deployments/groups.py): requests that arrive
-    # while the ingress replica's previous group call is being set up share the next call; 1 (the default): one call
-    # per request. Grouping cuts the replicas' CPU per request in bursts; in a closed loop on the 2-core machine it
-    # was even or behind (benchmarks/RESULTS.md, S3)
-    group_max_requests: int = Field(1, ge=1)
+    # while the ingress replica's previous group call is being set up share the next call; 1: one call per request.
+    # Grouping cuts the engine replica's CPU per request, which bounds how fast a wave of arrivals reaches the engine:
+    # on one H200 it carried 1.00-1.14x of in-process where one call per request carried 0.82-1.02x (S2)
+    group_max_requests: int = Field(64, ge=1)
     # Ray Serve's access log line per call of the ingress and engine replicas (one per HTTP request and one per
     # engine call); off, a burst of calls is not slowed by formatting and writing a log record for each
     access_log: bool = False

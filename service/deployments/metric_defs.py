@@ -49,7 +49,8 @@ ENGINE_METRICS: tuple[MetricDef, ...] = (
         "counter",
         "Wall seconds of the engine core process by phase: host (in Engine.step, not waiting for the device), "
         "device_wait (in Engine.step, waiting for a step's results), idle (no request to step), send (its sender "
-        "thread making and writing output messages, waits on the pipe included; overlaps the others)",
+        "thread making and writing output messages, waits on the pipe included; overlaps the others), gc (in Python's "
+        "garbage collector; part of the others)",
         ("phase",),
     ),
     MetricDef(_P + "engine_core_steps_total", "counter", "Engine steps run by the engine core process"),

@@ -52,6 +52,7 @@ _COUNTER_STATS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
     ("core_device_wait_seconds", "hybrid_serve_engine_core_seconds_total", (("phase", "device_wait"),)),
     ("core_idle_seconds", "hybrid_serve_engine_core_seconds_total", (("phase", "idle"),)),
     ("core_send_seconds", "hybrid_serve_engine_core_seconds_total", (("phase", "send"),)),
+    ("core_gc_seconds", "hybrid_serve_engine_core_seconds_total", (("phase", "gc"),)),
     ("core_steps", "hybrid_serve_engine_core_steps_total", ()),
 )
 _GAUGE_STATS: tuple[tuple[str, str], ...] = (

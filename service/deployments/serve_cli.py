@@ -66,16 +66,16 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument(
         "--group-max-requests",
         type=int,
-        default=None,
+        default=AppArgs.model_fields["group_max_requests"].default,
         help="requests one Serve call from an ingress replica to an engine replica carries at most (requests "
-        "arriving while the previous call is being set up share the next one); default 1: one call per request",
+        "arriving while the previous call is being set up share the next one; 1: one call per request)",
     )
     p.add_argument(
         "--max-ongoing-requests",
         type=int,
-        default=None,
+        default=AppArgs.model_fields["max_ongoing_requests"].default,
         help="engine calls one engine replica runs at once (Ray Serve's max_ongoing_requests); more wait in the "
-        "ingress' router, and beyond 4x this per replica get 503 (default: 256)",
+        "ingress' router, and beyond 4x this per replica get 503",
     )
     p.add_argument(
         "--access-log",

@@ -9,12 +9,13 @@ Its stats add where the loop's time went (`core_stats`)."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import pickle
 import time
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from service.engine.config import EngineConfig
 from service.engine.core_outbox import Outbox
@@ -22,13 +23,39 @@ from service.engine.core_process import IDLE_POLL_S, STATS_INTERVAL_S, CoreInfo
 from service.engine.engine import Engine
 from service.engine.request import CapturedState
 
+if TYPE_CHECKING:
+    from service.engine.kernels.compile_watch import CompileWatch
+
 log = logging.getLogger("hybrid_serve.engine")
+
+SLOW_STEP_S = 0.25  # an engine step slower than this is logged with what it held and how long the collector ran
+
+
+class GcClock:
+    """Wall seconds this process spent in Python's garbage collector (gc.callbacks), cumulative."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._start = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
 
 
 class CoreLoop:
     def __init__(self, config: EngineConfig, conn: Connection):
         self.conn = conn
         self.engine = Engine(config, detokenize=False)  # the parent detokenises requests without stop strings
+        # what start-up made (the model's modules, the warm-up's garbage) leaves the collector's view: later
+        # collections walk only what serving allocates
+        gc.collect()
+        gc.freeze()
+        self.gc = GcClock()
+        self.compiles = _compile_watch(config)
         self.running = True
         self.stats_at = 0.0  # time.monotonic() of the last stats sent
         self.step_s = 0.0  # wall seconds in engine.step()
@@ -61,7 +88,7 @@ class CoreLoop:
                 if handled:
                     self._send(("stats", self.core_stats()))
                 continue
-            t0 = time.perf_counter()
+            t0, gc0 = time.perf_counter(), self.gc.seconds
             try:
                 outputs = engine.step()
             except Exception as exc:  # noqa: BLE001 - one failing step must not end the engine
@@ -69,9 +96,22 @@ class CoreLoop:
                 self._fail_all(f"{type(exc).__name__}: {exc}")
                 continue
             finally:
-                self.step_s += time.perf_counter() - t0
+                step_s = time.perf_counter() - t0
+                self.step_s += step_s
                 self.num_steps += 1
+            compiled = self.compiles.take() if self.compiles is not None else []
+            if step_s > SLOW_STEP_S:
+                self._log_slow_step(step_s, self.gc.seconds - gc0, compiled)
             self.outbox.post_outputs(outputs, self._stats_if_due())
+
+    def _log_slow_step(self, step_s: float, gc_s: float, compiled: list[str]) -> None:
+        sched = self.engine.scheduler
+        log.warning(
+            "engine step %d took %.0f ms (%.0f ms in the garbage collector; kernel variants loaded: %s); "
+            "%d requests running, %d waiting",
+            self.num_steps, 1e3 * step_s, 1e3 * gc_s, ", ".join(compiled) or "none", len(sched.running),
+            len(sched.waiting),
+        )  # fmt: skip
 
     # ---------- commands ----------
     def _drain(self, timeout_s: float) -> bool:
@@ -140,6 +180,7 @@ class CoreLoop:
             "core_device_wait_seconds": wait,
             "core_idle_seconds": self.idle_s,
             "core_send_seconds": self.outbox.send_seconds,
+            "core_gc_seconds": self.gc.seconds,
             "core_steps": self.num_steps,
         }
 
@@ -152,6 +193,15 @@ class CoreLoop:
 
     def _send(self, msg: tuple) -> None:
         self.outbox.post(msg)
+
+
+def _compile_watch(config: EngineConfig) -> CompileWatch | None:
+    """With triton kernels: a watch on the kernel variants loaded from now on (after the engine's warm-up)."""
+    if config.resolved().kernel_backend != "triton":
+        return None
+    from service.engine.kernels.compile_watch import CompileWatch  # imports triton: only with triton kernels
+
+    return CompileWatch()
 
 
 def _on_cpu(state: CapturedState) -> CapturedState:

@@ -101,7 +101,7 @@ def main_app(cluster: Cluster, tiny_model_path: str) -> App:
             "replicas": 2,
             "reasoning_parser": "nemotron_3",
             "tool_call_parser": "qwen3_coder",
-            "group_max_requests": 64,  # grouped engine calls, each member routed on its own over the two replicas
+            "group_max_requests": 64,  # (the default) grouped engine calls, each member routed on its own over two replicas
             # no background canary work while the fault tests compare pool usage
             "canary": {"enabled": False},
         },
@@ -172,7 +172,12 @@ def canary_app(cluster, tiny_model_path):
     app = deploy(
         cluster,
         "canary",
-        {"model_path": tiny_model_path, "replicas": 1, "canary": {"interval_s": 1.0, "audit_sample_rate": 1.0}},
+        {
+            "model_path": tiny_model_path,
+            "replicas": 1,
+            "group_max_requests": 1,  # one Serve call per request: the ungrouped path
+            "canary": {"interval_s": 1.0, "audit_sample_rate": 1.0},
+        },
     )
     with httpx.Client(base_url=app.base_url, timeout=60) as c:
         prefix = list(range(100, 100 + 70))

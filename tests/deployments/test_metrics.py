@@ -77,7 +77,8 @@ def test_every_engine_and_router_metric_is_exported(cluster, main_app, http, rou
     kinds = {s.labels["kind"] for s in samples[scraped_name(next(d for d in ENGINE_METRICS if d.labels == ("kind",)))]}
     assert kinds == {"kv", "mamba"}
     phases = {s.labels["phase"]: s.value for s in samples["ray_hybrid_serve_engine_core_seconds_total"]}
-    assert phases.keys() == {"host", "device_wait", "idle", "send"} and min(phases.values()) > 0, phases
+    assert phases.keys() == {"host", "device_wait", "idle", "send", "gc"}, phases
+    assert min(phases[p] for p in ("host", "device_wait", "idle", "send")) > 0 and phases["gc"] >= 0, phases
     reasons = {s.labels["reason"] for s in samples["ray_hybrid_serve_router_decisions_total"]}
     assert {"prefix", "miss"} <= reasons
     assert {s.labels["kind"] for s in samples[checks_name]} == {"pinned", "audit"}  # canary_app audits every request

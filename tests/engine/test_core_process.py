@@ -112,10 +112,10 @@ def test_abort_early_exit_and_pool_audit(core):
         stream = core.generate(random_ids(30, 1), greedy(200), request_id="a")
         first = await stream.__anext__()
         await stream.aclose()  # consumer goes away (client disconnect): the child aborts the request
-        task = asyncio.create_task(_collect(core, random_ids(30, 2), greedy(200), rid="b"))
-        await asyncio.sleep(0.3)
+        running = core.generate(random_ids(30, 2), greedy(1000), request_id="b")
+        outs = [await running.__anext__()]  # b is running: abort it (its 1000 tokens take far longer)
         await core.abort("b")
-        outs = await task
+        outs += [out async for out in running]
         await core.check_alive()
         return first, outs, await core.inspect(audit_pools)
 
