@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from service.engine.cache.pools import PoolSizes
+from service.engine.kernels.transfer import to_device_async
 
 
 @dataclass(frozen=True)
@@ -67,14 +68,16 @@ class StateTensors:
         """Copies conv + ssm state of every mamba layer from src slots to dst slots (all reads before writes)."""
         if not src:
             return
-        s = torch.tensor(src, device=self.ssm.device)
-        d = torch.tensor(dst, device=self.ssm.device)
+        s = to_device_async(src, torch.int64, self.ssm.device)
+        d = to_device_async(dst, torch.int64, self.ssm.device)
         self.conv[:, d] = self.conv[:, s]
         self.ssm[:, d] = self.ssm[:, s]
 
     def zero_slots(self, slots: list[int]) -> None:
+        """Zeroes the state of these slots. Like `copy_slots`, it queues behind the steps in flight without waiting
+        for them (a step that admits requests must not stall the host until the previous step has finished)."""
         if slots:
-            idx = torch.tensor(slots, device=self.ssm.device)
+            idx = to_device_async(slots, torch.int64, self.ssm.device)
             self.conv[:, idx] = 0
             self.ssm[:, idx] = 0
 
