@@ -27,6 +27,7 @@ from service.openai.protocol import (
     DeltaMessage,
     TopLogprob,
 )
+from service.openai.responses import completion_choice_json
 
 
 @dataclass(frozen=True)
@@ -259,6 +260,18 @@ class ChoiceState:
         if not (chunk.text or chunk.token_ids or finish):
             return None
         return CompletionStreamChoice(index=self.options.index, text=chunk.text, logprobs=lp, finish_reason=finish)
+
+    def add_completion_json(self, chunk: GenerateChunk) -> str | None:
+        """`add_completion`, the choice as JSON (`model_dump_json(exclude_none=True)`): written directly when the
+        choice has no logprobs (most streams), so no model is built per chunk."""
+        if self.options.want_logprobs:
+            choice = self.add_completion(chunk)
+            return None if choice is None else choice.model_dump_json(exclude_none=True)
+        self.add(chunk)
+        if not (chunk.text or chunk.token_ids or chunk.finish_reason):
+            return None
+        finish = ("length" if self.finish_reason == "length" else "stop") if chunk.finish_reason else None
+        return completion_choice_json(self.options.index, chunk.text, finish)
 
     def final_completion(self) -> CompletionChoice:
         return CompletionChoice(

@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from service.deployments.auth import ApiKeys
 from service.deployments.limits import KeyLimiter, LimitArgs, Refusal, RequestShape, cap_violation
 from service.deployments.metric_defs import INGRESS_METRICS
-from service.deployments.metrics import make_metric
+from service.deployments.metrics import CounterBatch, make_metric
 from service.engine import SamplingParams
 from service.openai.protocol import ErrorResponse
 
@@ -51,16 +51,20 @@ class GateMetrics:
     """Per-key request, refusal and token counters (Ray Serve metrics of the ingress replica)."""
 
     live: dict[str, Any] = field(default_factory=lambda: {d.name: make_metric(d) for d in INGRESS_METRICS})
+    counts: CounterBatch = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.counts = CounterBatch(self.live)
 
     def request(self, key_id: str, status: int) -> None:
-        self.live["hybrid_serve_api_requests_total"].inc(1, tags={"key": key_id, "status": str(status)})
+        self.counts.inc("hybrid_serve_api_requests_total", 1, (("key", key_id), ("status", str(status))))
 
     def refused(self, key_id: str, limit: str) -> None:
-        self.live["hybrid_serve_api_limit_refusals_total"].inc(1, tags={"key": key_id, "limit": limit})
+        self.counts.inc("hybrid_serve_api_limit_refusals_total", 1, (("key", key_id), ("limit", limit)))
 
     def tokens(self, key_id: str, tokens: int) -> None:
         if tokens > 0:
-            self.live["hybrid_serve_api_tokens_total"].inc(tokens, tags={"key": key_id})
+            self.counts.inc("hybrid_serve_api_tokens_total", tokens, (("key", key_id),))
 
 
 def request_shape(n: int, prompts: Sequence[tuple[Sequence[int], Sequence[SamplingParams]]]) -> RequestShape:
@@ -79,6 +83,14 @@ def request_shape(n: int, prompts: Sequence[tuple[Sequence[int], Sequence[Sampli
 def _route_path(scope: dict) -> str:
     path, root = scope.get("path", ""), scope.get("root_path", "")
     return path[len(root) :] or "/" if root and path.startswith(root) else path
+
+
+def _authorization(scope: dict) -> str | None:
+    """The request's `Authorization` header value, if any."""
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"authorization":
+            return value.decode("latin-1")
+    return None
 
 
 def _error(err: ErrorResponse, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -126,10 +138,11 @@ class RequestGate:
             )
         return cls(keys, limits, GateMetrics())
 
-    def install(self, app: FastAPI) -> None:
-        """The middleware, and OpenAI error objects for the router's own errors (unknown path, wrong method)."""
-        app.add_middleware(_GateMiddleware, gate=self)
-        app.add_exception_handler(StarletteHTTPException, _http_exception_as_openai_error)
+    def wrap(self, app: ASGIApp, fastapi_app: FastAPI) -> ASGIApp:
+        """`app` behind the gate's middleware; OpenAI error objects for the FastAPI router's own errors (unknown
+        path, wrong method) of `fastapi_app` (which `app` holds)."""
+        fastapi_app.add_exception_handler(StarletteHTTPException, _http_exception_as_openai_error)
+        return _GateMiddleware(app, self)
 
     def default_max_tokens(self, room_tokens: int) -> int:
         """max_tokens of a request that sets none: the context room left, at most the max_tokens cap."""
@@ -162,8 +175,7 @@ class RequestGate:
         if scope["type"] != "http" or not path.startswith("/v1/"):
             await app(scope, receive, send)
             return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        key_id = self.keys.authenticate(headers.get("authorization"))
+        key_id = self.keys.authenticate(_authorization(scope))
         if key_id is None:
             self._count(UNAUTHENTICATED, 401)
             err = ErrorResponse.make(
@@ -233,3 +245,21 @@ class _GateMiddleware:
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         await self.gate.handle(self.app, scope, receive, send)
+
+
+class HotRoutes:
+    """ASGI app: a `POST` to one of `handlers`' paths calls that handler directly (a Starlette `Request` in, the
+    response it returns sent), not through FastAPI's middleware stack, routing and endpoint wrappers, which cost
+    more per request and per streamed event than the handler itself; every other request goes to `app`."""
+
+    def __init__(self, handlers: dict[str, Callable[[Request], Awaitable[Any]]], app: ASGIApp):
+        self._handlers = handlers
+        self._app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        handler = self._handlers.get(_route_path(scope)) if scope["type"] == "http" else None
+        if handler is None or scope.get("method") != "POST":
+            await self._app(scope, receive, send)
+            return
+        response = await handler(Request(scope, receive))
+        await response(scope, receive, send)

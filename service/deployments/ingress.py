@@ -32,20 +32,18 @@ from ray.serve.handle import DeploymentHandle
 from service.deployments.args import AppArgs
 from service.deployments.choices import ChoiceOptions, ChoiceState
 from service.deployments.engine_deployment import OVERLOADED, OVERLOADED_MESSAGE, GenerateChunk
-from service.deployments.gate import RequestGate, request_shape
+from service.deployments.gate import ASGIApp, HotRoutes, RequestGate, request_shape
 from service.deployments.groups import GroupDispatcher, GroupMember
 from service.deployments.openapi_doc import document_openai_routes
-from service.deployments.sse import ClosingStreamingResponse
+from service.deployments.sse import SSEResponse
 from service.engine import SamplingParams
 from service.engine.tokenizer import Tokenizer
 from service.openai import reasoning
 from service.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatCompletionStreamResponse,
     CompletionRequest,
     CompletionResponse,
-    CompletionStreamResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
@@ -54,7 +52,7 @@ from service.openai.protocol import (
     random_id,
     to_sampling_kwargs,
 )
-from service.openai.responses import SSE_DONE, sse_event
+from service.openai.responses import SSE_DONE, StreamEvents
 
 logger = logging.getLogger("ray.serve")
 HEALTH_TIMEOUT_S = 5.0
@@ -108,8 +106,8 @@ class OpenAIIngress:
         self._engine = engine
         # the engine calls' arguments and chunks are module-level types: the C pickler serializes them (Serve's
         # default, cloudpickle, costs more per chunk); used on Serve's gRPC path between deployments
-        self._engine_stream = engine.options(
-            stream=True, request_serialization="pickle", response_serialization="pickle"
+        self._generate_call = engine.options(
+            method_name="generate", stream=True, request_serialization="pickle", response_serialization="pickle"
         )
         # several requests per engine call (groups.py); with a limit of 1, one `generate` call per request
         self._groups = (
@@ -121,15 +119,18 @@ class OpenAIIngress:
         info = await engine.info.remote()
         self._max_model_len = int(info["max_model_len"])
 
-    def __serve_build_asgi_app__(self) -> FastAPI:
+    def __serve_build_asgi_app__(self) -> ASGIApp:
+        """The gate (API keys on /v1/*, per-key limits on the generation routes) in front of the two generation
+        routes, which are called directly (`HotRoutes`), and of the FastAPI app serving every other request."""
         app = FastAPI(title="hybrid-serve", docs_url=None, redoc_url=None)
+        generation = {"/v1/chat/completions": self._guard(self.chat_completions),
+                      "/v1/completions": self._guard(self.completions)}  # fmt: skip
         app.add_api_route("/v1/models", self.list_models, methods=["GET"])
-        app.add_api_route("/v1/chat/completions", self._guard(self.chat_completions), methods=["POST"])
-        app.add_api_route("/v1/completions", self._guard(self.completions), methods=["POST"])
+        for path, handler in generation.items():  # the FastAPI routes: the OpenAPI document, 405 for other methods
+            app.add_api_route(path, handler, methods=["POST"])
         app.add_api_route("/health", self.health, methods=["GET"])
-        self._gate.install(app)  # API keys on /v1/*, per-key limits on the generation routes
         document_openai_routes(app)  # request/response/error schemas in /openapi.json
-        return app
+        return self._gate.wrap(HotRoutes(generation, app), app)
 
     @staticmethod
     def _guard(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
@@ -260,11 +261,11 @@ class OpenAIIngress:
         if self._groups is not None:
             gens = [self._groups.open(GroupMember(ids, params, f"{request_id}-{idx}")) for idx, ids, params in calls]
         else:
-            gens = [
-                self._engine_stream.generate.remote(ids, params, f"{request_id}-{idx}") for idx, ids, params in calls
-            ]
-        try:
-            firsts = await asyncio.gather(*(g.__anext__() for g in gens))
+            gens = [self._generate_call.remote(ids, params, f"{request_id}-{idx}") for idx, ids, params in calls]
+        try:  # (one call, the common case, is awaited directly: no task)
+            firsts = (
+                [await gens[0].__anext__()] if len(gens) == 1 else await asyncio.gather(*(g.__anext__() for g in gens))
+            )
         except BaseException:
             for g in gens:
                 g.cancel()
@@ -286,25 +287,29 @@ class OpenAIIngress:
 
     @staticmethod
     async def _merged(streams: list[OpenStream]) -> AsyncIterator[tuple[int, GenerateChunk]]:
-        """(choice index, chunk) from all streams as they arrive; cancels every call when left early."""
+        """(choice index, chunk) from all streams as they arrive, each read to its end (a call that ended needs no
+        cancel); cancels every call not read to its end when left early."""
         if len(streams) == 1:  # one choice: read its stream directly (no queue, no pump task)
             s = streams[0]
+            ended = False
             try:
                 yield s.choice_index, s.first
-                if s.first.finish_reason is None:
-                    async for chunk in s.rest:
-                        yield s.choice_index, chunk
+                async for chunk in s.rest:
+                    yield s.choice_index, chunk
+                ended = True
             finally:
-                s.rest.cancel()
+                if not ended:
+                    s.rest.cancel()
             return
         queue: asyncio.Queue = asyncio.Queue()
+        ended: set[int] = set()  # choice indexes whose calls were read to their ends
 
         async def pump(s: OpenStream) -> None:
             try:
                 await queue.put((s.choice_index, s.first))
-                if s.first.finish_reason is None:
-                    async for chunk in s.rest:
-                        await queue.put((s.choice_index, chunk))
+                async for chunk in s.rest:
+                    await queue.put((s.choice_index, chunk))
+                ended.add(s.choice_index)
                 await queue.put((s.choice_index, None))
             except Exception as exc:  # handed to the consumer, which re-raises it
                 await queue.put((s.choice_index, exc))
@@ -324,7 +329,8 @@ class OpenAIIngress:
             for t in tasks:
                 t.cancel()
             for s in streams:
-                s.rest.cancel()
+                if s.choice_index not in ended:
+                    s.rest.cancel()
 
     @staticmethod
     def _check_not_aborted(chunk: GenerateChunk) -> None:
@@ -365,9 +371,9 @@ class OpenAIIngress:
         request_id = random_id("chatcmpl")
         streams = await self._open([prompt], request_id)
         if req.stream:
-            return ClosingStreamingResponse(
-                self._chat_events(req, request_id, [prompt], streams, states), media_type="text/event-stream"
-            )
+            events = StreamEvents("chat.completion.chunk", request_id, self._model_name)
+            usage = lambda: self._usage([prompt], states)  # noqa: E731
+            return SSEResponse(self._events(streams, states, usage, events, True, req.include_usage_in_stream))
         async with contextlib.aclosing(self._merged(streams)) as merged:
             async for index, chunk in merged:
                 self._check_not_aborted(chunk)
@@ -380,31 +386,6 @@ class OpenAIIngress:
             usage=self._usage([prompt], states),
         )
         return JSONResponse(response.model_dump(mode="json"))
-
-    async def _chat_events(
-        self,
-        req: ChatCompletionRequest,
-        request_id: str,
-        prompts: list[PreparedPrompt],
-        streams: list[OpenStream],
-        states: list[ChoiceState],
-    ) -> AsyncIterator[str]:
-        head = ChatCompletionStreamResponse(id=request_id, model=self._model_name, choices=[])
-
-        def event(**fields: Any) -> str:
-            return sse_event(ChatCompletionStreamResponse(id=head.id, created=head.created, model=head.model, **fields))
-
-        events = self._events(
-            streams,
-            states,
-            lambda: self._usage(prompts, states),
-            event,
-            chat=True,
-            include_usage=req.include_usage_in_stream,
-        )
-        async with contextlib.aclosing(events):
-            async for text in events:
-                yield text
 
     # ---- /v1/completions ----
     async def completions(self, request: Request) -> Response:
@@ -419,22 +400,9 @@ class OpenAIIngress:
         request_id = random_id("cmpl")
         streams = await self._open(prompts, request_id)
         if req.stream:
-            head = CompletionStreamResponse(id=request_id, model=self._model_name, choices=[])
-
-            def event(**fields: Any) -> str:
-                return sse_event(CompletionStreamResponse(id=head.id, created=head.created, model=head.model, **fields))
-
-            return ClosingStreamingResponse(
-                self._events(
-                    streams,
-                    states,
-                    lambda: self._usage(prompts, states),
-                    event,
-                    chat=False,
-                    include_usage=req.include_usage_in_stream,
-                ),
-                media_type="text/event-stream",
-            )
+            events = StreamEvents("text_completion", request_id, self._model_name)
+            usage = lambda: self._usage(prompts, states)  # noqa: E731
+            return SSEResponse(self._events(streams, states, usage, events, False, req.include_usage_in_stream))
         async with contextlib.aclosing(self._merged(streams)) as merged:
             async for index, chunk in merged:
                 self._check_not_aborted(chunk)
@@ -453,11 +421,14 @@ class OpenAIIngress:
         streams: list[OpenStream],
         states: list[ChoiceState],
         usage: Callable[[], Usage],
-        event: Callable[..., str],
+        events: StreamEvents,
         chat: bool,
         include_usage: bool,
     ) -> AsyncIterator[str]:
-        """SSE text for a chat or completion stream; a failure mid-stream becomes an error event."""
+        """SSE text for a chat or completion stream; a failure mid-stream becomes an error event. The last choice's
+        finishing event, the usage event (`include_usage`) and [DONE] leave as one text (the response's last write);
+        the engine calls are then read to their ends."""
+        unfinished = len(streams)
         async with contextlib.aclosing(self._merged(streams)) as merged:  # its finally cancels the engine calls
             try:
                 async for index, chunk in merged:
@@ -466,13 +437,18 @@ class OpenAIIngress:
                     if chat:
                         state.add(chunk)
                         choice = state.delta_chat(chunk)
+                        text = "" if choice is None else events.choice(choice.model_dump_json(exclude_none=True))
                     else:
-                        choice = state.add_completion(chunk)
-                    if choice is not None:
-                        yield event(choices=[choice])
-                if include_usage:  # the usage event and [DONE] leave in one write
-                    yield event(choices=[], usage=usage()) + SSE_DONE
-                    return
+                        text = events.choice(choice) if (choice := state.add_completion_json(chunk)) else ""
+                    if chunk.finish_reason is not None:
+                        unfinished -= 1
+                        if not unfinished:
+                            text += (events.usage(usage()) if include_usage else "") + SSE_DONE
+                    if text:
+                        yield text
+                if unfinished:  # a call ended without its finishing chunk
+                    yield (events.usage(usage()) if include_usage else "") + SSE_DONE
+                return
             except APIError as exc:
                 yield f"data: {exc.response.model_dump_json()}\n\n"
             except BackPressureError:

@@ -14,7 +14,9 @@ Logprob values are clamped to >= -9999.0 (JSON has no -inf; vLLM does the same).
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import time
 import uuid
 from typing import Literal
@@ -27,7 +29,7 @@ MIN_LOGPROB = -9999.0  # stand-in for -inf / nan
 
 def random_id(prefix: str) -> str:
     """e.g. random_id("chatcmpl") -> "chatcmpl-3f2a..." (32 hex digits)."""
-    return f"{prefix}-{uuid.uuid4().hex}"
+    return f"{prefix}-{os.urandom(16).hex()}"
 
 
 def tool_call_id() -> str:
@@ -46,6 +48,36 @@ def _clamp(v: float) -> float:
 def sse_event(chunk: BaseModel) -> str:
     """One server-sent event: `data: {json}\\n\\n` with null fields dropped."""
     return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+
+
+_json_str = json.JSONEncoder(ensure_ascii=False).encode  # a str as JSON, as pydantic writes it (UTF-8 kept)
+
+
+class StreamEvents:
+    """The SSE events of one stream, byte for byte what `sse_event` of each chunk model gives: the chunks of a
+    stream share `id`, `object`, `created` and `model`, so that head is written once and each event is the head
+    plus its choice's JSON (`choice_json`, or a choice model's `model_dump_json(exclude_none=True)`)."""
+
+    def __init__(self, object_name: str, request_id: str, model: str, created: int | None = None):
+        self.created = _now() if created is None else created
+        self._head = (
+            f'data: {{"id":{_json_str(request_id)},"object":{_json_str(object_name)},"created":{self.created},'
+            f'"model":{_json_str(model)},"choices":['
+        )
+
+    def choice(self, choice_json: str) -> str:
+        """The event of a chunk holding one choice."""
+        return f"{self._head}{choice_json}]}}\n\n"
+
+    def usage(self, usage: Usage) -> str:
+        """The last chunk with `stream_options.include_usage`: no choices, the usage."""
+        return f'{self._head}],"usage":{usage.model_dump_json(exclude_none=True)}}}\n\n'
+
+
+def completion_choice_json(index: int, text: str, finish_reason: str | None) -> str:
+    """A `CompletionStreamChoice` without logprobs as `model_dump_json(exclude_none=True)` writes it."""
+    finish = "" if finish_reason is None else f',"finish_reason":{_json_str(finish_reason)}'
+    return f'{{"index":{index},"text":{_json_str(text)}{finish}}}'
 
 
 # ---------------------------------------------------------------------------------------------- errors
