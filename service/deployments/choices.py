@@ -27,7 +27,7 @@ from service.openai.protocol import (
     DeltaMessage,
     TopLogprob,
 )
-from service.openai.responses import completion_choice_json
+from service.openai.responses import completion_choice_json, json_str
 
 
 @dataclass(frozen=True)
@@ -234,6 +234,23 @@ class ChoiceState:
             finish_reason=finish,
             logprobs=ChatCompletionLogprobs(content=entries) if entries else None,
         )
+
+    def delta_chat_json(self, chunk: GenerateChunk) -> str | None:
+        """`delta_chat` (after `add`) as JSON (`model_dump_json(exclude_none=True)`): written directly when the choice
+        has no logprobs and no reasoning or tool-call parser (its delta is the chunk's text), else from the model."""
+        o = self.options
+        if o.want_logprobs or o.reasoning_parser or o.tool_parser:
+            choice = self.delta_chat(chunk)
+            return None if choice is None else choice.model_dump_json(exclude_none=True)
+        finish = None if chunk.finish_reason is None else chat_finish_reason(chunk.finish_reason, False)
+        if not chunk.text and finish is None and self.sent_role:
+            return None
+        fields = [] if self.sent_role else ['"role":"assistant"']
+        self.sent_role = True
+        if chunk.text:
+            fields.append(f'"content":{json_str(chunk.text)}')
+        tail = "" if finish is None else f',"finish_reason":{json_str(finish)}'
+        return f'{{"index":{o.index},"delta":{{{",".join(fields)}}}{tail}}}'
 
     # ---- completions ----
     def _completion_lp(self, chunk: GenerateChunk, text_offset: int) -> CompletionLogprobs | None:

@@ -436,10 +436,10 @@ class OpenAIIngress:
                     state = states[index]
                     if chat:
                         state.add(chunk)
-                        choice = state.delta_chat(chunk)
-                        text = "" if choice is None else events.choice(choice.model_dump_json(exclude_none=True))
+                        choice = state.delta_chat_json(chunk)
                     else:
-                        text = events.choice(choice) if (choice := state.add_completion_json(chunk)) else ""
+                        choice = state.add_completion_json(chunk)
+                    text = "" if choice is None else events.choice(choice)
                     if chunk.finish_reason is not None:
                         unfinished -= 1
                         if not unfinished:

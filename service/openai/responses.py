@@ -50,7 +50,7 @@ def sse_event(chunk: BaseModel) -> str:
     return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
 
 
-_json_str = json.JSONEncoder(ensure_ascii=False).encode  # a str as JSON, as pydantic writes it (UTF-8 kept)
+json_str = json.JSONEncoder(ensure_ascii=False).encode  # a str as JSON, as pydantic writes it (UTF-8 kept)
 
 
 class StreamEvents:
@@ -61,8 +61,8 @@ class StreamEvents:
     def __init__(self, object_name: str, request_id: str, model: str, created: int | None = None):
         self.created = _now() if created is None else created
         self._head = (
-            f'data: {{"id":{_json_str(request_id)},"object":{_json_str(object_name)},"created":{self.created},'
-            f'"model":{_json_str(model)},"choices":['
+            f'data: {{"id":{json_str(request_id)},"object":{json_str(object_name)},"created":{self.created},'
+            f'"model":{json_str(model)},"choices":['
         )
 
     def choice(self, choice_json: str) -> str:
@@ -76,8 +76,8 @@ class StreamEvents:
 
 def completion_choice_json(index: int, text: str, finish_reason: str | None) -> str:
     """A `CompletionStreamChoice` without logprobs as `model_dump_json(exclude_none=True)` writes it."""
-    finish = "" if finish_reason is None else f',"finish_reason":{_json_str(finish_reason)}'
-    return f'{{"index":{index},"text":{_json_str(text)}{finish}}}'
+    finish = "" if finish_reason is None else f',"finish_reason":{json_str(finish_reason)}'
+    return f'{{"index":{index},"text":{json_str(text)}{finish}}}'
 
 
 # ---------------------------------------------------------------------------------------------- errors

@@ -14,10 +14,16 @@ from service.deployments.engine_deployment import GenerateChunk
 from service.engine.tokenizer import Tokenizer
 from service.openai.protocol import (
     ChatCompletionResponse,
+    ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
     ChatTool,
     CompletionResponse,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
+    DeltaMessage,
+    Usage,
 )
+from service.openai.responses import StreamEvents, completion_choice_json, sse_event
 
 TOOLS = (
     ChatTool.model_validate(
@@ -136,3 +142,52 @@ def test_partial_utf8_tokens_get_distinct_byte_names(tokenizer):
     assert len(names) == len(byte_ids) and all(n.startswith("bytes:\\x") for n in names)
     raw = token_text_and_bytes(tokenizer, byte_ids[0])[1]
     assert len(raw) >= 1 and bytes(raw).decode("utf-8", errors="replace") == "\ufffd"
+
+
+STREAM_TEXTS = ("", "Hel", 'lo "w\\orld"\n', "", "\t\x01é漢😀\u2028", "</s>")
+
+
+@pytest.mark.parametrize("finish", ["stop", "length"])
+@pytest.mark.parametrize("want_logprobs", [False, True])
+def test_stream_choice_json_is_the_models_json(tokenizer, finish, want_logprobs):
+    """The choices the ingress writes without building models are byte for byte the models' `exclude_none` JSON."""
+    chunks = [_chunk(t, None, (5,) if t else ()) for t in STREAM_TEXTS] + [_chunk("!", finish, (6,))]
+    if want_logprobs:
+        chunks = [GenerateChunk("r", c.token_ids, c.text, (-0.5,) * len(c.token_ids), None, c.finish_reason, 10, 4)
+                  for c in chunks]  # fmt: skip
+    options = ChoiceOptions(2, 0, want_logprobs)
+    fast_chat, model_chat = ChoiceState(options, tokenizer), ChoiceState(options, tokenizer)
+    fast_cmpl, model_cmpl = ChoiceState(options, tokenizer), ChoiceState(options, tokenizer)
+    for chunk in chunks:
+        fast_chat.add(chunk)
+        model_chat.add(chunk)
+        choice = model_chat.delta_chat(chunk)
+        assert fast_chat.delta_chat_json(chunk) == (
+            None if choice is None else choice.model_dump_json(exclude_none=True)
+        )
+        choice = model_cmpl.add_completion(chunk)
+        assert fast_cmpl.add_completion_json(chunk) == (
+            None if choice is None else choice.model_dump_json(exclude_none=True)
+        )
+    assert fast_cmpl.text == model_cmpl.text == "".join(STREAM_TEXTS) + "!"
+
+
+def test_stream_events_are_the_chunk_models_events():
+    """A stream's events from its shared head are what `sse_event` writes for the whole chunk model."""
+    events = StreamEvents("chat.completion.chunk", 'chatcmpl-"x"', "tiny/é", 1234)
+    choice = ChatCompletionStreamChoice(
+        index=1, delta=DeltaMessage(role="assistant", content="hi"), finish_reason="stop"
+    )
+    whole = ChatCompletionStreamResponse(id='chatcmpl-"x"', created=1234, model="tiny/é", choices=[choice])
+    assert events.choice(choice.model_dump_json(exclude_none=True)) == sse_event(whole)
+    usage = Usage.make(3, 4, cached_tokens=1)
+    last = ChatCompletionStreamResponse(id='chatcmpl-"x"', created=1234, model="tiny/é", choices=[], usage=usage)
+    assert events.usage(usage) == sse_event(last)
+    text = StreamEvents("text_completion", "cmpl-1", "m", 5).choice(completion_choice_json(0, "a\nb", "length"))
+    whole = CompletionStreamResponse(
+        id="cmpl-1",
+        created=5,
+        model="m",
+        choices=[CompletionStreamChoice(index=0, text="a\nb", finish_reason="length")],
+    )
+    assert text == sse_event(whole)
