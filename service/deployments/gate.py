@@ -20,9 +20,10 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.deployments.auth import ApiKeys
+from service.deployments.counter_batch import CounterBatch
 from service.deployments.limits import KeyLimiter, LimitArgs, Refusal, RequestShape, cap_violation
 from service.deployments.metric_defs import INGRESS_METRICS
-from service.deployments.metrics import CounterBatch, make_metric
+from service.deployments.metrics import make_metric
 from service.engine import SamplingParams
 from service.openai.protocol import ErrorResponse
 

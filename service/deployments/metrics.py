@@ -12,7 +12,6 @@ Ray refuses to increment a counter by 0, so a counter's series appears with its 
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from typing import Any
 
 from ray.serve import metrics as serve_metrics
 
+from service.deployments.counter_batch import CounterBatch
 from service.deployments.metric_defs import (
     CANARY_METRICS,
     ENGINE_METRICS,
@@ -29,7 +29,6 @@ from service.deployments.metric_defs import (
 )
 
 RAY_EXPORT_PREFIX = "ray_"  # Ray's metrics agent namespace, prepended to every application metric
-COUNTER_FLUSH_S = 0.25  # per-request counter increments reach Ray's counters at most this much later (CounterBatch)
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)
@@ -101,36 +100,6 @@ def make_metric(defn: MetricDef) -> Any:
     )
 
 
-class CounterBatch:
-    """Counter increments summed per (metric, labels) and handed to the Ray counters once per COUNTER_FLUSH_S: one
-    Ray Serve counter `inc` costs tens of microseconds of Python (tag merging and checks), which per request adds up.
-    Used from one event loop (its timer flushes); an increment made outside a running loop goes to Ray at once.
-    What is pending when the process ends is lost (at most COUNTER_FLUSH_S of counts)."""
-
-    def __init__(self, live: Mapping[str, Any]):
-        self._live = live
-        self._pending: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-        self._timer: asyncio.TimerHandle | None = None
-
-    def inc(self, name: str, value: float, labels: tuple[tuple[str, str], ...] = ()) -> None:
-        key = (name, labels)
-        self._pending[key] = self._pending.get(key, 0) + value
-        if self._timer is None:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:
-                self.flush()
-                return
-            self._timer = loop.call_later(COUNTER_FLUSH_S, self.flush)
-
-    def flush(self) -> None:
-        self._timer = None
-        pending, self._pending = self._pending, {}
-        for (name, labels), value in pending.items():
-            if value > 0:  # Ray refuses an increment of 0
-                self._live[name].inc(value, tags=dict(labels) or None)
-
-
 @dataclass
 class EngineMetrics:
     """The engine replica's metrics: engine counters/gauges polled from `engine.stats()` and
@@ -177,7 +146,7 @@ class RouterMetrics:
     """The prefix-aware router's metrics (live in the process that holds the engine handle)."""
 
     live: dict[str, Any] = field(default_factory=lambda: {d.name: make_metric(d) for d in ROUTER_METRICS})
-    counts: CounterBatch = field(init=False)
+    counts: CounterBatch = field(init=False)  # the decision counter, batched (one decision per request)
 
     def __post_init__(self) -> None:
         self.counts = CounterBatch(self.live)
