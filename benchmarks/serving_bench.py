@@ -335,12 +335,12 @@ def start_py_spy(args: argparse.Namespace, procs: dict[int, tuple[str, float]], 
         return []
     spies = []
     for role in PY_SPY_ROLES:
-        busiest = sorted((sec, pid) for pid, (r, sec) in procs.items() if r == role)
-        if not busiest:
+        busiest = max(((sec, pid) for pid, (r, sec) in procs.items() if r == role), default=None)
+        if busiest is None:
             continue
         path = f"{args.out or 'serving_bench'}.{re.sub(r'[^A-Za-z0-9]+', '_', f'{key} {role}')}.txt"
         cmd = ["py-spy", "record", "--nonblocking", "--format", "raw", "--rate", "250"]
-        cmd += ["--duration", str(args.py_spy_s), "--output", path, "--pid", str(busiest[-1][1])]
+        cmd += ["--duration", str(args.py_spy_s), "--output", path, "--pid", str(busiest[1])]
         spies.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
     return spies
 

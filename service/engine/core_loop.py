@@ -55,7 +55,7 @@ class CoreLoop:
         gc.collect()
         gc.freeze()
         self.gc = GcClock()
-        self.compiles = _compile_watch(config)
+        self.compiles = _compile_watch(self.engine.config)
         self.running = True
         self.stats_at = 0.0  # time.monotonic() of the last stats sent
         self.step_s = 0.0  # wall seconds in engine.step()
@@ -196,8 +196,9 @@ class CoreLoop:
 
 
 def _compile_watch(config: EngineConfig) -> CompileWatch | None:
-    """With triton kernels: a watch on the kernel variants loaded from now on (after the engine's warm-up)."""
-    if config.resolved().kernel_backend != "triton":
+    """With triton kernels (`config` resolved): a watch on the kernel variants loaded from now on (after the
+    engine's warm-up)."""
+    if config.kernel_backend != "triton":
         return None
     from service.engine.kernels.compile_watch import CompileWatch  # imports triton: only with triton kernels
 
