@@ -67,7 +67,7 @@ def _load_kv_tile(
     return tile
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_splits", "s_pt"))  # per-step sizes: triton_common's docstring
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -165,7 +165,7 @@ def _decode_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_splits",))  # per-step sizes: triton_common's docstring
 def _combine_kernel(
     part_o_ptr,
     part_ml_ptr,
@@ -235,7 +235,7 @@ def _attend_block(
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("s_pt",))  # per-step sizes: triton_common's docstring
 def _prefill_kernel(
     q_ptr,
     k_ptr,

@@ -11,7 +11,14 @@ of a plain stream holds. As every PDL kernel releases only after its own wait, w
 before its predecessor have finished: data written two or more launches earlier is final even before the wait
 (the MoE down pass reads the router's expert ids there). Kernels launched without PDL (torch, cuBLAS) start after
 their predecessor ends.
-`use_pdl(t)` decides per launch from t's device alone; under the CPU interpreter it is False."""
+`use_pdl(t)` decides per launch from t's device alone; under the CPU interpreter it is False.
+
+Per-step sizes: Triton compiles one variant of a kernel per specialization of its integer arguments (equal to 1, a
+multiple of 16, neither), and a compile takes up to a second inside the step that first needs it. Arguments that
+change from one engine step to the next (token counts T, routed pairs, split counts, the page-table width of an
+eager step) are `do_not_specialize` in their kernel's `@triton.jit`, so a kernel's variants depend on the model and
+the launcher's tile choice alone, which the start-up warm-up (service/engine/warmup.py) reaches. They bound row
+masks and loops only; sizes along a contiguous dimension (whose divisibility lets loads vectorise) stay specialized."""
 
 from __future__ import annotations
 

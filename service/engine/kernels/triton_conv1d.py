@@ -110,7 +110,7 @@ def _rows_one_request(out_ptr, xs, t, t_end, s_o_t, offs_d, Dm, w1, w2, w3, wx, 
     return w1, w2, w3
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("T",))  # per-step sizes: triton_common's docstring
 def _conv_varlen_kernel(
     x_ptr,
     w_ptr,

@@ -37,7 +37,7 @@ def f32_to_e4m3_bits(v):
     return sign | tl.where(mag >= (121 << 23), rn, rs)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_rows",))  # per-step sizes: triton_common's docstring
 def _quantize_kernel(x_ptr, scale_ptr, q_ptr, n_rows, n_cols, s_x, s_q, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """Rows of block program_id(0), columns of block program_id(1): q = e4m3 bits of clamp(x / scale, +-448)."""
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]

@@ -93,7 +93,7 @@ def _dequant(ws_ptr, a_scale_ptr, e, FP8: tl.constexpr):
     return 1.0
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_pairs",))  # per-step sizes: triton_common's docstring
 def _up_kernel(
     x_ptr,
     w_ptr,
@@ -154,7 +154,7 @@ def _up_kernel(
         tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=valid[:, None] & mn[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_pairs",))  # per-step sizes: triton_common's docstring
 def _down_kernel(
     h_ptr,
     w_ptr,

@@ -113,7 +113,7 @@ def _write_chunk_pairs(
     tl.store(pairs_ptr + base + rank, mine, mask=mine < num_pairs)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_pairs", "num_blocks"))  # per-step sizes: triton_common's docstring
 def _align_kernel(
     ids_ptr,
     pairs_ptr,

@@ -272,7 +272,7 @@ def _select_block(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("T",))  # per-step sizes: triton_common's docstring
 def _moe_route_kernel(
     h_ptr,
     w_ptr,
@@ -381,7 +381,7 @@ def _moe_route_kernel(
             tl.store(count_ptr + pid_t, 0)  # leaves a persistent counter buffer zeroed for the next launch
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("T",))  # per-step sizes: triton_common's docstring
 def _route_select_kernel(
     part_ptr,
     bias_ptr,
