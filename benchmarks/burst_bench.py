@@ -22,7 +22,8 @@ import time
 if __package__ in (None, ""):  # run as a script: the repository root is the import root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.serving_bench import Case, Workload, _closed_loop_http, write_model  # noqa: E402
+from benchmarks.serving_cases import Case, Workload, write_model  # noqa: E402
+from benchmarks.serving_client import closed_loop_http  # noqa: E402
 from benchmarks.serving_procs import ServeProcess, cpu_delta_by_role, cpu_seconds_by_pid, own_cpu_seconds  # noqa: E402
 from loadtests.bench_client import Summary  # noqa: E402
 from loadtests.workloads import random_token_prompts  # noqa: E402
@@ -34,7 +35,7 @@ async def burst(base_url: str, model: str, prompts: list[list[int]], max_tokens:
     """All `prompts` sent at once, streamed, measured."""
     bodies = [{"prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True} for p in prompts]
     case = Case(Workload(len(prompts[0]), max_tokens, len(prompts), len(prompts)), "completions", bodies, [])
-    summary, _ = await _closed_loop_http(base_url, model, case, 600.0, http_client)
+    summary, _ = await closed_loop_http(base_url, model, case, 600.0, http_client)
     return summary
 
 
