@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from service.engine import SamplingParams
 from service.engine.config import CUDA_WARMUP_STEPS, EngineConfig
+from service.engine.kernels.compile_watch import CompileWatch
 from service.engine.warmup import warm_up
 from tests.engine.helpers import greedy, make_engine, random_ids
+from tests.kernels.triton_test_util import gpu, needs_cuda
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CACHED = dict(mamba_cache_strategy="extra_buffer", page_size=16, max_num_seqs=8, max_num_batched_tokens=96)
 
 
@@ -52,13 +52,11 @@ def test_warm_up_default_is_cuda_only(mixed_ckpt):
     assert EngineConfig(model_path=mixed_ckpt, device="cuda", warmup_steps=3).resolved().warmup_steps == 3
 
 
-@pytest.mark.gpu
+@gpu
 @needs_cuda
 def test_after_the_default_warm_up_other_step_shapes_load_no_kernel_variant(mixed_ckpt):
     """Served traffic makes step shapes the random warm-up did not (batch sizes and page-table widths equal to 1, a
     multiple of 16 or neither, long contexts beside few requests): none may compile a kernel inside a user's step."""
-    from service.engine.kernels.compile_watch import CompileWatch
-
     cfg = dict(CACHED, max_num_seqs=48, max_num_batched_tokens=512, device="cuda", kernel_backend="triton")
     engine = make_engine(mixed_ckpt, warmup_steps=CUDA_WARMUP_STEPS, **cfg)
     watch = CompileWatch()
