@@ -62,6 +62,8 @@ CORE_METRICS = (  # the engine core's counters (summed over engine replicas), sc
     "ray_hybrid_serve_engine_core_seconds_total",
     "ray_hybrid_serve_engine_core_steps_total",
     "ray_hybrid_serve_generation_tokens_total",
+    "ray_hybrid_serve_time_to_first_token_seconds_sum",  # measured in the engine replica (from its call to the
+    "ray_hybrid_serve_time_to_first_token_seconds_count",  # first chunk): the client's TTFT less the path before it
 )
 # an engine replica's log line for each call it turned away at max_ongoing_requests (the ingress' router then retries
 # it after a backoff of 25 ms, doubling up to 0.5 s)
@@ -123,10 +125,21 @@ def timed_served(args: argparse.Namespace, server: ServeProcess, case: Case, key
     rejected = server.count_log(AT_CAPACITY) - rejected0
     print(
         f"  served {key}: {summary.output_tokens_per_s:.0f} tok/s, errors {summary.num_errors}, "
-        f"engine calls rejected at capacity {rejected}; {core_line(core, summary.duration_s)}",
+        f"engine calls rejected at capacity {rejected}; {core_line(core, summary.duration_s)}; "
+        f"{ttft_split(summary, core)}",
         flush=True,
     )
     return {"summary": asdict(summary), "cpu_s": cpu, "engine_core": core, "calls_rejected_at_capacity": rejected}
+
+
+def ttft_split(summary: Summary, core: dict[str, float]) -> str:
+    """The client's mean TTFT against the engine replica's (from its call to its first chunk): the difference is
+    the path in front of the engine replica (HTTP, ingress, grouping, the Serve call)."""
+    n = core.get("ray_hybrid_serve_time_to_first_token_seconds_count", 0.0)
+    if not n or "mean" not in summary.ttft:
+        return "TTFT split: no counters"
+    replica_ms = 1e3 * core.get("ray_hybrid_serve_time_to_first_token_seconds_sum", 0.0) / n
+    return f"TTFT mean {1e3 * summary.ttft['mean']:.1f} ms at the client, {replica_ms:.1f} ms in the engine replica"
 
 
 PY_SPY_ROLES = ("engine core", "engine replica", "ingress")  # the busiest process of each role is sampled

@@ -78,8 +78,9 @@ class StateTensors:
         for them (a step that admits requests must not stall the host until the previous step has finished)."""
         if slots:
             idx = to_device_async(slots, torch.int64, self.ssm.device)
-            self.conv[:, idx] = 0
-            self.ssm[:, idx] = 0
+            # index_fill_ takes the scalar as is; `t[:, idx] = 0` copies a host scalar to the device and waits
+            self.conv.index_fill_(1, idx, 0)
+            self.ssm.index_fill_(1, idx, 0)
 
     def read_slot(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of one slot's state: conv [L_mamba, conv_dim, K-1], ssm [L_mamba, H, P, N] (the pool's dtype)."""
