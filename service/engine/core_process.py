@@ -192,7 +192,7 @@ class EngineProcess:
     # ---------- parent side ----------
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if not isinstance(prompt, str):
-            return [int(t) for t in prompt]
+            return list(map(int, prompt))
         if self.tokenizer is None:
             raise ValueError("prompt is text but the model folder has no tokenizer.json; pass token ids")
         return self.tokenizer.encode(prompt)

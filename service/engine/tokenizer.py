@@ -179,7 +179,10 @@ class Tokenizer:
     def validate_token_ids(self, token_ids: Iterable[int], field: str = "prompt") -> None:
         """Raise ValueError naming `field` and the first id that is not an int in [0, vocab_size)."""
         vocab_size = self.vocab_size
-        for position, token_id in enumerate(token_ids):
+        ids = token_ids if isinstance(token_ids, (list, tuple)) else list(token_ids)
+        if not ids or (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size):
+            return  # all valid, checked at C speed; else the loop below names the first bad id
+        for position, token_id in enumerate(ids):
             if isinstance(token_id, bool) or not isinstance(token_id, int):
                 raise ValueError(f"{field}: token at position {position} is {token_id!r}, not an integer id")
             if not 0 <= token_id < vocab_size:
