@@ -50,7 +50,7 @@ from service.engine.async_engine import EngineDeadError
 from service.engine.config import EngineConfig, ModelConfig
 from service.engine.output_stream import OutputStream, wake_loops
 from service.engine.request import RequestOutput, SamplingParams
-from service.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from service.engine.tokenizer import IncrementalDetokenizer, Tokenizer, as_token_ids
 
 log = logging.getLogger("hybrid_serve.engine")
 
@@ -192,7 +192,7 @@ class EngineProcess:
     # ---------- parent side ----------
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if not isinstance(prompt, str):
-            return list(map(int, prompt))
+            return as_token_ids(prompt)
         if self.tokenizer is None:
             raise ValueError("prompt is text but the model folder has no tokenizer.json; pass token ids")
         return self.tokenizer.encode(prompt)

@@ -24,7 +24,7 @@ from service.engine.request import CapturedState, FinishReason, Request, Request
 from service.engine.runner.model_runner import ModelRunner, resolve_dtype, resolve_ssm_dtype
 from service.engine.runner.sampler import SamplerOutput
 from service.engine.scheduler.scheduler import Scheduler, SchedulerOutput
-from service.engine.tokenizer import Tokenizer
+from service.engine.tokenizer import Tokenizer, as_token_ids
 from service.engine.warmup import warm_up
 
 MAX_CAPTURED_REQUESTS = 64  # state copies kept for capture_states requests until popped
@@ -128,7 +128,7 @@ class Engine:
                 raise ValueError("prompt is text but the model folder has no tokenizer.json; pass token ids")
             ids = self.tokenizer.encode(prompt)
         else:
-            ids = [int(t) for t in prompt]
+            ids = as_token_ids(prompt)
         if not ids:
             raise ValueError("prompt is empty: give at least one token")
         capacity = self.cache.pools.pages.num_usable * self.config.page_size

@@ -13,6 +13,7 @@ the text was complete, and holds text back while it ends in a partial UTF-8 char
 
 from __future__ import annotations
 
+import array
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -29,6 +30,15 @@ _IM_END = "<|im_end|>"
 # tokenizer_config keys whose strings are exposed to chat templates (transformers' special_tokens_map).
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 _REASONING_ALIASES = ("reasoning_content", "thinking", "reasoning")
+
+
+def as_token_ids(prompt: Iterable[int]) -> list[int]:
+    """The prompt's ids as a list of Python ints, converted at C speed (a long prompt crosses several processes);
+    ValueError if one is not an integer (a float or a string is refused, not truncated or parsed)."""
+    try:
+        return array.array("q", prompt).tolist()
+    except (TypeError, OverflowError) as exc:
+        raise ValueError(f"prompt token ids must be integers: {exc}") from None
 
 
 def _token_content(value: Any) -> str | None:

@@ -7,7 +7,7 @@ import json
 import pytest
 import transformers
 
-from service.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from service.engine.tokenizer import IncrementalDetokenizer, Tokenizer, as_token_ids
 from service.testing.tiny import SPECIAL_TOKENS, make_tiny_model
 
 TEXTS = [
@@ -248,3 +248,11 @@ def test_add_many_gives_the_text_of_one_add_per_id(tok, batch):
         want = "".join(one.add([i]) for i in ids[:k])
         got = "".join(many.add_many(ids[i : min(i + batch, k)]) for i in range(0, k, batch))
         assert got == want, (k, got, want)
+
+
+def test_as_token_ids_converts_integers_and_refuses_the_rest():
+    assert as_token_ids((3, 0, 7)) == [3, 0, 7]
+    assert all(type(t) is int for t in as_token_ids(range(5)))
+    for bad in ([1, 2.0], [1, "2"], [1, None], [2**70]):
+        with pytest.raises(ValueError, match="must be integers"):
+            as_token_ids(bad)
