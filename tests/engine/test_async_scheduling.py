@@ -6,11 +6,11 @@ step is scheduled), and for cached states a cold prefill of exactly the tokens a
 from __future__ import annotations
 
 import pytest
-import torch
 
 from service.engine import Engine, EngineConfig, SamplingParams
 from tests.engine.cache_helpers import snapshot_errors
 from tests.engine.helpers import greedy, make_engine, random_ids
+from tests.marks import needs_cuda
 from tests.outputs import assert_same_outputs
 
 C = 16  # chunk size of the mixed_g2_c16 checkpoint
@@ -122,9 +122,6 @@ def test_new_request_is_not_delayed_behind_the_pipeline(mixed_ckpt):
         final.update({o.request_id: o for o in eng.step() if o.finished})
     assert final[rid_a].token_ids == alone.generate([a], greedy(16))[0].token_ids
     assert final[rid_b].token_ids == alone.generate([b], greedy(5))[0].token_ids
-
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.mark.gpu

@@ -18,10 +18,10 @@ from service.engine.runner.cuda_graph import (
     is_graphable,
     layer_segments,
 )
+from tests.marks import needs_cuda
 from tests.outputs import assert_same_outputs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def _sched(*rows):

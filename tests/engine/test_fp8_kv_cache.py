@@ -16,6 +16,7 @@ from service.engine import Engine, EngineConfig, SamplingParams
 from service.engine.model.quant import read_quant_config
 from service.testing.quantize_fp8 import quantize_checkpoint, random_calibration
 from tests.engine.helpers import full_prefill_logits, greedy, random_ids
+from tests.marks import needs_cuda
 from tests.outputs import assert_same_outputs
 
 FP8 = torch.float8_e4m3fn
@@ -160,9 +161,6 @@ def test_unsupported_kv_schemes_are_refused(fp8kv, tmp_path, change, words):
     bad = _rewrite(fp8kv, str(tmp_path / "bad"), change)
     with pytest.raises(ValueError, match=words):
         engine(bad)
-
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def cuda_engine(path: str, kv: str, strategy: str = "off", dtype: str = "bfloat16") -> Engine:

@@ -9,12 +9,12 @@ is scheduled), and for cached states a cold prefill of exactly the tokens a snap
 from __future__ import annotations
 
 import pytest
-import torch
 
 from service.engine import Engine, SamplingParams
 from service.engine.canary import max_rel_error
 from tests.engine.cache_helpers import cold_state, snapshot_errors
 from tests.engine.helpers import greedy, make_engine, random_ids
+from tests.marks import needs_cuda
 from tests.outputs import assert_same_outputs
 
 C = 16  # chunk size of the mixed_g2_c16 checkpoint
@@ -189,9 +189,6 @@ def test_request_capturing_states_is_not_launched_ahead(mixed_ckpt):
     ((conv, ssm),) = cold_state(off, prompt)
     assert max_rel_error(captured.conv, conv) <= 1e-5 and max_rel_error(captured.ssm, ssm) <= 1e-5
     assert eng.num_steps_ahead >= ahead0 + 10  # a's decode after b is done
-
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.mark.gpu

@@ -9,7 +9,7 @@ from service.engine.config import CUDA_WARMUP_STEPS, EngineConfig
 from service.engine.kernels.compile_watch import CompileWatch
 from service.engine.warmup import warm_up
 from tests.engine.helpers import greedy, make_engine, random_ids
-from tests.kernels.triton_test_util import gpu, needs_cuda
+from tests.marks import gpu, needs_cuda
 
 CACHED = dict(mamba_cache_strategy="extra_buffer", page_size=16, max_num_seqs=8, max_num_batched_tokens=96)
 

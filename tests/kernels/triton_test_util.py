@@ -6,14 +6,13 @@ import os
 import subprocess
 import sys
 
-import pytest
 import torch
+
+from tests.marks import gpu, needs_cuda  # noqa: F401  (re-exported: the kernel tests import them from here)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # relative-norm tolerances: ||out - ref|| / ||ref||
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1e-2}
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
