@@ -135,6 +135,10 @@ def test_chat_bad_parameter_names_it(extra, param):
         ({"best_of": 3}, "best_of"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": [[1, 2], []]}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [1, 2.0]}, "prompt[1]"),  # token ids are JSON integers, not coerced
+        ({"prompt": [1, True]}, "prompt[1]"),
+        ({"prompt": [3, -1]}, "prompt[1]"),
         ({"max_tokens": -5}, "max_tokens"),
     ],
 )
@@ -267,6 +271,7 @@ def test_completion_sampling_kwargs_and_prompts():
     assert not to_sampling_kwargs(CompletionRequest.model_validate({"prompt": "x"}))["logprobs"]
     assert CompletionRequest.model_validate({"prompt": ["a", "b"]}).prompts() == ["a", "b"]
     assert CompletionRequest.model_validate({"prompt": [[1], [2, 3]]}).prompts() == [[1], [2, 3]]
+    assert CompletionRequest.model_validate_json('{"prompt": ["1", "2"]}').prompts() == ["1", "2"]  # text, not ids
 
 
 def test_request_helpers():

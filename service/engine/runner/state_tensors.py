@@ -78,7 +78,7 @@ class StateTensors:
         for them (a step that admits requests must not stall the host until the previous step has finished)."""
         if slots:
             idx = to_device_async(slots, torch.int64, self.ssm.device)
-            # index_fill_ takes the scalar as is; `t[:, idx] = 0` copies a host scalar to the device and waits
+            # index_fill_, not `t[:, idx] = 0`: the assignment synchronizes with the device (CUDA's sync debug mode)
             self.conv.index_fill_(1, idx, 0)
             self.ssm.index_fill_(1, idx, 0)
 
