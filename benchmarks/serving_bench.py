@@ -55,7 +55,7 @@ from benchmarks.serving_procs import (  # noqa: E402
     gpu_process_roles,
     metric_sums,
 )
-from benchmarks.serving_report import core_line, report  # noqa: E402
+from benchmarks.serving_report import core_line, report, round_ratios  # noqa: E402
 from loadtests.bench_client import Summary  # noqa: E402
 
 CORE_METRICS = (  # the engine core's counters (summed over engine replicas), scraped around each timed run
@@ -183,6 +183,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _add_served_args(p)
     _add_run_args(p)
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     args.workloads = [Workload.parse(w) for w in (args.workload or ["64:64:64:32"])]
     args.endpoints = [e for e in args.endpoints.split(",") if e]
     if any("=" not in e for e in args.serve_env):
@@ -279,6 +281,13 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--skip-inprocess", action="store_true")
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="alternate this many served and in-process runs (a fresh server each) and print each round's ratio "
+        "and their median: on a shared machine one round's ratio moves with the machine's speed",
+    )
+    p.add_argument(
         "--guidellm",
         action="store_true",
         help="also run guidellm (PyPI) against the same server on "
@@ -328,35 +337,51 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {model_path} ready in {time.perf_counter() - t0:.1f} s", flush=True)
     cases = make_cases(model_path, args.workloads, args.endpoints, args.seed)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # a timeout's SIGTERM still stops the server tree (`with`)
-    served: dict[str, dict] = {}
-    inproc: dict[str, dict] = {}
+    rounds: list[tuple[dict[str, dict], dict[str, dict]]] = []  # per round: (served, in-process) results by case
     try:
-        if args.inprocess_first and not args.skip_inprocess:
-            inproc = run_inprocess(args, model_path, cases)
-        if not args.skip_served:
-            try:
-                run_served(args, model_path, cases, served)
-            except RuntimeError as exc:  # the server did not come up: keep the in-process numbers
-                print(f"served run failed: {exc}", flush=True)
-                served["_error"] = {"message": str(exc)}
-        if not args.skip_inprocess and not args.inprocess_first:
-            inproc = run_inprocess(args, model_path, cases)
+        for k in range(args.rounds):
+            if args.rounds > 1:
+                print(f"round {k + 1} of {args.rounds}", flush=True)
+            rounds.append(({}, {}))
+            run_round(args, model_path, cases, *rounds[-1])
     finally:  # also when cut short: whatever finished is reported
-        print("\n".join(report(served, inproc, cases)), flush=True)
+        for served, inproc in rounds:
+            print("\n".join(report(served, inproc, cases)), flush=True)
+        if len(rounds) > 1:
+            print("\n".join(round_ratios(rounds, cases)), flush=True)
         if args.out:
-            write_json(args.out, args, served, inproc)
-    errors = sum(r["summary"]["num_errors"] for r in served.values() if "summary" in r)
-    return 2 if "_error" in served else 1 if errors else 0
+            write_json(args.out, args, rounds)
+    failed = any("_error" in served for served, _ in rounds)
+    errors = sum(r["summary"]["num_errors"] for served, _ in rounds for r in served.values() if "summary" in r)
+    return 2 if failed else 1 if errors else 0
 
 
-def write_json(path: str, args: argparse.Namespace, served: dict, inproc: dict) -> None:
+def run_round(args: argparse.Namespace, model_path: str, cases: list[Case], served: dict, inproc: dict) -> None:
+    """One served run (a fresh server) and one in-process run of every case, in the order the flags ask for."""
+    if args.inprocess_first and not args.skip_inprocess:
+        inproc.update(run_inprocess(args, model_path, cases))
+    if not args.skip_served:
+        try:
+            run_served(args, model_path, cases, served)
+        except RuntimeError as exc:  # the server did not come up: keep the in-process numbers
+            print(f"served run failed: {exc}", flush=True)
+            served["_error"] = {"message": str(exc)}
+    if not args.skip_inprocess and not args.inprocess_first:
+        inproc.update(run_inprocess(args, model_path, cases))
+
+
+def write_json(path: str, args: argparse.Namespace, rounds: list[tuple[dict, dict]]) -> None:
+    """The first round as "served" / "in_process" (and every round under "rounds" when there are several)."""
+    first = rounds[0] if rounds else ({}, {})
+    doc = {
+        "args": {k: v for k, v in vars(args).items() if k != "workloads"},
+        "served": first[0],
+        "in_process": first[1],
+    }
+    if len(rounds) > 1:
+        doc["rounds"] = [{"served": s, "in_process": i} for s, i in rounds]
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(
-            {"args": {k: v for k, v in vars(args).items() if k != "workloads"}, "served": served, "in_process": inproc},
-            f,
-            indent=2,
-            default=str,
-        )
+        json.dump(doc, f, indent=2, default=str)
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

@@ -61,6 +61,22 @@ def report(served: dict, inproc: dict, cases: list[Case]) -> list[str]:
     return lines
 
 
+def round_ratios(rounds: list[tuple[dict, dict]], cases: list[Case]) -> list[str]:
+    """Per case: each round's served / in-process output tok/s (the round's first served run) and their median."""
+    lines = []
+    for case in cases:
+        key = case_key(case)
+        ratios = [
+            served[key]["summary"]["output_tokens_per_s"] / inproc[key]["summary"]["output_tokens_per_s"]
+            for served, inproc in rounds
+            if key in served and key in inproc
+        ]
+        if ratios:
+            each = ", ".join(f"{r:.2f}x" for r in ratios)
+            lines.append(f"{key}: served / in-process by round {each}; median {statistics.median(ratios):.2f}x")
+    return lines
+
+
 def _run_rows(path: str, label: str, res: dict, base: float | None) -> list[str]:
     """One run's row (`base`: the in-process output tok/s of its case, if any), its guidellm row and first error."""
     s = res["summary"]

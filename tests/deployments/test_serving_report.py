@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks.serving_bench import ttft_split
 from benchmarks.serving_cases import Case, Workload
-from benchmarks.serving_report import core_line, report
+from benchmarks.serving_report import core_line, report, round_ratios
 from loadtests.bench_client import RequestResult, summarize
 
 CORE = "ray_hybrid_serve_engine_core_"
@@ -73,3 +73,16 @@ def test_core_line_and_ttft_split_are_per_step_and_per_request():
     assert split == "TTFT mean 80.0 ms at the client, 60.0 ms in the engine replica"
     assert ttft_split(_summary(4, 4, 0.08, 1.0), {}) == "TTFT split: no counters"
     assert core_line({}, 1.0) == "engine core: no counters"
+
+
+def test_round_ratios_pair_each_round_and_take_the_median():
+    case = Case(Workload.parse("8:4:10:2"), "completions", [], [])
+    key = "completions 8in/4out x10 c2"
+
+    def round_of(served_s: float, inproc_s: float) -> tuple[dict, dict]:  # 40 tokens in that many seconds
+        served = {key: _run(_summary(10, 4, 0.1, served_s), 0.0), key + " (repeat 2)": _run(_summary(10, 4, 0.1, 9), 0)}
+        return served, {key: _run(_summary(10, 4, 0.1, inproc_s), 0.0)}
+
+    rounds = [round_of(2.0, 1.0), round_of(1.0, 1.0), round_of(1.25, 1.0)]  # 0.50x, 1.00x, 0.80x
+    assert round_ratios(rounds, [case]) == [f"{key}: served / in-process by round 0.50x, 1.00x, 0.80x; median 0.80x"]
+    assert round_ratios([({}, {})], [case]) == []
