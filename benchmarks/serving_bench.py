@@ -55,7 +55,7 @@ from benchmarks.serving_procs import (  # noqa: E402
     gpu_process_roles,
     metric_sums,
 )
-from benchmarks.serving_report import core_line, report, round_ratios  # noqa: E402
+from benchmarks.serving_report import core_line, report, round_ratios, ttft_split  # noqa: E402
 from loadtests.bench_client import Summary  # noqa: E402
 
 CORE_METRICS = (  # the engine core's counters (summed over engine replicas), scraped around each timed run
@@ -130,16 +130,6 @@ def timed_served(args: argparse.Namespace, server: ServeProcess, case: Case, key
         flush=True,
     )
     return {"summary": asdict(summary), "cpu_s": cpu, "engine_core": core, "calls_rejected_at_capacity": rejected}
-
-
-def ttft_split(summary: Summary, core: dict[str, float]) -> str:
-    """The client's mean TTFT against the engine replica's (from its call to its first chunk): the difference is
-    the path in front of the engine replica (HTTP, ingress, grouping, the Serve call)."""
-    n = core.get("ray_hybrid_serve_time_to_first_token_seconds_count", 0.0)
-    if not n or "mean" not in summary.ttft:
-        return "TTFT split: no counters"
-    replica_ms = 1e3 * core.get("ray_hybrid_serve_time_to_first_token_seconds_sum", 0.0) / n
-    return f"TTFT mean {1e3 * summary.ttft['mean']:.1f} ms at the client, {replica_ms:.1f} ms in the engine replica"
 
 
 PY_SPY_ROLES = ("engine core", "engine replica", "ingress")  # the busiest process of each role is sampled

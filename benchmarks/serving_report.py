@@ -1,11 +1,12 @@
-"""The report of `serving_bench`: the markdown table of both paths (with the guidellm cross-check's rows) and the
-engine core's per-step line of a served run."""
+"""The report of `serving_bench`: the markdown table of both paths (with the guidellm cross-check's rows), the
+engine core's per-step line and the TTFT split of a served run, and the ratios of alternating rounds."""
 
 from __future__ import annotations
 
 import statistics
 
 from benchmarks.serving_cases import Case, case_key
+from loadtests.bench_client import Summary
 
 
 def core_line(core: dict[str, float], duration_s: float) -> str:
@@ -26,6 +27,16 @@ def core_line(core: dict[str, float], duration_s: float) -> str:
         f"{1e3 * ph['host'] / steps:.2f}, device wait {1e3 * ph['device_wait'] / steps:.2f}), "
         f"sender {1e3 * ph['send'] / steps:.3f} ms/step, garbage collector {1e3 * ph['gc'] / steps:.3f} ms/step"
     )
+
+
+def ttft_split(summary: Summary, core: dict[str, float]) -> str:
+    """The client's mean TTFT against the engine replica's (from its call to its first chunk): the difference is
+    the path in front of the engine replica (HTTP, ingress, grouping, the Serve call)."""
+    n = core.get("ray_hybrid_serve_time_to_first_token_seconds_count", 0.0)
+    if not n or "mean" not in summary.ttft:
+        return "TTFT split: no counters"
+    replica_ms = 1e3 * core.get("ray_hybrid_serve_time_to_first_token_seconds_sum", 0.0) / n
+    return f"TTFT mean {1e3 * summary.ttft['mean']:.1f} ms at the client, {replica_ms:.1f} ms in the engine replica"
 
 
 def _median_of(runs: list[dict], client: str, key: str) -> float:

@@ -1,4 +1,4 @@
-"""serving_bench's report (benchmarks/serving_report.py, benchmarks/serving_bench.py): the table's ratio column is
+"""serving_bench's report (benchmarks/serving_report.py): the table's ratio column is
 each served run against its case's in-process run, repeats and warnings are listed, the engine core's line is per
 step, and the TTFT split compares the client's mean with the engine replica's. Summaries come from the load-test
 client's own `summarize`; no server runs here."""
@@ -9,9 +9,8 @@ from dataclasses import asdict
 
 import pytest
 
-from benchmarks.serving_bench import ttft_split
 from benchmarks.serving_cases import Case, Workload
-from benchmarks.serving_report import core_line, report, round_ratios
+from benchmarks.serving_report import core_line, report, round_ratios, ttft_split
 from loadtests.bench_client import RequestResult, summarize
 
 CORE = "ray_hybrid_serve_engine_core_"
